@@ -1,0 +1,85 @@
+"""Pure-torch references of every kernel: the CPU backend, and the ground truth for kernel tests.
+
+Layouts shared with the Triton kernels:
+- KV cache of one layer: k_cache and v_cache, each [num_blocks, block_size, num_kv_heads, head_dim].
+- A flattened batch: q [num_tokens, num_heads, head_dim], sequences packed one after another;
+  query_start_loc [num_seqs + 1] (cu_seqlens of the queries), seq_lens [num_seqs] (context length
+  after this step, cached tokens plus new ones), block_tables [num_seqs, max_blocks_per_seq].
+- slot_mapping [num_tokens]: block_id * block_size + offset, or -1 for a padding token to skip.
+"""
+import torch
+
+
+def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole paged context."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_lo, q_hi = starts[i], starts[i + 1]
+        query_len = q_hi - q_lo
+        if query_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        table = block_tables[i, :num_blocks].long()
+        k = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        qs = q[q_lo:q_hi].transpose(0, 1).float()
+        scores = torch.matmul(qs, k.transpose(1, 2)) * scale
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_lo:q_hi] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm over the last dim; with `residual`, normalises x + residual and returns that sum too."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype), residual
+
+
+def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding, as Hugging Face Llama applies it.
+
+    q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], positions [T],
+    cos_sin_cache [max_positions, head_dim]: cos in the first half, sin in the second.
+    """
+    half = q.shape[-1] // 2
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * d] holding gate then up projections; returns silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)

@@ -1,0 +1,14 @@
+"""pagedserve: PagedAttention, continuous batching and an OpenAI-compatible API."""
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that the gateway can import pagedserve.config without pulling in torch.
+    if name == "LLM":
+        from pagedserve.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from pagedserve.sampling_params import SamplingParams
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,116 @@
+"""What travels between the scheduler and the executor: step plans (deltas) and step results."""
+from dataclasses import dataclass, field
+
+from pagedserve.v1 import executor_pb2 as pb
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class NewRequest:
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: list[int]
+    sampling: SamplingOptions
+
+
+@dataclass(slots=True)
+class ContinuingRequest:
+    seq_id: int
+    num_scheduled_tokens: int
+    new_block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    continuing: list[ContinuingRequest] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return (sum(r.num_scheduled_tokens for r in self.new_requests)
+                + sum(r.num_scheduled_tokens for r in self.continuing))
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    seq_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    forward_ns: int = 0
+
+
+@dataclass(slots=True)
+class ExecutorInfo:
+    num_blocks: int
+    block_size: int
+    dtype: str
+    device: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+def sampling_to_proto(s: SamplingOptions) -> pb.SamplingOptions:
+    return pb.SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              min_p=s.min_p, seed=s.seed)
+
+
+def sampling_from_proto(m: pb.SamplingOptions) -> SamplingOptions:
+    return SamplingOptions(m.temperature, m.top_p, m.top_k, m.min_p,
+                           m.seed if m.HasField("seed") else None)
+
+
+def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
+    return pb.StepPlan(
+        step_id=plan.step_id,
+        new_requests=[pb.NewRequest(seq_id=r.seq_id, token_ids=r.token_ids,
+                                    num_computed_tokens=r.num_computed_tokens,
+                                    num_scheduled_tokens=r.num_scheduled_tokens,
+                                    block_ids=r.block_ids, sampling=sampling_to_proto(r.sampling))
+                      for r in plan.new_requests],
+        continuing=[pb.ContinuingRequest(seq_id=r.seq_id, num_scheduled_tokens=r.num_scheduled_tokens,
+                                         new_block_ids=r.new_block_ids) for r in plan.continuing],
+        dropped=plan.dropped)
+
+
+def plan_from_proto(m: pb.StepPlan) -> StepPlan:
+    return StepPlan(
+        step_id=m.step_id,
+        new_requests=[NewRequest(r.seq_id, list(r.token_ids), r.num_computed_tokens,
+                                 r.num_scheduled_tokens, list(r.block_ids),
+                                 sampling_from_proto(r.sampling)) for r in m.new_requests],
+        continuing=[ContinuingRequest(r.seq_id, r.num_scheduled_tokens, list(r.new_block_ids))
+                    for r in m.continuing],
+        dropped=list(m.dropped))
+
+
+def result_to_proto(r: StepResult) -> pb.StepResult:
+    return pb.StepResult(step_id=r.step_id, seq_ids=r.seq_ids, token_ids=r.token_ids,
+                         forward_ns=r.forward_ns)
+
+
+def result_from_proto(m: pb.StepResult) -> StepResult:
+    return StepResult(m.step_id, list(m.seq_ids), list(m.token_ids), m.forward_ns)
+
+
+def info_to_proto(i: ExecutorInfo) -> pb.ExecutorInfo:
+    return pb.ExecutorInfo(num_blocks=i.num_blocks, block_size=i.block_size, dtype=i.dtype,
+                           device=i.device, vocab_size=i.vocab_size, max_model_len=i.max_model_len,
+                           eos_token_ids=i.eos_token_ids)
+
+
+def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
+    return ExecutorInfo(m.num_blocks, m.block_size, m.dtype, m.device, m.vocab_size,
+                        m.max_model_len, list(m.eos_token_ids))

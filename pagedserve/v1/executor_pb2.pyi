@@ -1,0 +1,95 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExecutorInfo(_message.Message):
+    __slots__ = ("num_blocks", "block_size", "dtype", "device", "vocab_size", "max_model_len", "eos_token_ids")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_size: int
+    dtype: str
+    device: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingOptions(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "num_scheduled_tokens", "block_ids", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingOptions
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ...) -> None: ...
+
+class ContinuingRequest(_message.Message):
+    __slots__ = ("seq_id", "num_scheduled_tokens", "new_block_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_scheduled_tokens: int
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "new_requests", "continuing", "dropped")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUING_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    continuing: _containers.RepeatedCompositeFieldContainer[ContinuingRequest]
+    dropped: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "seq_ids", "token_ids", "forward_ns", "error")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    forward_ns: int
+    error: str
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_ns: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
