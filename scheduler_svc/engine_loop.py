@@ -1,0 +1,103 @@
+"""Drives the scheduler core against the executor's Run stream and fans outputs out to callers."""
+import asyncio
+import itertools
+
+import grpc
+
+from pagedserve.log import get_logger
+from pagedserve.plan import plan_to_proto, result_from_proto
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import executor_pb2_grpc
+from scheduler_svc.request import Request, RequestOutput
+from scheduler_svc.scheduler import Scheduler
+
+log = get_logger(__name__)
+
+
+class ExecutorLost(RuntimeError):
+    pass
+
+
+class EngineLoop:
+    """Owns the scheduler; every call runs on one asyncio loop, so no locks are needed."""
+
+    def __init__(self, scheduler: Scheduler, executor: executor_pb2_grpc.ExecutorStub) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.outputs: dict[int, asyncio.Queue] = {}
+        self.seq_ids: dict[str, int] = {}
+        self.wakeup = asyncio.Event()
+        self.seq_counter = itertools.count(1)
+        self.error: ExecutorLost | None = None
+
+    def add(self, request_id: str, prompt_token_ids: list[int],
+            params: SamplingParams) -> tuple[int, asyncio.Queue]:
+        """Queues a request; raises ValueError for one the scheduler cannot take."""
+        if self.error:
+            raise self.error
+        if request_id in self.seq_ids:
+            raise ValueError(f"request id {request_id!r} is already running; use a unique id")
+        seq_id = next(self.seq_counter)
+        self.scheduler.add(Request(seq_id=seq_id, request_id=request_id,
+                                   prompt_token_ids=prompt_token_ids, sampling=params))
+        queue: asyncio.Queue = asyncio.Queue()
+        self.outputs[seq_id] = queue
+        self.seq_ids[request_id] = seq_id
+        self.wakeup.set()
+        return seq_id, queue
+
+    def abort(self, request_id: str) -> bool:
+        seq_id = self.seq_ids.pop(request_id, None)
+        if seq_id is None:
+            return False
+        self.outputs.pop(seq_id, None)
+        self.scheduler.abort(seq_id)
+        self.wakeup.set()
+        return True
+
+    async def run(self) -> None:
+        """Steps until the executor stream breaks; then fails every waiting caller."""
+        call = self.executor.Run()
+        try:
+            await self._step_forever(call)
+        except grpc.aio.AioRpcError as e:
+            self._fail(f"the executor stream failed: {e.code().name}: {e.details()}")
+        except ExecutorLost as e:
+            self._fail(str(e))
+        finally:
+            call.cancel()
+        raise self.error
+
+    def _fail(self, reason: str) -> None:
+        self.error = ExecutorLost(f"the engine is unavailable ({reason}); restart pagedserve")
+        log.error("executor_lost", reason=reason)
+        for queue in self.outputs.values():
+            queue.put_nowait(self.error)
+
+    async def _step_forever(self, call) -> None:
+        while True:
+            if not self.scheduler.has_work():
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            plan = self.scheduler.schedule()
+            if plan.num_tokens == 0 and not plan.dropped:
+                # Nothing can run until a request arrives or leaves.
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            await call.write(plan_to_proto(plan))
+            reply = await call.read()
+            if reply is grpc.aio.EOF:
+                raise ExecutorLost("the executor closed the step stream")
+            self._deliver(self.scheduler.update(plan, result_from_proto(reply)))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self.outputs.get(out.seq_id)
+            if queue is None:
+                continue
+            queue.put_nowait(out)
+            if out.finished:
+                del self.outputs[out.seq_id]
+                self.seq_ids.pop(out.request_id, None)

@@ -1,0 +1,116 @@
+"""gRPC server around the scheduler core: the Engine service for gateways and backend services."""
+import argparse
+import asyncio
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from pagedserve import service
+from pagedserve.config import EngineConfig
+from pagedserve.log import get_logger
+from pagedserve.plan import ExecutorInfo, info_from_proto
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb2_grpc
+from scheduler_svc.engine_loop import EngineLoop, ExecutorLost
+from scheduler_svc.request import RequestOutput
+from scheduler_svc.scheduler import Scheduler
+
+log = get_logger(__name__)
+
+FINISH_REASONS = {None: engine_pb2.FINISH_REASON_UNSPECIFIED, "stop": engine_pb2.FINISH_REASON_STOP,
+                  "length": engine_pb2.FINISH_REASON_LENGTH, "abort": engine_pb2.FINISH_REASON_ABORT}
+
+
+class EngineService(engine_pb2_grpc.EngineServicer):
+    def __init__(self, loop: EngineLoop, config: EngineConfig, info: ExecutorInfo) -> None:
+        self.loop = loop
+        self.config = config
+        self.info = info
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            params = params_from_proto(request.params)
+            _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ExecutorLost as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, ExecutorLost):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(out))
+                finished = out.finished
+                yield response_from_output(out)
+        finally:
+            # Runs on cancellation too (client gone, deadline): the abort frees the request's blocks.
+            if not finished:
+                self.loop.abort(request.request_id)
+
+    async def Abort(self, request: engine_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
+        return engine_pb2.AbortResponse(found=self.loop.abort(request.request_id))
+
+    async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfo:
+        s = self.loop.scheduler
+        return engine_pb2.ModelInfo(
+            served_model_name=self.config.name, max_model_len=self.info.max_model_len,
+            vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids,
+            block_size=self.info.block_size, num_blocks=self.info.num_blocks,
+            num_free_blocks=s.block_manager.num_free_blocks, num_running=s.num_running,
+            num_waiting=s.num_waiting, num_preemptions=s.num_preemptions)
+
+
+def params_from_proto(p: engine_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
+                          min_p=p.min_p, seed=p.seed if p.HasField("seed") else None,
+                          max_tokens=p.max_tokens or None, min_tokens=p.min_tokens,
+                          stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+
+
+def response_from_output(out: RequestOutput) -> engine_pb2.GenerateResponse:
+    return engine_pb2.GenerateResponse(
+        token_ids=out.new_token_ids, finish_reason=FINISH_REASONS[out.finish_reason],
+        prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+        cached_tokens=out.num_cached_tokens, stop_token_id=out.stop_token_id)
+
+
+async def serve(config: EngineConfig, address: str, executor_address: str,
+                executor_timeout: float = 600.0) -> None:
+    """Attaches to the executor, then serves the Engine service at `address` until a signal or
+    until the executor is lost (then it raises, and the launcher stops the whole stack)."""
+    async with service.channel(executor_address) as channel:
+        await service.wait_serving(executor_address, executor_timeout)
+        executor = executor_pb2_grpc.ExecutorStub(channel)
+        info = info_from_proto(await executor.Describe(executor_pb2.DescribeRequest()))
+        scheduler = Scheduler(config, num_blocks=info.num_blocks, max_model_len=info.max_model_len,
+                              eos_token_ids=info.eos_token_ids)
+        loop = EngineLoop(scheduler, executor)
+        server = service.server()
+        engine_pb2_grpc.add_EngineServicer_to_server(EngineService(loop, config, info), server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        if not server.add_insecure_port(address):
+            raise SystemExit(f"scheduler: cannot listen on {address}")
+        await server.start()
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("scheduler_ready", address=address, num_blocks=info.num_blocks,
+                 block_size=info.block_size, max_model_len=info.max_model_len)
+        stepping = asyncio.create_task(loop.run())
+        signalled = asyncio.create_task(service.wait_for_signal())
+        done, _ = await asyncio.wait({stepping, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        await health.enter_graceful_shutdown()
+        await server.stop(grace=2)
+        stepping.cancel()
+        signalled.cancel()
+        if stepping in done:
+            stepping.result()
+
+
+def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default="127.0.0.1:50051",
+                        help="where the Engine service listens (host:port or unix:///path)")
+    parser.add_argument("--executor-address", default="127.0.0.1:50052")
