@@ -1,0 +1,111 @@
+"""The `pagedserve` command: serve the whole stack, run one service, build the demo model."""
+import argparse
+import asyncio
+import sys
+
+from pagedserve.config import add_engine_args, config_from_args, config_to_argv
+from pagedserve.log import configure
+
+DEMO_NAME = "pagedserve-demo"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure(args.log_level, service=args.command)
+    return args.run(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("model", nargs="?", default=None,
+                       help="a Hugging Face model directory; the built-in demo model if omitted")
+
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", parents=[common, model], help="run gateway, scheduler and executor")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--scheduler-address", default=None,
+                       help="also expose the scheduler's gRPC Engine service here (e.g. 127.0.0.1:50051)")
+    serve.add_argument("--startup-timeout", type=float, default=900.0)
+    add_engine_args(serve)
+    serve.set_defaults(run=run_serve)
+
+    gateway = sub.add_parser("gateway", parents=[common, model], help="run the OpenAI REST gateway")
+    from gateway.server import add_gateway_args
+    add_gateway_args(gateway)
+    gateway.set_defaults(run=run_gateway)
+
+    scheduler = sub.add_parser("scheduler", parents=[common, model], help="run the gRPC scheduler")
+    from scheduler_svc.server import add_scheduler_args
+    add_scheduler_args(scheduler)
+    add_engine_args(scheduler)
+    scheduler.set_defaults(run=run_scheduler)
+
+    executor = sub.add_parser("executor", parents=[common, model], help="run the GPU executor")
+    executor.add_argument("--address", default="127.0.0.1:50052",
+                          help="where the executor listens (host:port or unix:///path)")
+    add_engine_args(executor)
+    executor.set_defaults(run=run_executor)
+
+    demo = sub.add_parser("make-demo-model", parents=[common], help="write the demo model to DIR")
+    demo.add_argument("dir")
+    demo.set_defaults(run=run_make_demo_model)
+    return parser
+
+
+def _model_dir(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from pagedserve.demo_model import ensure_demo_model
+    if getattr(args, "served_model_name", None) is None:
+        args.served_model_name = DEMO_NAME
+    return str(ensure_demo_model())
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pagedserve.launcher import serve
+    args.model = _model_dir(args)
+    config = config_from_args(args)
+    gateway_argv = ["--served-model-name", config.name, "--log-level", args.log_level]
+    engine_argv = config_to_argv(config) + ["--log-level", args.log_level]
+    return serve(args.model, engine_argv, gateway_argv, args.host, args.port,
+                 args.scheduler_address, args.startup_timeout)
+
+
+def run_gateway(args: argparse.Namespace) -> None:
+    from gateway.server import run
+    args.model = _model_dir(args)
+    run(args)
+
+
+def run_scheduler(args: argparse.Namespace) -> None:
+    from scheduler_svc.server import serve
+    args.model = args.model or DEMO_NAME
+    _run_async(serve(config_from_args(args), args.address, args.executor_address))
+
+
+def run_executor(args: argparse.Namespace) -> None:
+    from executor_svc.server import serve
+    args.model = _model_dir(args)
+    _run_async(serve(config_from_args(args), args.address))
+
+
+def run_make_demo_model(args: argparse.Namespace) -> None:
+    from pagedserve.demo_model import ensure_demo_model
+    print(ensure_demo_model(args.dir))
+
+
+def _run_async(coro) -> None:
+    try:
+        import uvloop
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""`pagedserve serve`: starts executor, scheduler and gateway as child processes and supervises them.
+
+If any child exits, all stop. SIGINT/SIGTERM stop the gateway first (no new requests), then the
+scheduler, then the executor. Children die with the launcher even if it is killed (PDEATHSIG)."""
+import ctypes
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.log import get_logger
+
+log = get_logger(__name__)
+STOP_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    process: subprocess.Popen
+
+
+class Launcher:
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self.stopping = False
+        self.socket_dir = tempfile.mkdtemp(prefix="pagedserve-")
+
+    def socket(self, name: str) -> str:
+        return f"unix://{self.socket_dir}/{name}.sock"
+
+    def start(self, name: str, argv: list[str], ready: Callable[[], bool], timeout: float) -> None:
+        """Starts `pagedserve <argv>` and waits until `ready()` holds or the child dies."""
+        command = [sys.executable, "-m", "pagedserve.cli", *argv]
+        process = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
+        self.children.append(Child(name, process))
+        deadline = time.monotonic() + timeout
+        while not self.stopping:
+            if process.poll() is not None:
+                raise SystemExit(f"pagedserve: the {name} exited with code {process.returncode} "
+                                 "during start-up; see its log above")
+            if ready():
+                log.info("service_ready", service=name, pid=process.pid)
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"pagedserve: the {name} did not become ready in {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def supervise(self) -> int:
+        """Blocks until a signal (returns 0) or until a child exits on its own (returns 1)."""
+        while not self.stopping:
+            for child in self.children:
+                if child.process.poll() is not None:
+                    log.error("service_exited", service=child.name, code=child.process.returncode,
+                              message=f"the {child.name} stopped; stopping pagedserve")
+                    return 1
+            time.sleep(0.2)
+        return 0
+
+    def request_stop(self, signum: int, frame) -> None:
+        self.stopping = True
+
+    def stop(self) -> None:
+        """Stops children in reverse start order: gateway, scheduler, executor."""
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.terminate()
+                try:
+                    child.process.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    log.warning("service_killed", service=child.name)
+                    child.process.kill()
+                    child.process.wait()
+
+
+def grpc_ready(address: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            except grpc.RpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return probe
+
+
+def http_ready(url: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+    return probe
+
+
+def _die_with_parent() -> None:
+    if sys.platform == "linux":
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def serve(model: str, engine_argv: list[str], gateway_argv: list[str], host: str, port: int,
+          scheduler_address: str | None, startup_timeout: float) -> int:
+    """Runs the whole stack on this machine until a signal; returns the exit code."""
+    launcher = Launcher()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, launcher.request_stop)
+    executor_address = launcher.socket("executor")
+    scheduler_address = scheduler_address or launcher.socket("scheduler")
+    try:
+        launcher.start("executor", ["executor", model, "--address", executor_address, *engine_argv],
+                       grpc_ready(executor_address), startup_timeout)
+        launcher.start("scheduler", ["scheduler", model, "--address", scheduler_address,
+                                     "--executor-address", executor_address, *engine_argv],
+                       grpc_ready(scheduler_address), startup_timeout)
+        launcher.start("gateway", ["gateway", model, "--host", host, "--port", str(port),
+                                   "--scheduler-address", scheduler_address, *gateway_argv],
+                       http_ready(f"http://{_connect_host(host)}:{port}/health"), startup_timeout)
+        if not launcher.stopping:
+            log.info("pagedserve_ready", url=f"http://{host}:{port}/v1")
+        return launcher.supervise()
+    finally:
+        launcher.stop()
+
+
+def _connect_host(host: str) -> str:
+    return {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, host)

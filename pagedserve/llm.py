@@ -1,0 +1,124 @@
+"""Offline batch inference: the scheduler and executor cores in one process, no gRPC."""
+import itertools
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+from tqdm import tqdm
+
+from executor_svc.model_runner import ModelRunner
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.tokenizer import Tokenizer
+from pagedserve.config import EngineConfig
+from pagedserve.demo_model import ensure_demo_model
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler
+
+Prompt = str | dict
+
+
+@dataclass(slots=True)
+class _Child:
+    output: RequestOutput
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+
+
+class LLM:
+    """Like vLLM's `LLM`: `LLM(model=DIR, **engine_flags).generate(prompts, params)`.
+
+    With no model it serves the built-in demo model. Engine flags are EngineConfig's fields
+    (max_model_len, block_size, max_num_batched_tokens, enable_prefix_caching, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        model = model or str(ensure_demo_model())
+        self.config = EngineConfig(model=model, **kwargs)
+        self.runner = ModelRunner(self.config)
+        info = self.runner.describe()
+        self.max_model_len = info.max_model_len
+        self.scheduler = Scheduler(self.config, num_blocks=info.num_blocks,
+                                   max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids)
+        has_tokenizer = (Path(model) / "tokenizer.json").exists()
+        self.tokenizer = Tokenizer.from_dir(model) if has_tokenizer else None
+        self._request_ids = itertools.count()
+        self._seq_ids = itertools.count(1)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion; returns one RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        results, children = [], {}
+        for prompt, params in zip(prompts, sampling_params):
+            output = self._start(prompt, params, children)
+            results.append(output)
+        self._run(children, use_tqdm)
+        return results
+
+    def _start(self, prompt: Prompt, params: SamplingParams, children: dict[int, _Child]) -> RequestOutput:
+        text, token_ids = self._tokenize(prompt)
+        request_id = str(next(self._request_ids))
+        output = RequestOutput(request_id, text, token_ids)
+        for index in range(params.n):
+            child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+            seq_id = next(self._seq_ids)
+            self.scheduler.add(Request(seq_id=seq_id, request_id=f"{request_id}-{index}",
+                                       prompt_token_ids=token_ids, sampling=child_params))
+            completion = CompletionOutput(index, "", [])
+            output.outputs.append(completion)
+            children[seq_id] = _Child(output, completion, self._detokenizer(child_params))
+        return output
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model} has no tokenizer.json: pass "
+                             "{'prompt_token_ids': [...]} prompts instead of text")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            if params.stop:
+                raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+            return None
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                      stop=params.stop,
+                                      include_stop_str_in_output=params.include_stop_str_in_output)
+
+    def _run(self, children: dict[int, _Child], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(children), desc="Processed prompts", disable=not use_tqdm)
+        while self.scheduler.has_work():
+            plan = self.scheduler.schedule()
+            for out in self.scheduler.update(plan, self.runner.run(plan)):
+                child = children[out.seq_id]
+                child.completion.token_ids += out.new_token_ids
+                if child.detokenizer is not None:
+                    child.detokenizer.add(out.new_token_ids)
+                    if child.detokenizer.stopped and not out.finished:
+                        self.scheduler.abort(out.seq_id)
+                        self._finish(child, "stop", child.detokenizer.stop_reason, bar)
+                        continue
+                if out.finished:
+                    self._finish(child, out.finish_reason, out.stop_token_id, bar)
+                child.output.num_cached_tokens = out.num_cached_tokens
+        bar.close()
+
+    @staticmethod
+    def _finish(child: _Child, reason: str, stop_reason: str | int | None, bar: tqdm) -> None:
+        if child.detokenizer is not None:
+            child.detokenizer.flush()
+            child.completion.text = child.detokenizer.text
+            if child.detokenizer.stopped:
+                reason, stop_reason = "stop", child.detokenizer.stop_reason
+        child.completion.finish_reason = reason
+        child.completion.stop_reason = stop_reason
+        child.output.finished = all(c.finish_reason for c in child.output.outputs)
+        bar.update(1)
