@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(executor)
     executor.set_defaults(run=run_executor)
 
+    probe = sub.add_parser("probe", parents=[common], help="exit 0 if a service is healthy (compose)")
+    target = probe.add_mutually_exclusive_group(required=True)
+    target.add_argument("--grpc", help="address of a gRPC service with the standard health service")
+    target.add_argument("--http", help="URL that answers 200 when healthy")
+    probe.set_defaults(run=run_probe)
+
     demo = sub.add_parser("make-demo-model", parents=[common], help="write the demo model to DIR")
     demo.add_argument("dir")
     demo.set_defaults(run=run_make_demo_model)
@@ -92,6 +98,12 @@ def run_executor(args: argparse.Namespace) -> None:
     from executor_svc.server import serve
     args.model = _model_dir(args)
     _run_async(serve(config_from_args(args), args.address))
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    from pagedserve.launcher import grpc_ready, http_ready
+    probe = grpc_ready(args.grpc) if args.grpc else http_ready(args.http)
+    return 0 if probe() else 1
 
 
 def run_make_demo_model(args: argparse.Namespace) -> None:

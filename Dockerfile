@@ -1,0 +1,15 @@
+FROM python:3.12-slim
+WORKDIR /app
+# The default torch wheel on Linux bundles the CUDA runtime; the host needs only the NVIDIA driver.
+RUN pip install --no-cache-dir torch
+COPY pyproject.toml README.md ./
+COPY gateway gateway
+COPY scheduler_svc scheduler_svc
+COPY executor_svc executor_svc
+COPY kernels kernels
+COPY pagedserve pagedserve
+RUN pip install --no-cache-dir .
+ENV PAGEDSERVE_CACHE=/cache
+EXPOSE 8000 50051 50052
+ENTRYPOINT ["pagedserve"]
+CMD ["serve", "--host", "0.0.0.0"]
