@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--http", help="URL that answers 200 when healthy")
     probe.set_defaults(run=run_probe)
 
+    bench = sub.add_parser("bench", parents=[common], help="benchmarks")
+    from pagedserve.bench import add_bench_args
+    add_bench_args(bench)
+
     demo = sub.add_parser("make-demo-model", parents=[common], help="write the demo model to DIR")
     demo.add_argument("dir")
     demo.set_defaults(run=run_make_demo_model)

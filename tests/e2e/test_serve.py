@@ -1,0 +1,120 @@
+"""Starts `pagedserve serve` (demo model) as a subprocess and talks to it like a user would."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import openai
+import psutil
+import pytest
+
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc
+
+MODEL = "pagedserve-demo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"pagedserve serve exited with {process.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"{url} not ready in {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port, grpc_port = free_port(), free_port()
+    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path_factory.mktemp("cache")))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port),
+         "--scheduler-address", f"127.0.0.1:{grpc_port}", "--num-gpu-blocks-override", "256",
+         "--max-model-len", "1024"], env=env)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", process, timeout=180)
+        yield dict(process=process, base_url=f"http://127.0.0.1:{port}/v1",
+                   grpc=f"127.0.0.1:{grpc_port}")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def model_info(address: str) -> engine_pb2.ModelInfo:
+    with grpc.insecure_channel(address) as channel:
+        return engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=5)
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server["base_url"], api_key="EMPTY", max_retries=0, timeout=60)
+
+
+def test_models_list(server):
+    assert [m.id for m in client(server).models.list().data] == [MODEL]
+
+
+def test_chat_non_stream_and_stream_agree(server):
+    c = client(server)
+    messages = [{"role": "user", "content": "Hello! How are you today?"}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens >= 1
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                            temperature=0, stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_completions(server):
+    reply = client(server).completions.create(model=MODEL, prompt="The quick brown fox",
+                                              max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    assert reply.object == "text_completion"
+    assert reply.usage.completion_tokens == 8
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_cancelled_stream_frees_its_blocks(server):
+    before = model_info(server["grpc"])
+    assert before.num_free_blocks == before.num_blocks
+    stream = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=900, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    assert model_info(server["grpc"]).num_running == 1
+    stream.close()
+    deadline = time.monotonic() + 5
+    while (info := model_info(server["grpc"])).num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert info.num_running == 0 and info.num_waiting == 0
+    assert info.num_free_blocks == info.num_blocks
+
+
+def test_sigterm_stops_every_process_quickly(server):
+    process = server["process"]
+    family = psutil.Process(process.pid).children(recursive=True)
+    assert len(family) == 3
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=10)
+    gone, alive = psutil.wait_procs(family, timeout=max(0.1, 10 - (time.monotonic() - started)))
+    assert not alive, f"orphans left: {alive}"
+    assert time.monotonic() - started < 10
