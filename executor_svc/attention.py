@@ -1,0 +1,43 @@
+"""The attention backend: the kernels the model runs, behind one object a Triton backend can replace.
+
+The model calls `backend.forward` for paged attention and `backend.rms_norm`, `backend.rotary`,
+`backend.silu_and_mul` for the elementwise kernels. A faster backend subclasses
+TorchAttentionBackend and overrides what it implements; the rest falls back to the references.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from kernels.reference import (paged_attention_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref,
+                               write_kv_ref)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's flattened batch, in the layouts described in kernels/reference.py."""
+    slot_mapping: torch.Tensor     # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor         # [num_seqs] int32
+    block_tables: torch.Tensor     # [num_seqs, max_blocks_per_seq] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+class TorchAttentionBackend:
+    """Pure-torch kernels: the CPU backend and the ground truth for the faster ones."""
+    rms_norm = staticmethod(rms_norm_ref)
+    rotary = staticmethod(rotary_ref)
+    silu_and_mul = staticmethod(silu_and_mul_ref)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Writes this step's k, v into the paged cache, then attends q over each whole context.
+
+        q [T, heads, head_dim], k and v [T, kv_heads, head_dim]; returns [T, heads, head_dim]."""
+        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                   meta.query_start_loc, scale)
+
+
+def get_backend(device: torch.device) -> TorchAttentionBackend:
+    return TorchAttentionBackend()

@@ -1,0 +1,125 @@
+"""The model's shape, read from a Hugging Face model directory's config.json."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    dtype: str | None
+    eos_token_ids: list[int]
+    sliding_window: int | None
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Reads `config.json` (and `generation_config.json` when present) from a model directory."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --model must be a Hugging Face model directory "
+                                "holding config.json")
+    generation_path = model_dir / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
+    return model_config_from_dict(json.loads(path.read_text()), generation)
+
+
+def model_config_from_dict(config: dict, generation_config: dict | None = None) -> ModelConfig:
+    """Builds a ModelConfig from config.json's contents (e.g. a named shape for dummy weights)."""
+    architecture = _architecture(config)
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{architecture} with hidden_act={config['hidden_act']!r} is not supported; "
+                         "only silu is")
+    heads = config["num_attention_heads"]
+    rope_theta, rope_scaling = _rope(config)
+    qwen2 = architecture == "Qwen2ForCausalLM"
+    bias = bool(config.get("attention_bias", False))
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=config["max_position_embeddings"],
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=qwen2 or bias,
+        o_proj_bias=bias and not qwen2,
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        qk_norm=architecture == "Qwen3ForCausalLM",
+        dtype=config.get("dtype") or config.get("torch_dtype"),
+        eos_token_ids=_eos_token_ids(config, generation_config),
+        sliding_window=_sliding_window(config, architecture),
+    )
+
+
+def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
+    """The context length to serve: `requested` (--max-model-len) or the model's maximum."""
+    max_model_len = requested or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({model.max_position_embeddings}); lower it")
+    if model.sliding_window is not None and model.sliding_window < max_model_len:
+        raise ValueError(f"{model.architecture} uses sliding-window attention "
+                         f"(window {model.sliding_window}), which pagedserve does not implement; "
+                         f"pass --max-model-len {model.sliding_window} or less")
+    return max_model_len
+
+
+def _architecture(config: dict) -> str:
+    architectures = config.get("architectures") or []
+    if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architectures}: pagedserve runs "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return architectures[0]
+
+
+def _rope(config: dict) -> tuple[float, dict | None]:
+    # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    legacy_type = params.pop("type", None)
+    rope_type = params.pop("rope_type", None) or legacy_type or "default"
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **params}
+
+
+def _eos_token_ids(config: dict, generation_config: dict | None) -> list[int]:
+    eos = (generation_config or {}).get("eos_token_id")
+    if eos is None:
+        eos = config.get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _sliding_window(config: dict, architecture: str) -> int | None:
+    # Qwen configs carry a window they only use when use_sliding_window is set.
+    if architecture.startswith("Qwen") and not config.get("use_sliding_window", False):
+        return None
+    return config.get("sliding_window")

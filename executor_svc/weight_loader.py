@@ -1,0 +1,106 @@
+"""Loads a Hugging Face safetensors checkpoint into the model, or fills it with dummy weights."""
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagedserve.log import get_logger
+
+log = get_logger(__name__)
+
+# Old Llama checkpoints saved the rotary inverse frequencies; the model builds its own.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+DUMMY_STD = 0.02
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, load_format: str, seed: int = 0) -> None:
+    """Fills every parameter: `auto`/`safetensors` from the directory's *.safetensors, `dummy`
+    with seeded random values (norm weights 1, biases 0) without reading any weight file."""
+    if load_format == "dummy":
+        fill_dummy(model, seed)
+    elif load_format in ("auto", "safetensors"):
+        load_safetensors(model, Path(model_dir))
+    else:
+        raise ValueError(f"unknown --load-format {load_format!r}; use auto, safetensors or dummy")
+
+
+@torch.no_grad()
+def fill_dummy(model: nn.Module, seed: int) -> None:
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif param.dim() == 1:
+            param.zero_()
+        else:
+            param.normal_(0.0, DUMMY_STD, generator=generator)
+
+
+@torch.no_grad()
+def load_safetensors(model: nn.Module, model_dir: Path) -> None:
+    targets = checkpoint_targets(model)
+    tied = "lm_head.weight" not in targets
+    loaded, unexpected = set(), []
+    device = next(model.parameters()).device
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                if name not in targets:
+                    unexpected.append(name)
+                    continue
+                _copy(name, f.get_tensor(name), *targets[name])
+                loaded.add(name)
+    missing = sorted(targets.keys() - loaded)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {model_dir} does not match {type(model).__name__}: "
+                         f"missing {_few(missing)}, unexpected {_few(unexpected)}; is it a "
+                         f"complete checkpoint of the architecture config.json names?")
+    log.info("weights_loaded", model=str(model_dir), tensors=len(loaded))
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """Checkpoint tensor name -> (parameter, first row, rows) that it fills.
+
+    A module with `shards` (a fused projection) takes several checkpoint tensors stacked along
+    dim 0, e.g. `self_attn.q_proj.weight` into rows [0, q_size) of `self_attn.qkv_proj.weight`."""
+    targets = {}
+    for module_name, module in model.named_modules():
+        prefix = module_name.rpartition(".")[0] + "." if "." in module_name else ""
+        for param_name, param in module.named_parameters(recurse=False):
+            full_name = f"{module_name}.{param_name}" if module_name else param_name
+            shards = getattr(module, "shards", None)
+            if shards is None:
+                targets[full_name] = (param, 0, param.shape[0])
+            for shard, (start, size) in (shards or {}).items():
+                targets[f"{prefix}{shard}.{param_name}"] = (param, start, size)
+    return targets
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}: download the safetensors "
+                                "weights, or pass --load-format dummy for random weights")
+    return files
+
+
+def _copy(name: str, tensor: torch.Tensor, param: torch.Tensor, start: int, size: int) -> None:
+    target = param[start:start + size]
+    if tensor.shape != target.shape:
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but the model "
+                         f"expects {tuple(target.shape)}; does config.json match the weights?")
+    target.copy_(tensor)
+
+
+def _few(names: list[str]) -> str:
+    shown = ", ".join(names[:5])
+    return f"{len(names)} tensors ({shown}{', ...' if len(names) > 5 else ''})"

@@ -1,0 +1,49 @@
+"""Tiny random Hugging Face models of each supported architecture, and transformers' greedy output
+on them: the ground truth for the executor, the engine and the end-to-end tests."""
+from pathlib import Path
+
+import torch
+import transformers
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+              # Wider than transformers' 0.02 so logits are spread out: fewer near-ties in argmax.
+              initializer_range=0.1)
+
+ARCH_CONFIGS = {
+    "LlamaForCausalLM": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 64}),
+    "Qwen2ForCausalLM": dict(tie_word_embeddings=True),
+    "Qwen3ForCausalLM": dict(),
+}
+
+
+def make_tiny_model(arch: str, path: str | Path, **config_overrides) -> Path:
+    """Saves a seeded, float32, 2-layer GQA model of `arch` as safetensors in `path`; returns it."""
+    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = config_class(**{**COMMON, **ARCH_CONFIGS[arch], **config_overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
+def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, run one prompt at a time (no padding).
+
+    EOS is disabled: every prompt gets exactly `max_new_tokens` tokens, so callers must also
+    ignore EOS when comparing."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
+                                           eos_token_id=None, pad_token_id=0)
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
