@@ -38,12 +38,15 @@ def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -
     EOS is disabled: every prompt gets exactly `max_new_tokens` tokens, so callers must also
     ignore EOS when comparing."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # generate() fills unset options from the model's own generation config, eos included.
+    model.generation_config.eos_token_id = None
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
-                                           eos_token_id=None, pad_token_id=0)
+                                           pad_token_id=0)
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
             outputs.append(out[0, len(prompt):].tolist())
+            assert len(outputs[-1]) == max_new_tokens
     return outputs

@@ -1,0 +1,65 @@
+"""The paged KV cache: how many blocks fit, and one allocation handed out as per-layer views."""
+from collections.abc import Callable
+
+import torch
+
+from executor_svc.model_config import ModelConfig
+from pagedserve.config import EngineConfig
+from pagedserve.log import get_logger
+
+log = get_logger(__name__)
+
+GiB = 1 << 30
+CPU_DEFAULT_BYTES = GiB
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of `block_size` tokens across every layer."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return (2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim
+            * element_size)
+
+
+def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    # Zeroed so that kernels which read a masked-off slot never see NaN garbage.
+    cache = torch.zeros(model.num_hidden_layers, 2, num_blocks, block_size,
+                        model.num_key_value_heads, model.head_dim, dtype=dtype, device=device)
+    return [(layer[0], layer[1]) for layer in cache]
+
+
+def determine_num_blocks(config: EngineConfig, block_bytes: int, max_model_len: int,
+                         device: torch.device, measure_peak_bytes: Callable[[], int]) -> int:
+    """--num-gpu-blocks-override, else --kv-cache-memory-bytes, else a CPU default budget, else
+    what --gpu-memory-utilization leaves after a profiling forward (`measure_peak_bytes`)."""
+    if config.num_gpu_blocks_override is not None:
+        num_blocks, source = config.num_gpu_blocks_override, "override"
+    elif config.kv_cache_memory_bytes is not None:
+        num_blocks, source = config.kv_cache_memory_bytes // block_bytes, "kv_cache_memory_bytes"
+    elif device.type == "cpu":
+        # A small model on the CPU needs far less than the budget; don't allocate what can't be used.
+        most_tokens = config.max_num_seqs * max_model_len
+        num_blocks = min(CPU_DEFAULT_BYTES // block_bytes, -(-most_tokens // config.block_size) + 1)
+        source = "cpu_default"
+    else:
+        total = torch.cuda.mem_get_info(device)[1]
+        peak = measure_peak_bytes()
+        num_blocks = int(total * config.gpu_memory_utilization - peak) // block_bytes
+        source = "profile"
+        log.info("memory_profiled", total_gib=round(total / GiB, 2), peak_gib=round(peak / GiB, 2),
+                 gpu_memory_utilization=config.gpu_memory_utilization)
+    _check_fits(num_blocks, config.block_size, max_model_len, block_bytes)
+    log.info("kv_cache_sized", source=source, num_blocks=num_blocks,
+             tokens=num_blocks * config.block_size, gib=round(num_blocks * block_bytes / GiB, 3))
+    return num_blocks
+
+
+def _check_fits(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int) -> None:
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache holds {max(num_blocks, 0)} blocks ({max(num_blocks, 0) * block_size} tokens) "
+            f"but one request of --max-model-len {max_model_len} needs {needed} blocks "
+            f"({needed * block_bytes / GiB:.2f} GiB); lower --max-model-len, or raise "
+            "--gpu-memory-utilization / --kv-cache-memory-bytes / --num-gpu-blocks-override")
