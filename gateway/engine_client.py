@@ -1,0 +1,91 @@
+"""Async client for the scheduler's pagedserve.v1.Engine gRPC service."""
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.errors import APIError, bad_request, internal, unavailable
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import engine_pb2 as pb
+from pagedserve.v1.engine_pb2_grpc import EngineStub
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSpec:
+    """The parts of ModelInfo that never change while the scheduler runs."""
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def to_proto(params: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        seed=params.seed, max_tokens=params.max_tokens or 0, min_tokens=params.min_tokens,
+        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+
+
+def _api_error(e: grpc.aio.AioRpcError) -> APIError:
+    code = e.code()
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+        return bad_request(e.details() or "The scheduler rejected the request.")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return unavailable("The server is overloaded; retry shortly.")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        # Details name socket addresses, which a client must not see.
+        return unavailable("The scheduler is unavailable; retry shortly.")
+    return internal(f"The scheduler failed the request ({code.name}).")
+
+
+class EngineClient:
+    """Calls Generate/Abort/GetModelInfo on `address` (host:port or unix:///path)."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = EngineStub(self._channel)
+        self._spec: ModelSpec | None = None
+
+    async def model_info(self, timeout: float = 2.0) -> pb.ModelInfo:
+        """Fresh ModelInfo, live counters included; raises a 503 APIError if the scheduler is down."""
+        try:
+            info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _api_error(e) from e
+        if self._spec is None:
+            self._spec = ModelSpec(info.served_model_name, info.max_model_len, info.vocab_size,
+                                   tuple(info.eos_token_ids))
+        return info
+
+    async def model_spec(self) -> ModelSpec:
+        """The static model facts, fetched once."""
+        if self._spec is None:
+            await self.model_info()
+        return self._spec
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       trace_id: str | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        """Streams responses; closing or cancelling the iterator cancels the call (the scheduler aborts).
+
+        `trace_id` (the HTTP X-Request-Id) travels as x-request-id metadata; it defaults to request_id.
+        """
+        request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                     params=to_proto(params))
+        call = self._stub.Generate(request, metadata=(("x-request-id", trace_id or request_id),))
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as e:
+            raise _api_error(e) from e
+        finally:
+            call.cancel()
+
+    async def abort(self, request_id: str) -> bool:
+        try:
+            response = await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            raise _api_error(e) from e
+        return response.found
+
+    async def close(self) -> None:
+        await self._channel.close()

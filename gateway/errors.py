@@ -1,0 +1,99 @@
+"""OpenAI-shaped errors and the middleware that turns every failure into one."""
+import asyncio
+
+import msgspec
+from aiohttp import web
+
+from pagedserve.log import get_logger
+
+log = get_logger(__name__)
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error for the client: HTTP status plus OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers or {}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def unsupported(what: str, param: str) -> APIError:
+    return bad_request(f"{what} is not supported yet; remove `{param}` from the request.", param=param)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def unavailable(message: str) -> APIError:
+    # The SDK retries 503 and honours Retry-After.
+    return APIError(503, message, type="service_unavailable", headers={"Retry-After": "1"})
+
+
+def internal(message: str = "The server had an error while processing your request.") -> APIError:
+    return APIError(500, message, type="internal_server_error", headers={"x-should-retry": "false"})
+
+
+_encoder = msgspec.json.Encoder()
+
+# Statuses aiohttp raises itself (routing, body size, methods) with messages that tell the client what to do.
+_HTTP_MESSAGES = {
+    404: "Not found: this server serves /v1/models, /v1/completions, /v1/chat/completions and /health.",
+    405: "Method not allowed on this path.",
+    413: f"Request body too large: the limit is {MAX_BODY_BYTES} bytes.",
+}
+
+
+def encode_error(error: APIError) -> bytes:
+    return _encoder.encode(ErrorBody(error=error.info))
+
+
+def error_response(error: APIError) -> web.Response:
+    return web.Response(status=error.status, body=encode_error(error),
+                        content_type="application/json", headers=error.headers)
+
+
+def _from_http(exc: web.HTTPException) -> APIError:
+    message = _HTTP_MESSAGES.get(exc.status, exc.reason)
+    kind = "invalid_request_error" if exc.status < 500 else "internal_server_error"
+    return APIError(exc.status, message, type=kind)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Answers every exception with the OpenAI error body; never leaks a traceback."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        log.info("request_failed", status=e.status, message=e.info.message)
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(_from_http(e))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("request_crashed")
+        return error_response(internal())

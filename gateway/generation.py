@@ -1,0 +1,117 @@
+"""One request's choices: a gRPC Generate call per choice, merged into a single stream of text events."""
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.engine_client import EngineClient
+from gateway.errors import internal, unavailable
+from gateway.schemas import PromptTokensDetails, Usage
+from gateway.tokenizer import Tokenizer
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import engine_pb2 as pb
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass(slots=True)
+class ChoiceEvent:
+    """New text of one choice; finish_reason is set on its last event only."""
+    index: int
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    counts_prompt: bool
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
+    """n choices per prompt, each its own engine request; seeds differ so that samples do too."""
+    choices = []
+    for p, prompt in enumerate(prompts):
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            index = p * params.n + i
+            child = replace(params, n=1, seed=seed)
+            choices.append(Choice(index, f"{request_id}-{index}", prompt, child, counts_prompt=i == 0))
+    return choices
+
+
+class Generation:
+    """Runs the choices of one request concurrently; events() yields their text as it is produced."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, choices: list[Choice],
+                 trace_id: str) -> None:
+        self._engine = engine
+        self._trace_id = trace_id
+        self._tokenizer = tokenizer
+        self.choices = choices
+
+    def usage(self) -> Usage:
+        # The n choices of one prompt share it: its tokens count once, as OpenAI counts them.
+        firsts = [c for c in self.choices if c.counts_prompt]
+        prompt = sum(len(c.prompt_token_ids) for c in firsts)
+        completion = sum(c.completion_tokens for c in self.choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(sum(c.cached_tokens for c in firsts)))
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Merged events of all choices; closing it cancels every engine call still running."""
+        queue: asyncio.Queue[ChoiceEvent | Exception] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._run(c, queue)) for c in self.choices]
+        running = len(tasks)
+        try:
+            while running:
+                event = await queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                running -= event.finish_reason is not None
+                yield event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, choice: Choice, queue: asyncio.Queue) -> None:
+        try:
+            queue.put_nowait(await self._stream(choice, queue))
+        except Exception as e:
+            queue.put_nowait(e)
+
+    async def _stream(self, choice: Choice, queue: asyncio.Queue) -> ChoiceEvent:
+        p = choice.params
+        detok = IncrementalDetokenizer(self._tokenizer, p.skip_special_tokens, p.stop,
+                                       p.include_stop_str_in_output, choice.prompt_token_ids)
+        async with aclosing(self._engine.generate(choice.request_id, choice.prompt_token_ids, p,
+                                                   self._trace_id)) as stream:
+            async for response in stream:
+                choice.completion_tokens += len(response.token_ids)
+                choice.cached_tokens = max(choice.cached_tokens, response.cached_tokens)
+                text = detok.add(response.token_ids)
+                if detok.stopped:
+                    # Leaving the block cancels the call, which the scheduler turns into an abort.
+                    return ChoiceEvent(choice.index, text, "stop", detok.stop_reason)
+                if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    return self._finish(choice, response, text + detok.flush())
+                if text:
+                    queue.put_nowait(ChoiceEvent(choice.index, text))
+        raise internal("The scheduler ended a generation without a finish reason.")
+
+    def _finish(self, choice: Choice, response: pb.GenerateResponse, text: str) -> ChoiceEvent:
+        reason = _FINISH.get(response.finish_reason)
+        if reason is None:
+            raise unavailable("The scheduler aborted the request (it may be shutting down); retry.")
+        stop_token = response.stop_token_id if response.HasField("stop_token_id") else None
+        # vLLM's convention: stop_reason names a matched stop_token_ids entry, and is null for EOS.
+        stop_reason = stop_token if stop_token in choice.params.stop_token_ids else None
+        return ChoiceEvent(choice.index, text, reason, stop_reason)

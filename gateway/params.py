@@ -1,0 +1,125 @@
+"""Turns a decoded OpenAI request into prompt token ids and SamplingParams, rejecting what cannot run."""
+from gateway.errors import bad_request, model_not_found, unsupported
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.tokenizer import ChatTemplateError, Tokenizer
+from pagedserve.sampling_params import SamplingParams
+
+
+def resolve_model(requested: str | None, served: str) -> str:
+    if requested and requested != served:
+        raise model_not_found(requested)
+    return served
+
+
+def check_chat_options(req: ChatCompletionRequest) -> None:
+    if req.logprobs or req.top_logprobs is not None:
+        raise unsupported("Returning logprobs", "logprobs" if req.logprobs else "top_logprobs")
+    if req.tools:
+        raise unsupported("Tool calling", "tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(f"'response_format' of type '{req.response_format.type}' is not supported "
+                          "yet; only 'text' is. Remove `response_format`.", param="response_format")
+    check_stream_options(req)
+
+
+def check_completion_options(req: CompletionRequest) -> None:
+    if req.logprobs is not None:
+        raise unsupported("Returning logprobs", "logprobs")
+    check_stream_options(req)
+
+
+def check_stream_options(req: SamplingFields) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("`stream_options` is only allowed when `stream` is true.", param="stream_options")
+
+
+def _message_text(content: str | list | None, index: int) -> str | None:
+    if not isinstance(content, list):
+        return content
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"Content parts of type '{part.type}' are not supported; send text parts "
+                              "only.", param=f"messages[{index}].content")
+    return "\n".join(part.text for part in content)
+
+
+def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for i, m in enumerate(req.messages):
+        message = {"role": m.role, "content": _message_text(m.content, i)}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    try:
+        text = tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+    except ChatTemplateError as e:
+        raise bad_request(f"Cannot build a prompt from these messages: {e}", param="messages") from e
+    # The template writes the special tokens (BOS included), so encoding must not add them again.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids of each prompt, and its text where the client sent text."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    kinds = {type(p) for p in prompt}
+    if kinds == {int}:
+        return [prompt], [None]
+    if kinds == {list}:
+        return prompt, [None] * len(prompt)
+    if kinds == {str}:
+        if not all(prompt):
+            raise bad_request("The prompt is empty; send some text.", param="prompt")
+        return [tokenizer.encode(p) for p in prompt], prompt
+    raise bad_request("`prompt` must be a string, a list of strings, a list of token ids or a list of "
+                      "lists of token ids, not a mix.", param="prompt")
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    for ids in prompts:
+        if not ids:
+            raise bad_request("The prompt is empty; send at least one token.", param="prompt")
+        check_token_ids(ids, vocab_size, "prompt")
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"Token id {bad} in `{param}` is out of vocabulary; ids must be in "
+                          f"[0, {vocab_size}).", param=param)
+
+
+def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> None:
+    """400 when a prompt plus the requested output does not fit the context window."""
+    longest = max(len(p) for p in prompts)
+    if max_tokens is None and longest >= max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                          f"prompt contains {longest} input tokens, leaving no room for output. Please "
+                          "reduce the length of the input prompt.", param="messages")
+    if max_tokens is not None and longest + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{max_tokens} output tokens and your prompt contains at least {longest} input tokens, for "
+            f"a total of at least {longest + max_tokens} tokens. Please reduce the length of the input "
+            "prompt or the number of requested output tokens.", param="max_tokens")
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingParams:
+    """max_tokens None lets the scheduler fill the remaining context of each prompt."""
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    return SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        # OpenAI-style clients send -1 for "off"; the engine's off is 0.
+        top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=stop,
+        stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+    )

@@ -1,0 +1,84 @@
+"""Response bodies of chat and completions, built from the same choice events."""
+import time
+from abc import ABC, abstractmethod
+
+from msgspec import UNSET, Struct
+
+from gateway.generation import ChoiceEvent
+from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+                             ChatMessageOut, Completion, CompletionChoice, Delta, Usage)
+
+
+class ResponseBuilder(ABC):
+    """What chat and completions share: one id, creation time and model name on every chunk."""
+    id_prefix: str
+    chunk_type: type[ChatCompletionChunk] | type[Completion]
+
+    def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool) -> None:
+        self.id = self.id_prefix + request_id
+        self.created = int(time.time())
+        self.model = model
+        self.num_choices = num_choices
+        self.include_usage = include_usage
+        # include_usage puts "usage": null on every chunk; without it the key is absent.
+        self._chunk_usage = None if include_usage else UNSET
+
+    def _chunk(self, choices: list, usage: Usage | None = UNSET) -> Struct:
+        return self.chunk_type(self.id, self.created, self.model, choices,
+                               self._chunk_usage if usage is UNSET else usage)
+
+    def usage_chunk(self, usage: Usage) -> Struct:
+        return self._chunk([], usage)
+
+    @abstractmethod
+    def openings(self) -> list[Struct]:
+        """Chunks sent before the first generated text."""
+
+    @abstractmethod
+    def chunk(self, event: ChoiceEvent) -> Struct:
+        """The stream chunk carrying one choice event."""
+
+    @abstractmethod
+    def response(self, texts: list[str], finals: list[ChoiceEvent], usage: Usage) -> Struct:
+        """The non-stream body from each choice's full text and last event."""
+
+
+class ChatResponses(ResponseBuilder):
+    id_prefix = "chatcmpl-"
+    chunk_type = ChatCompletionChunk
+
+    def openings(self) -> list[Struct]:
+        return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))])
+                for i in range(self.num_choices)]
+
+    def chunk(self, event: ChoiceEvent) -> Struct:
+        delta = Delta(content=event.text or None)
+        return self._chunk([ChatChunkChoice(event.index, delta, event.finish_reason, event.stop_reason)])
+
+    def response(self, texts: list[str], finals: list[ChoiceEvent], usage: Usage) -> Struct:
+        choices = [ChatChoice(f.index, ChatMessageOut(texts[f.index]), f.finish_reason, f.stop_reason)
+                   for f in finals]
+        return ChatCompletion(self.id, self.created, self.model, choices, usage)
+
+
+class CompletionResponses(ResponseBuilder):
+    id_prefix = "cmpl-"
+    chunk_type = Completion
+
+    def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
+                 echo: list[str]) -> None:
+        super().__init__(request_id, model, num_choices, include_usage)
+        # echo[i] is the prompt text that choice i starts with ("" without echo).
+        self._echo = echo
+
+    def openings(self) -> list[Struct]:
+        return [self._chunk([CompletionChoice(i, text)]) for i, text in enumerate(self._echo) if text]
+
+    def chunk(self, event: ChoiceEvent) -> Struct:
+        return self._chunk([CompletionChoice(event.index, event.text, event.finish_reason,
+                                             event.stop_reason)])
+
+    def response(self, texts: list[str], finals: list[ChoiceEvent], usage: Usage) -> Struct:
+        choices = [CompletionChoice(f.index, self._echo[f.index] + texts[f.index], f.finish_reason,
+                                    f.stop_reason) for f in finals]
+        return Completion(self.id, self.created, self.model, choices, usage)

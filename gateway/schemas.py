@@ -1,0 +1,179 @@
+"""OpenAI request and response bodies as msgspec Structs; decoding turns bad input into a 400."""
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from gateway.errors import bad_request
+
+Int32 = Annotated[int, Meta(ge=-2**31, le=2**31 - 1)]
+Positive = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+MinP = Annotated[float, Meta(ge=0, le=1)]
+Seed = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]
+N = Annotated[int, Meta(ge=1, le=16)]
+Stop = str | Annotated[list[str], Meta(max_length=4)]
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class ResponseFormat(Struct):
+    type: str = "text"
+
+
+class ContentPart(Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(Struct, kw_only=True):
+    """The generation options that chat and completions share (vLLM's extensions included)."""
+    model: str | None = None
+    max_tokens: Positive | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
+    min_p: MinP | None = None
+    n: N = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
+    stop_token_ids: list[Int32] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: Positive | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | Annotated[list[str | Int32 | list[Int32]], Meta(min_length=1)]
+    echo: bool = False
+    logprobs: int | None = None
+
+
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def decode_request(body: bytes, kind: type[Struct]) -> Struct:
+    """Parses a JSON body into `kind`, or raises a 400 naming the field at fault."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        match = _PATH.search(str(e))
+        message = _PATH.sub("", str(e))
+        param = match.group(1) if match else None
+        raise bad_request(f"Invalid request: {message}" + (f" at `{param}`" if param else ""),
+                          param=param or None) from e
+    except msgspec.DecodeError as e:
+        raise bad_request(f"The body is not valid JSON ({e}); send a JSON object, UTF-8 encoded, "
+                          "without NaN or Infinity.") from e
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatMessageOut(Struct):
+    content: str
+    role: str = "assistant"
+    refusal: None = None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatMessageOut
+    finish_reason: str
+    stop_reason: str | int | None = None
+    logprobs: None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    # Absent unless include_usage; then null on every chunk but the last.
+    usage: Usage | None | UnsetType = UNSET
+    object: str = "chat.completion.chunk"
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: None = None
+
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+    object: str = "text_completion"
+
+
+class Model(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "pagedserve"
+
+
+class ModelList(Struct):
+    data: list[Model]
+    object: str = "list"

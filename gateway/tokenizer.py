@@ -1,0 +1,110 @@
+"""Tokenizer and chat template on the `tokenizers` library and jinja2, without transformers."""
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2.ext
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as RustTokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or its template refused the conversation."""
+
+
+def _token_text(value: str | dict | None) -> str | None:
+    # tokenizer_config.json writes special tokens as plain strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja2's own tojson escapes HTML characters, which transformers' templates do not expect.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _select_template(value: str | list[dict] | None) -> str | None:
+    # Older configs hold a list of named templates; "default" is the one for plain chat.
+    if isinstance(value, list):
+        named = {t["name"]: t["template"] for t in value}
+        return named.get("default")
+    return value
+
+
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """Encodes, decodes and renders chats the way transformers' fast tokenizers do."""
+
+    def __init__(self, tokenizer: RustTokenizer, config: dict, chat_template: str | None) -> None:
+        self._tokenizer = tokenizer
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._template = _compile(chat_template) if chat_template else None
+        # tokenizer.json's post-processor normally adds BOS; some configs ask for it without one.
+        probe = tokenizer.encode("", add_special_tokens=True).ids
+        self._prepend_bos = (config.get("add_bos_token") is True and self.bos_token_id is not None
+                             and probe[:1] != [self.bos_token_id])
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Loads tokenizer.json, tokenizer_config.json and chat_template.jinja from a model dir."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json; pass a model directory "
+                                    "saved by transformers (a fast tokenizer) with --tokenizer")
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template_file = path / "chat_template.jinja"
+        if template_file.is_file():
+            template = template_file.read_text()
+        else:
+            template = _select_template(config.get("chat_template"))
+        return cls(RustTokenizer.from_file(str(path / "tokenizer.json")), config, template)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Renders a chat to the prompt text; encode it with add_special_tokens=False."""
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template (tokenizer_config.json has no "
+                                    "chat_template and there is no chat_template.jinja); use "
+                                    "/v1/completions with a plain prompt instead")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:
+            raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e

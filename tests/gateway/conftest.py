@@ -1,0 +1,167 @@
+"""Gateway fixtures: a tiny byte-level BPE tokenizer, a fake Engine on grpc.aio, the gateway on loopback."""
+import asyncio
+import json
+import time
+
+import aiohttp
+import grpc
+import openai
+import pytest
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from gateway.app import build_app
+from gateway.server import start
+from gateway.tokenizer import Tokenizer
+from pagedserve.v1 import engine_pb2 as pb
+from pagedserve.v1 import engine_pb2_grpc
+
+MODEL = "tiny-model"
+MAX_MODEL_LEN = 256
+CACHED_TOKENS = 3
+REPLY = "Hello wörld 😀 and 🎉! The quick brown fox jumps over the lazy dog. "
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! Hello there, how are you today?",
+    "A user asks and the assistant answers politely.",
+    "Grüße aus München, héllo wörld, ça va très bien.",
+    "日本語のテキストも少しだけ。",
+    "Party time 🎉 smile 😀",
+] * 20
+
+
+def build_tiny_tokenizer(path) -> None:
+    """Byte-level BPE small enough that an emoji takes several tokens."""
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": {"__type": "AddedToken", "content": "<s>"}, "eos_token": "</s>",
+              "chat_template": CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_tokenizer")
+    build_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir) -> Tokenizer:
+    return Tokenizer.from_dir(tokenizer_dir)
+
+
+class FakeEngine(engine_pb2_grpc.EngineServicer):
+    """Replies with REPLY's tokens, one per message after `delay` seconds, cycling until max_tokens."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.reply = tokenizer.encode(REPLY, add_special_tokens=False)
+        self.eos = tokenizer.eos_token_id
+        self.vocab_size = tokenizer.vocab_size
+        self.delay = 0.001
+        self.fail_after: int | None = None
+        self.requests: list[pb.GenerateRequest] = []
+        self.metadata: list[dict] = []
+        self.cancelled: dict[str, float] = {}
+        self.aborted: list[str] = []
+        self.address = ""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        p = request.params
+        limit = p.max_tokens or MAX_MODEL_LEN - len(request.prompt_token_ids)
+        finished = False
+        try:
+            for i in range(limit):
+                await asyncio.sleep(self.delay)
+                if i == self.fail_after:
+                    await context.abort(grpc.StatusCode.INTERNAL, "executor crashed at /secret/path")
+                token = self.reply[i % len(self.reply)]
+                stop = token in p.stop_token_ids or (token == self.eos and not p.ignore_eos)
+                finish = (pb.FINISH_REASON_STOP if stop else
+                          pb.FINISH_REASON_LENGTH if i + 1 == limit else pb.FINISH_REASON_UNSPECIFIED)
+                finished = bool(finish)
+                yield pb.GenerateResponse(
+                    token_ids=[token], finish_reason=finish, prompt_tokens=len(request.prompt_token_ids),
+                    completion_tokens=i + 1, cached_tokens=CACHED_TOKENS,
+                    stop_token_id=token if stop else None)
+        finally:
+            # A cancelled call shows up as CancelledError or as the generator being closed early.
+            if not finished:
+                self.cancelled[request.request_id] = time.monotonic()
+
+    async def Abort(self, request, context):
+        self.aborted.append(request.request_id)
+        return pb.AbortResponse(found=False)
+
+    async def GetModelInfo(self, request, context):
+        return pb.ModelInfo(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
+                            vocab_size=self.vocab_size, eos_token_ids=[self.eos])
+
+    async def wait_cancelled(self, count: int = 1, timeout: float = 2.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.cancelled) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def engine(tokenizer):
+    fake = FakeEngine(tokenizer)
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    fake.address = f"127.0.0.1:{port}"
+    yield fake
+    await server.stop(0)
+
+
+async def _serve(tokenizer, address: str):
+    runner = await start(build_app(tokenizer, address), "127.0.0.1", 0)
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
+@pytest.fixture
+async def base_url(engine, tokenizer):
+    runner, url = await _serve(tokenizer, engine.address)
+    yield url
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def dead_engine_url(tokenizer, unused_tcp_port):
+    runner, url = await _serve(tokenizer, f"127.0.0.1:{unused_tcp_port}")
+    yield url
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
+async def client(base_url):
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0,
+                                  _strict_response_validation=True) as c:
+        yield c
+
+
+@pytest.fixture
+async def loose_client(base_url):
+    # The SDK types a completions choice's finish_reason as non-null, which every stream chunk but the
+    # last contradicts (OpenAI and vLLM send null there), so completion streams are not validated.
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0) as c:
+        yield c

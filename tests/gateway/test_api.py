@@ -1,0 +1,211 @@
+"""The OpenAI routes against the fake engine, through the official SDK and raw HTTP."""
+import asyncio
+import json
+
+import openai
+import pytest
+
+from conftest import CACHED_TOKENS, MAX_MODEL_LEN, MODEL, REPLY
+
+CHAT = [{"role": "user", "content": "Say hello"}]
+
+
+async def test_models_list_and_get(client, http, base_url):
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].owned_by == "pagedserve"
+    model = await client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.model_extra["max_model_len"] == MAX_MODEL_LEN
+    async with http.get(f"{base_url}/v1/models/nope") as r:
+        assert r.status == 404
+        assert (await r.json())["error"]["message"] == "The model `nope` does not exist."
+
+
+async def test_chat_non_stream(client, engine):
+    reply = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10)
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    assert reply.model == MODEL and isinstance(reply.created, int)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert choice.message.refusal is None and choice.logprobs is None
+    assert REPLY.startswith(choice.message.content)
+    assert reply.usage.completion_tokens == 10
+    assert reply.usage.prompt_tokens == len(engine.requests[0].prompt_token_ids)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 10
+    assert reply.usage.prompt_tokens_details.cached_tokens == CACHED_TOKENS
+    assert engine.requests[0].params.max_tokens == 10
+
+
+async def test_chat_stream_equals_non_stream(client):
+    args = dict(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
+    whole = await client.chat.completions.create(**args)
+    chunks = [c async for c in await client.chat.completions.create(**args, stream=True)]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert all(c.id == whole.id.replace(whole.id, c.id) and c.id == chunks[0].id for c in chunks)
+    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+    reasons = [c.choices[0].finish_reason for c in chunks]
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+    assert all("\ufffd" not in (c.choices[0].delta.content or "") for c in chunks)
+    assert "😀" in text and "🎉" in text
+
+
+async def test_completions_non_stream_and_stream(client, loose_client):
+    whole = await client.completions.create(model=MODEL, prompt="Once", max_tokens=20)
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
+    assert whole.choices[0].finish_reason == "length"
+    chunks = [c async for c in await loose_client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=20, stream=True)]
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert whole.usage.completion_tokens == 20
+
+
+async def test_completion_prompt_forms_and_echo(client, tokenizer, engine):
+    ids = tokenizer.encode("Once upon")
+    for prompt in (["Once upon", "a time"], ids, [ids, ids[:2]]):
+        reply = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=3)
+        assert sorted(c.index for c in reply.choices) == list(range(len(reply.choices)))
+    assert list(engine.requests[-2].prompt_token_ids) == ids
+    echoed = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=3, echo=True)
+    assert echoed.choices[0].text.startswith("Once upon") and len(echoed.choices[0].text) > 9
+
+
+async def test_raw_sse_framing_and_include_usage(http, base_url):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with http.post(f"{base_url}/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"] == "text/event-stream"
+        raw = (await r.read()).decode()
+    assert "\r" not in raw and raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    usage = [c for c in chunks if c["usage"] is not None]
+    assert len(usage) == 1 and usage[0] is chunks[-1] and usage[0]["choices"] == []
+    assert usage[0]["usage"]["completion_tokens"] == 5
+    assert usage[0]["usage"]["prompt_tokens_details"] == {"cached_tokens": CACHED_TOKENS}
+    assert all("usage" in c for c in chunks)
+
+
+async def test_no_usage_key_without_include_usage(http, base_url):
+    body = {"messages": CHAT, "max_tokens": 3, "stream": True, "stream_options": {}}
+    async with http.post(f"{base_url}/v1/chat/completions", json=body) as r:
+        raw = (await r.read()).decode()
+    chunks = [json.loads(e[6:]) for e in raw.split("\n\n")[:-2]]
+    assert chunks and all("usage" not in c for c in chunks)
+
+
+async def test_stop_string(client, engine):
+    reply = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40,
+                                                 stop=["quick", "never"])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == "quick"
+    assert choice.message.content == REPLY[:REPLY.index("quick")]
+    chunks = [c async for c in await client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=40, stop="quick", stream=True)]
+    deltas = [c.choices[0].delta.content or "" for c in chunks]
+    assert "".join(deltas) == choice.message.content
+    assert not any("qu" in d for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    await engine.wait_cancelled(2)
+    assert len(engine.cancelled) == 2
+
+
+async def test_stop_token_id(client, tokenizer):
+    stop_id = tokenizer.encode(REPLY, add_special_tokens=False)[3]
+    reply = await client.completions.create(model=MODEL, prompt="x", max_tokens=30,
+                                            extra_body={"stop_token_ids": [stop_id]})
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].model_extra["stop_reason"] == stop_id
+    assert reply.usage.completion_tokens == 4
+
+
+async def test_n_choices_fan_out(client, engine):
+    reply = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, n=2, seed=7)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.usage.completion_tokens == 8
+    assert reply.usage.prompt_tokens == len(engine.requests[0].prompt_token_ids)
+    assert sorted(r.params.seed for r in engine.requests) == [7, 8]
+    ids = sorted(r.request_id for r in engine.requests)
+    assert ids[0].endswith("-0") and ids[1].endswith("-1") and ids[0][:-2] == ids[1][:-2]
+    chunks = [c async for c in await client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, n=2, stream=True)]
+    finals = [c.choices[0].index for c in chunks if c.choices[0].finish_reason]
+    assert sorted(finals) == [0, 1]
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
+             for i in (0, 1)]
+    assert texts[0] == texts[1] == reply.choices[0].message.content
+
+
+async def test_max_completion_tokens_wins_and_default_fills_context(client, engine):
+    await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=9,
+                                         max_completion_tokens=3)
+    assert engine.requests[-1].params.max_tokens == 3
+    reply = await client.completions.create(model="", prompt="Hi", max_tokens=None)
+    assert engine.requests[-1].params.max_tokens == 0
+    assert reply.usage.completion_tokens == MAX_MODEL_LEN - reply.usage.prompt_tokens
+
+
+async def test_context_overflow(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=MODEL, prompt=[1] * 200, max_tokens=100)
+    assert e.value.body["message"] == (
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested 100 "
+        "output tokens and your prompt contains at least 200 input tokens, for a total of at least 300 "
+        "tokens. Please reduce the length of the input prompt or the number of requested output tokens.")
+
+
+async def test_unknown_model(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.chat.completions.create(model="gpt-4", messages=CHAT)
+    assert e.value.body == {"message": "The model `gpt-4` does not exist.", "type": "invalid_request_error",
+                            "param": "model", "code": "model_not_found"}
+
+
+async def test_request_id_echoed_once_and_forwarded(http, base_url, engine):
+    body = {"messages": CHAT, "max_tokens": 2}
+    async with http.post(f"{base_url}/v1/chat/completions", json=body,
+                         headers={"X-Request-Id": "abc-123"}) as r:
+        assert r.headers.getall("X-Request-Id") == ["abc-123"]
+    assert engine.metadata[-1]["x-request-id"] == "abc-123"
+    async with http.post(f"{base_url}/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert len(r.headers.getall("X-Request-Id")) == 1
+        await r.read()
+    async with http.get(f"{base_url}/nowhere") as r:
+        assert r.status == 404 and len(r.headers.getall("X-Request-Id")) == 1
+        assert set((await r.json())["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_health(http, base_url, dead_engine_url):
+    async with http.get(f"{base_url}/health") as r:
+        assert r.status == 200
+    async with http.get(f"{dead_engine_url}/health") as r:
+        assert r.status == 503
+        assert (await r.json())["error"]["type"] == "service_unavailable"
+    async with http.post(f"{dead_engine_url}/v1/chat/completions", json={"messages": CHAT}) as r:
+        assert r.status == 503 and "127.0.0.1" not in await r.text()
+
+
+async def test_mid_stream_failure_sends_error_then_done(http, base_url, engine):
+    engine.fail_after = 3
+    body = {"prompt": "x", "max_tokens": 20, "stream": True}
+    async with http.post(f"{base_url}/v1/completions", json=body) as r:
+        raw = (await r.read()).decode()
+    events = raw.split("\n\n")[:-1]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["type"] == "internal_server_error" and "/secret" not in raw
+
+
+async def test_failure_before_first_token_is_an_http_error(client, engine):
+    engine.fail_after = 0
+    with pytest.raises(openai.InternalServerError):
+        await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
+
+
+async def test_concurrent_requests(client):
+    replies = await asyncio.gather(*[client.completions.create(model=MODEL, prompt="Hi", max_tokens=8)
+                                     for _ in range(20)])
+    assert len({r.choices[0].text for r in replies}) == 1
