@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from executor_svc.kv_cache import GiB, allocate_kv_cache, bytes_per_block, determine_num_blocks
+from executor_svc.model_config import model_config_from_dict
+from pagedserve.config import EngineConfig
+from pagedserve.model_shapes import SHAPES
+
+CPU = torch.device("cpu")
+LLAMA_8B = model_config_from_dict(SHAPES["llama-3.1-8b"])
+
+
+def never_profiled() -> int:
+    raise AssertionError("the CPU path must not profile")
+
+
+def test_bytes_per_block_of_llama_3_1_8b():
+    # 32 layers x (K + V) x 8 kv heads x 128 dims x 2 bytes = 128 KiB per token.
+    assert bytes_per_block(LLAMA_8B, 16, torch.bfloat16) == 16 * 128 * 1024
+
+
+def test_override_then_bytes_then_cpu_default():
+    per_block = bytes_per_block(LLAMA_8B, 16, torch.float32)
+
+    def sized(**flags) -> int:
+        return determine_num_blocks(EngineConfig(**flags), per_block, 1024, CPU, never_profiled)
+
+    assert sized(num_gpu_blocks_override=100, kv_cache_memory_bytes=GiB) == 100
+    assert sized(kv_cache_memory_bytes=GiB) == GiB // per_block
+    assert sized() == GiB // per_block
+    # Two sequences of 1024 tokens need 128 blocks; one more is allowed, nothing beyond.
+    assert sized(max_num_seqs=2) == 129
+
+
+def test_refuses_a_cache_smaller_than_one_full_request():
+    per_block = bytes_per_block(LLAMA_8B, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="needs 64 blocks.*lower --max-model-len"):
+        determine_num_blocks(EngineConfig(num_gpu_blocks_override=63), per_block, 1024, CPU,
+                             never_profiled)
+
+
+def test_layers_are_views_of_one_allocation():
+    tiny = model_config_from_dict({**SHAPES["llama-3.1-8b"], "num_hidden_layers": 3})
+    caches = allocate_kv_cache(tiny, 5, 4, torch.float16, CPU)
+    assert len(caches) == 3
+    k0, v2 = caches[0][0], caches[2][1]
+    assert k0.shape == (5, 4, 8, 128) and k0.dtype == torch.float16
+    assert k0.untyped_storage().data_ptr() == v2.untyped_storage().data_ptr()
+    k0.zero_()
+    v2.fill_(1.0)
+    assert k0.sum() == 0 and v2.sum() == 5 * 4 * 8 * 128
