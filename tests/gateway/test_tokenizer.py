@@ -83,3 +83,16 @@ def test_add_bos_token_without_post_processor(tokenizer_dir, tmp_path):
 def test_gateway_does_not_import_torch():
     code = "import sys, gateway.server; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_matches_transformers(tokenizer_dir, tokenizer):
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße 😀"}]
+    text = tokenizer.apply_chat_template(chat)
+    assert text == reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.encode(text, add_special_tokens=False) == \
+        reference.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert tokenizer.encode("Grüße 😀") == reference.encode("Grüße 😀")
+    assert tokenizer.eos_token_id == reference.eos_token_id

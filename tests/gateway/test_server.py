@@ -1,0 +1,63 @@
+"""The gateway as its own process: flags, readiness, and a SIGTERM that lets in-flight streams finish."""
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+import time
+
+import aiohttp
+
+from gateway.server import add_gateway_args
+from pagedserve.config import add_engine_args
+
+
+def test_flags_and_defaults():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    add_gateway_args(parser)
+    args = parser.parse_args([])
+    assert (args.host, args.port, args.scheduler_address) == ("127.0.0.1", 8000, "127.0.0.1:50051")
+    assert args.tokenizer is None and args.served_model_name is None and args.log_level == "info"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _wait_healthy(http: aiohttp.ClientSession, url: str, process) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert process.returncode is None
+        try:
+            async with http.get(url) as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.1)
+    raise TimeoutError(url)
+
+
+async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
+    port = _free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.server", str(tokenizer_dir), "--port", str(port),
+        "--scheduler-address", engine.address, "--served-model-name", "served", "--log-level", "warning")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await _wait_healthy(http, f"{url}/health", process)
+        engine.delay = 0.02
+        body = {"model": "served", "prompt": "Hi", "max_tokens": 30, "stream": True}
+        async with http.post(f"{url}/v1/completions", json=body) as r:
+            await r.content.readuntil(b"\n\n")
+            process.send_signal(signal.SIGTERM)
+            rest = (await r.read()).decode()
+        assert rest.endswith("data: [DONE]\n\n") and '"finish_reason":"length"' in rest
+        assert await asyncio.wait_for(process.wait(), 10) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

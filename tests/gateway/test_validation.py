@@ -1,0 +1,117 @@
+"""Every kind of bad request gets a 4xx in OpenAI's error shape and never reaches the engine."""
+import pytest
+
+from conftest import MODEL
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+# (path, body, expected param or None); bodies are JSON unless bytes.
+CASES = {
+    "temperature above 2": (CHAT, {"messages": MSG, "temperature": 2.5}, "temperature"),
+    "temperature negative": (COMPLETIONS, {"prompt": "x", "temperature": -0.1}, "temperature"),
+    "top_p zero": (CHAT, {"messages": MSG, "top_p": 0}, "top_p"),
+    "top_p above 1": (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
+    "n zero": (CHAT, {"messages": MSG, "n": 0}, "n"),
+    "n above cap": (COMPLETIONS, {"prompt": "x", "n": 17}, "n"),
+    "max_tokens zero": (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),
+    "max_completion_tokens negative": (CHAT, {"messages": MSG, "max_completion_tokens": -1},
+                                       "max_completion_tokens"),
+    "five stop strings": (CHAT, {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    "empty messages": (CHAT, {"messages": []}, "messages"),
+    "missing messages": (CHAT, {"model": MODEL}, None),
+    "bad role": (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    "image part": (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content"),
+    "empty prompt string": (COMPLETIONS, {"prompt": ""}, "prompt"),
+    "empty prompt list": (COMPLETIONS, {"prompt": []}, "prompt"),
+    "empty token prompt": (COMPLETIONS, {"prompt": [[]]}, "prompt"),
+    "mixed prompt": (COMPLETIONS, {"prompt": ["a", 1]}, "prompt"),
+    "out-of-vocab prompt id": (COMPLETIONS, {"prompt": [1, 99999]}, "prompt"),
+    "negative prompt id": (COMPLETIONS, {"prompt": [[-1]]}, "prompt"),
+    "out-of-vocab stop_token_ids": (CHAT, {"messages": MSG, "stop_token_ids": [99999]}, "stop_token_ids"),
+    "seed beyond int64": (CHAT, {"messages": MSG, "seed": 2**64}, "seed"),
+    "non-object body": (CHAT, [1, 2], None),
+    "string body": (CHAT, "hello", None),
+    "invalid json": (CHAT, b'{"messages": [', None),
+    "NaN": (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
+    "Infinity": (COMPLETIONS, b'{"prompt": "x", "top_p": Infinity}', None),
+    "lone surrogate": (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None),
+    "invalid utf-8": (CHAT, b'{"messages": [{"role": "user", "content": "\xff"}]}', None),
+    "wrong type": (CHAT, {"messages": MSG, "max_tokens": "ten"}, "max_tokens"),
+    "stream_options without stream": (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}},
+                                      "stream_options"),
+    "chat logprobs": (CHAT, {"messages": MSG, "logprobs": True}, "logprobs"),
+    "top_logprobs": (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    "completion logprobs": (COMPLETIONS, {"prompt": "x", "logprobs": 1}, "logprobs"),
+    "tools": (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    "json_schema": (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_bad_request(http, base_url, engine, case):
+    path, body, param = CASES[case]
+    if isinstance(body, bytes):
+        reply = http.post(base_url + path, data=body, headers={"Content-Type": "application/json"})
+    else:
+        reply = http.post(base_url + path, json=body)
+    async with reply as r:
+        error = (await r.json())["error"]
+        assert r.status == 400, error
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["code"] is None or isinstance(error["code"], str)
+    if param is not None:
+        assert error["param"] == param
+    assert engine.requests == []
+
+
+async def test_unsupported_messages_say_what_to_do(http, base_url):
+    async with http.post(base_url + CHAT, json={"messages": MSG, "response_format": {"type": "json_schema"}}) as r:
+        assert "'response_format' of type 'json_schema' is not supported" in (await r.json())["error"]["message"]
+    async with http.post(base_url + CHAT, json={"messages": MSG, "logprobs": True}) as r:
+        assert "not supported yet" in (await r.json())["error"]["message"]
+
+
+async def test_accepted_extras(http, base_url):
+    body = {"messages": MSG, "max_tokens": 2, "user": "u", "store": False, "metadata": {"a": 1},
+            "parallel_tool_calls": False, "response_format": {"type": "text", "strict": True},
+            "logprobs": False, "tool_choice": "none", "top_k": -1, "functions": []}
+    async with http.post(base_url + CHAT, json=body) as r:
+        assert r.status == 200, await r.text()
+
+
+async def test_wrong_content_type(http, base_url):
+    async with http.post(base_url + CHAT, data=b'{"messages": []}', headers={"Content-Type": "text/plain"}) as r:
+        assert r.status == 400
+        assert "application/json" in (await r.json())["error"]["message"]
+
+
+async def test_body_too_large(http, base_url):
+    body = b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
+    async with http.post(base_url + COMPLETIONS, data=body, headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 413
+        error = (await r.json())["error"]
+        assert set(error) == {"message", "type", "param", "code"} and "limit" in error["message"]
+
+
+async def test_missing_chat_template(http, engine, tokenizer_dir, tmp_path):
+    import json
+
+    from gateway.app import build_app
+    from gateway.server import start
+    from gateway.tokenizer import Tokenizer
+
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    runner = await start(build_app(Tokenizer.from_dir(tmp_path), engine.address), "127.0.0.1", 0)
+    try:
+        host, port = runner.addresses[0][:2]
+        async with http.post(f"http://{host}:{port}{CHAT}", json={"messages": MSG}) as r:
+            assert r.status == 400 and "no chat template" in (await r.json())["error"]["message"]
+    finally:
+        await runner.cleanup()
