@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 import transformers
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -17,6 +17,7 @@ ARCH_CONFIGS = {
     "LlamaForCausalLM": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                            "original_max_position_embeddings": 64}),
+    "MistralForCausalLM": dict(sliding_window=None, rope_theta=1e6),
     "Qwen2ForCausalLM": dict(tie_word_embeddings=True),
     "Qwen3ForCausalLM": dict(),
 }

@@ -31,7 +31,8 @@ def test_transformers_5_rope_parameters_and_defaults():
 def test_qwen_flags():
     qwen2 = model_config_from_dict({**LLAMA, "architectures": ["Qwen2ForCausalLM"],
                                     "sliding_window": 1024, "use_sliding_window": False})
-    assert (qwen2.attention_bias, qwen2.o_proj_bias, qwen2.qk_norm, qwen2.sliding_window) == (True, False, False, None)
+    assert (qwen2.attention_bias, qwen2.o_proj_bias, qwen2.qk_norm) == (True, False, False)
+    assert qwen2.sliding_window is None
     qwen3 = model_config_from_dict({**LLAMA, "architectures": ["Qwen3ForCausalLM"], "head_dim": 64})
     assert (qwen3.attention_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 64)
 
