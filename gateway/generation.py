@@ -35,12 +35,17 @@ class Choice:
     cached_tokens: int = 0
 
 
+def _wrap_int64(value: int) -> int:
+    # The proto's seed is an int64; seed + i must not overflow it at the top of the range.
+    return (value + 2**63) % 2**64 - 2**63
+
+
 def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
     """n choices per prompt, each its own engine request; seeds differ so that samples do too."""
     choices = []
     for p, prompt in enumerate(prompts):
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            seed = None if params.seed is None else _wrap_int64(params.seed + i)
             index = p * params.n + i
             child = replace(params, n=1, seed=seed)
             choices.append(Choice(index, f"{request_id}-{index}", prompt, child, counts_prompt=i == 0))

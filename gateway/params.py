@@ -95,7 +95,7 @@ def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_le
     if max_tokens is None and longest >= max_model_len:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your "
                           f"prompt contains {longest} input tokens, leaving no room for output. Please "
-                          "reduce the length of the input prompt.", param="messages")
+                          "reduce the length of the input prompt.")
     if max_tokens is not None and longest + max_tokens > max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -106,6 +106,9 @@ def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_le
 
 def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingParams:
     """max_tokens None lets the scheduler fill the remaining context of each prompt."""
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).",
+                          param="min_tokens")
     stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
     return SamplingParams(
         n=req.n,

@@ -2,6 +2,7 @@
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ from aiohttp import web
 from gateway import params
 from gateway.engine_client import EngineClient, ModelSpec
 from gateway.errors import APIError, bad_request, internal, model_not_found
-from gateway.generation import Choice, Generation, fan_out
+from gateway.generation import Choice, ChoiceEvent, Generation, fan_out
 from gateway.request_id import current_request_id
 from gateway.responses import ChatResponses, CompletionResponses, ResponseBuilder
 from gateway.schemas import (ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields,
@@ -126,19 +127,21 @@ async def _generate(request: web.Request, builder: ResponseBuilder, choices: lis
     try:
         async with aclosing(generation.events()) as events:
             if stream:
-                response = await _stream(request, builder, generation, events)
-            else:
-                response = await _collect(builder, generation, events)
+                return await _stream(request, builder, generation, events, start)
+            return await _collect(builder, generation, events, start)
     except asyncio.CancelledError:
-        log.info("client_disconnected", elapsed_s=round(time.monotonic() - start, 3))
+        _log_end("client_disconnected", builder, generation, start)
         raise
+
+
+def _log_end(event: str, builder: ResponseBuilder, generation: Generation, start: float) -> None:
     usage = generation.usage()
-    log.info("request_finished", id=builder.id, prompt_tokens=usage.prompt_tokens,
+    log.info(event, id=builder.id, prompt_tokens=usage.prompt_tokens,
              completion_tokens=usage.completion_tokens, elapsed_s=round(time.monotonic() - start, 3))
-    return response
 
 
-async def _collect(builder: ResponseBuilder, generation: Generation, events) -> web.Response:
+async def _collect(builder: ResponseBuilder, generation: Generation, events: AsyncIterator[ChoiceEvent],
+                   start: float) -> web.Response:
     texts: list[list[str]] = [[] for _ in generation.choices]
     finals = []
     async for event in events:
@@ -146,11 +149,12 @@ async def _collect(builder: ResponseBuilder, generation: Generation, events) -> 
         if event.finish_reason is not None:
             finals.append(event)
     finals.sort(key=lambda e: e.index)
+    _log_end("request_finished", builder, generation, start)
     return _json(builder.response(["".join(t) for t in texts], finals, generation.usage()))
 
 
 async def _stream(request: web.Request, builder: ResponseBuilder, generation: Generation,
-                  events) -> web.StreamResponse:
+                  events: AsyncIterator[ChoiceEvent], start: float) -> web.StreamResponse:
     # Wait for the first text before sending headers, so that early failures get a real status code.
     first = await anext(events)
     sse = await SSEWriter.open(request)
@@ -163,7 +167,9 @@ async def _stream(request: web.Request, builder: ResponseBuilder, generation: Ge
         if builder.include_usage:
             await sse.send(builder.usage_chunk(generation.usage()))
     except ConnectionResetError:
-        raise
+        # The client left; the caller closing `events` cancels the engine calls.
+        _log_end("client_disconnected", builder, generation, start)
+        return sse.response
     except APIError as e:
         log.info("stream_failed", status=e.status, message=e.info.message)
         await sse.send_error(e)
@@ -171,5 +177,5 @@ async def _stream(request: web.Request, builder: ResponseBuilder, generation: Ge
         log.exception("stream_crashed")
         await sse.send_error(internal())
     await sse.close()
+    _log_end("request_finished", builder, generation, start)
     return sse.response
-

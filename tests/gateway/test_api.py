@@ -39,10 +39,13 @@ async def test_chat_non_stream(client, engine):
 async def test_chat_stream_equals_non_stream(client):
     args = dict(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
     whole = await client.chat.completions.create(**args)
-    chunks = [c async for c in await client.chat.completions.create(**args, stream=True)]
+    chunks = [c async for c in await client.chat.completions.create(
+        **args, stream=True, stream_options={"include_usage": True})]
+    *chunks, last = chunks
+    assert last.choices == [] and last.usage == whole.usage
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
-    assert all(c.id == whole.id.replace(whole.id, c.id) and c.id == chunks[0].id for c in chunks)
-    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+    assert len({(c.id, c.created, c.model, c.object) for c in chunks}) == 1
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].model == MODEL
     reasons = [c.choices[0].finish_reason for c in chunks]
     assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -120,6 +123,11 @@ async def test_stop_token_id(client, tokenizer):
     assert reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].model_extra["stop_reason"] == stop_id
     assert reply.usage.completion_tokens == 4
+
+
+async def test_largest_seed_wraps_for_the_second_choice(client, engine):
+    await client.completions.create(model=MODEL, prompt="x", max_tokens=1, n=2, seed=2**63 - 1)
+    assert sorted(r.params.seed for r in engine.requests) == [-2**63, 2**63 - 1]
 
 
 async def test_n_choices_fan_out(client, engine):

@@ -31,6 +31,7 @@ CASES = {
     "out-of-vocab prompt id": (COMPLETIONS, {"prompt": [1, 99999]}, "prompt"),
     "negative prompt id": (COMPLETIONS, {"prompt": [[-1]]}, "prompt"),
     "out-of-vocab stop_token_ids": (CHAT, {"messages": MSG, "stop_token_ids": [99999]}, "stop_token_ids"),
+    "min_tokens above max_tokens": (CHAT, {"messages": MSG, "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     "seed beyond int64": (CHAT, {"messages": MSG, "seed": 2**64}, "seed"),
     "non-object body": (CHAT, [1, 2], None),
     "string body": (CHAT, "hello", None),
