@@ -29,6 +29,14 @@ def make_tiny_model(arch: str, path: str | Path, **config_overrides) -> Path:
     config = config_class(**{**COMMON, **ARCH_CONFIGS[arch], **config_overrides})
     torch.manual_seed(0)
     model = getattr(transformers, arch)(config).to(torch.float32)
+    # transformers initialises norm weights to 1 and biases to 0, which would hide a swapped or
+    # dropped norm or bias; randomise them too.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return Path(path)
 
