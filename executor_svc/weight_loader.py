@@ -42,6 +42,7 @@ def fill_dummy(model: nn.Module, seed: int) -> None:
 @torch.no_grad()
 def load_safetensors(model: nn.Module, model_dir: Path) -> None:
     targets = checkpoint_targets(model)
+    # A tied model has no lm_head, yet some tied checkpoints still store a copy of the embeddings.
     tied = "lm_head.weight" not in targets
     loaded, unexpected = set(), []
     device = next(model.parameters()).device
@@ -70,14 +71,14 @@ def checkpoint_targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, i
     dim 0, e.g. `self_attn.q_proj.weight` into rows [0, q_size) of `self_attn.qkv_proj.weight`."""
     targets = {}
     for module_name, module in model.named_modules():
-        prefix = module_name.rpartition(".")[0] + "." if "." in module_name else ""
+        shards = getattr(module, "shards", None)
+        parent = module_name.rpartition(".")[0]
         for param_name, param in module.named_parameters(recurse=False):
-            full_name = f"{module_name}.{param_name}" if module_name else param_name
-            shards = getattr(module, "shards", None)
             if shards is None:
-                targets[full_name] = (param, 0, param.shape[0])
-            for shard, (start, size) in (shards or {}).items():
-                targets[f"{prefix}{shard}.{param_name}"] = (param, start, size)
+                targets[_join(module_name, param_name)] = (param, 0, param.shape[0])
+                continue
+            for shard, (start, size) in shards.items():
+                targets[_join(parent, shard, param_name)] = (param, start, size)
     return targets
 
 
@@ -99,6 +100,10 @@ def _copy(name: str, tensor: torch.Tensor, param: torch.Tensor, start: int, size
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but the model "
                          f"expects {tuple(target.shape)}; does config.json match the weights?")
     target.copy_(tensor)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
 
 
 def _few(names: list[str]) -> str:
