@@ -59,8 +59,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return engine_pb2.ModelInfo(
             served_model_name=self.config.name, max_model_len=self.info.max_model_len,
             vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids,
-            block_size=self.info.block_size, num_blocks=self.info.num_blocks,
-            num_free_blocks=s.block_manager.num_free_blocks, num_running=s.num_running,
+            block_size=self.info.block_size, num_blocks=s.block_manager.num_usable_blocks,
+            num_free_blocks=s.num_free_blocks, num_running=s.num_running,
             num_waiting=s.num_waiting, num_preemptions=s.num_preemptions)
 
 
