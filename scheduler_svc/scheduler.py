@@ -19,6 +19,9 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
                  eos_token_ids: list[int]) -> None:
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs ({config.max_num_seqs}) and max_num_batched_tokens "
+                             f"({config.max_num_batched_tokens}) must be at least 1")
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens

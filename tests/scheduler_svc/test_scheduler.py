@@ -204,6 +204,11 @@ def test_prompt_larger_than_the_kv_cache_is_rejected():
         add(s, 2, 9)
 
 
+def test_config_that_cannot_schedule_is_rejected():
+    with pytest.raises(ValueError, match="must be at least 1"):
+        make_scheduler(max_num_batched_tokens=0)
+
+
 def test_duplicate_ids_are_rejected():
     s = make_scheduler()
     add(s, 1, 3)
@@ -430,33 +435,38 @@ class Spec:
     abort_at: tuple[int, bool] | None
 
 
-tokens = st.integers(0, VOCAB - 1)
+any_token = st.integers(0, VOCAB - 1)
 
 
 @st.composite
 def specs(draw, prefixes: list[list[int]]) -> Spec:
     prefix = draw(st.sampled_from(prefixes + [[]]))
-    prompt = prefix + draw(st.lists(tokens, min_size=0 if prefix else 1, max_size=20))
+    prompt = prefix + draw(st.lists(any_token, min_size=0 if prefix else 1, max_size=20))
     max_tokens = draw(st.none() | st.integers(1, 24))
     params = SamplingParams(max_tokens=max_tokens, min_tokens=draw(st.integers(0, 3)),
-                            stop_token_ids=draw(st.lists(tokens, max_size=2)), ignore_eos=draw(st.booleans()))
+                            stop_token_ids=draw(st.lists(any_token, max_size=2)), ignore_eos=draw(st.booleans()))
     abort_at = draw(st.none() | st.tuples(st.integers(0, 40), st.booleans()))
     return Spec(draw(st.integers(0, 10)), prompt, params, abort_at)
 
 
 @st.composite
 def workloads(draw) -> tuple[dict, list[Spec]]:
-    engine = dict(block_size=draw(st.sampled_from([1, 2, 4, 8])), num_blocks=draw(st.integers(2, 12)),
-                  max_model_len=draw(st.integers(8, 64)), max_num_seqs=draw(st.integers(1, 6)),
-                  max_num_batched_tokens=draw(st.integers(1, 32)), enable_prefix_caching=draw(st.booleans()))
-    prefixes = draw(st.lists(st.lists(tokens, min_size=1, max_size=24), min_size=1, max_size=3))
+    engine = {"block_size": draw(st.sampled_from([1, 2, 4, 8])), "num_blocks": draw(st.integers(2, 12)),
+              "max_model_len": draw(st.integers(8, 64)), "max_num_seqs": draw(st.integers(1, 6)),
+              "max_num_batched_tokens": draw(st.integers(1, 32)),
+              "enable_prefix_caching": draw(st.booleans())}
+    prefixes = draw(st.lists(st.lists(any_token, min_size=1, max_size=24), min_size=1, max_size=3))
     return engine, draw(st.lists(specs(prefixes), min_size=2, max_size=12))
+
+
+def abort_due(s: Scheduler, accepted: dict[str, Spec], when: tuple[int, bool]) -> set[str]:
+    return {request_id for request_id, spec in accepted.items() if spec.abort_at == when and s.abort(request_id)}
 
 
 MAX_STEPS = 5000
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_match_the_unpreempted_reference(workload):
     engine, requests = workload
@@ -479,18 +489,12 @@ def test_random_workloads_match_the_unpreempted_reference(workload):
                     s.add(request)
                     accepted[request.request_id] = spec
                     outputs[request.request_id] = []
-
-        def abort(in_flight: bool) -> None:
-            for request_id, spec in accepted.items():
-                if spec.abort_at == (step_id, in_flight) and s.abort(request_id):
-                    aborted.add(request_id)
-
-        abort(False)
+        aborted |= abort_due(s, accepted, (step_id, False))
         plan = s.schedule()
         check_pool(s)
         assert plan.num_tokens <= engine["max_num_batched_tokens"]
         assert len(plan.new_requests) + len(plan.continuing) <= engine["max_num_seqs"]
-        abort(True)
+        aborted |= abort_due(s, accepted, (step_id, True))
         result = executor.run(plan)
         assert set(executor.seqs) == {r.seq_id for r in s.running} | set(s.dropped)
         for r in s.running:
