@@ -1,5 +1,6 @@
 """Paged KV block pool: ref counts, an LRU free list and a prefix cache keyed by chained block hashes."""
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 NULL_BLOCK = 0
@@ -57,11 +58,11 @@ class BlockManager:
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self.block_size
 
-    def can_allocate(self, num_new: int, cached: list[int] = ()) -> bool:
+    def can_allocate(self, num_new: int, cached: Sequence[int] = ()) -> bool:
         revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         return num_new + revived <= len(self.free_ids)
 
-    def allocate(self, num_new: int, cached: list[int] = ()) -> list[int]:
+    def allocate(self, num_new: int, cached: Sequence[int] = ()) -> list[int]:
         """Takes a reference on each `cached` block (reviving free ones), then appends `num_new` fresh blocks."""
         for block_id in cached:
             block = self.blocks[block_id]
