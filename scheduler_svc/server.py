@@ -3,6 +3,7 @@ import argparse
 import asyncio
 
 import grpc
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
@@ -29,6 +30,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.info = info
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        # Each RPC runs in its own task, so the bound id stays with this request's events.
+        trace_id = dict(context.invocation_metadata() or ()).get("x-request-id", request.request_id)
+        structlog.contextvars.bind_contextvars(request_id=trace_id)
+        log.debug("request_received", engine_request_id=request.request_id,
+                  prompt_tokens=len(request.prompt_token_ids))
         try:
             params = params_from_proto(request.params)
             _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params)
@@ -48,6 +54,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             # Runs on cancellation too (client gone, deadline): the abort frees the request's blocks.
             if not finished:
                 self.loop.abort(request.request_id)
+            log.debug("request_finished" if finished else "request_aborted",
+                      engine_request_id=request.request_id)
 
     async def Abort(self, request: engine_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
