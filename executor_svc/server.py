@@ -1,5 +1,6 @@
 """gRPC server around the model runner: Describe, and a Run stream of step plans."""
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -34,11 +35,17 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.busy = True
         loop = asyncio.get_running_loop()
         log.info("scheduler_attached")
+        sent = 0
         try:
             async for message in request_iterator:
+                received = time.perf_counter_ns()
                 plan = plan_from_proto(message)
                 result = await loop.run_in_executor(self.pool, self.runner.run, plan)
+                if sent:
+                    result.idle_ns = received - sent
                 yield result_to_proto(result)
+                # The generator resumes once the result is handed to gRPC: the GPU idles from here.
+                sent = time.perf_counter_ns()
         finally:
             self.busy = False
             await loop.run_in_executor(self.pool, self.runner.reset)

@@ -49,6 +49,9 @@ class StepResult:
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     forward_ns: int = 0
+    # Time the executor waited for this plan after sending the previous result: what the
+    # control path (scheduling, RPC) costs the GPU.
+    idle_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -98,11 +101,11 @@ def plan_from_proto(m: pb.StepPlan) -> StepPlan:
 
 def result_to_proto(r: StepResult) -> pb.StepResult:
     return pb.StepResult(step_id=r.step_id, seq_ids=r.seq_ids, token_ids=r.token_ids,
-                         forward_ns=r.forward_ns)
+                         forward_ns=r.forward_ns, idle_ns=r.idle_ns)
 
 
 def result_from_proto(m: pb.StepResult) -> StepResult:
-    return StepResult(m.step_id, list(m.seq_ids), list(m.token_ids), m.forward_ns)
+    return StepResult(m.step_id, list(m.seq_ids), list(m.token_ids), m.forward_ns, m.idle_ns)
 
 
 def info_to_proto(i: ExecutorInfo) -> pb.ExecutorInfo:
