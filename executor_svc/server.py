@@ -2,10 +2,9 @@
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 
 from executor_svc.model_runner import ModelRunner
 from pagedserve import service
@@ -58,14 +57,7 @@ async def serve(config: EngineConfig, address: str) -> None:
     info = runner.describe()
     log.info("executor_ready", address=address, device=info.device, dtype=info.dtype,
              num_blocks=info.num_blocks, block_size=info.block_size)
-    server = service.server()
-    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorService(runner), server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    if not server.add_insecure_port(address):
-        raise SystemExit(f"executor: cannot listen on {address}")
-    await server.start()
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    running = await service.start("executor", address, partial(
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(runner)))
     await service.wait_for_signal()
-    await health.enter_graceful_shutdown()
-    await server.stop(grace=2)
+    await running.stop()

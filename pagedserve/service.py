@@ -2,9 +2,12 @@
 import asyncio
 import signal
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -16,8 +19,27 @@ def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=OPTIONS)
 
 
-def server() -> grpc.aio.Server:
-    return grpc.aio.server(options=OPTIONS)
+@dataclass(slots=True)
+class Service:
+    server: grpc.aio.Server
+    health: health_aio.HealthServicer
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace=2)
+
+
+async def start(name: str, address: str, add_servicer: Callable[[grpc.aio.Server], None]) -> Service:
+    """Serves one gRPC service plus the standard health service at `address`, reporting SERVING."""
+    server = grpc.aio.server(options=OPTIONS)
+    add_servicer(server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if not server.add_insecure_port(address):
+        raise SystemExit(f"{name}: cannot listen on {address}")
+    await server.start()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    return Service(server, health)
 
 
 async def wait_serving(address: str, timeout: float, service: str = "") -> None:

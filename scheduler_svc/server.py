@@ -1,11 +1,10 @@
 """gRPC server around the scheduler core: the Engine service for gateways and backend services."""
 import argparse
 import asyncio
+from functools import partial
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 
 from pagedserve import service
 from pagedserve.config import EngineConfig
@@ -97,21 +96,14 @@ async def serve(config: EngineConfig, address: str, executor_address: str,
         scheduler = Scheduler(config, num_blocks=info.num_blocks, max_model_len=info.max_model_len,
                               eos_token_ids=info.eos_token_ids)
         loop = EngineLoop(scheduler, executor)
-        server = service.server()
-        engine_pb2_grpc.add_EngineServicer_to_server(EngineService(loop, config, info), server)
-        health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        if not server.add_insecure_port(address):
-            raise SystemExit(f"scheduler: cannot listen on {address}")
-        await server.start()
-        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        running = await service.start("scheduler", address, partial(
+            engine_pb2_grpc.add_EngineServicer_to_server, EngineService(loop, config, info)))
         log.info("scheduler_ready", address=address, num_blocks=info.num_blocks,
                  block_size=info.block_size, max_model_len=info.max_model_len)
         stepping = asyncio.create_task(loop.run())
         signalled = asyncio.create_task(service.wait_for_signal())
         done, _ = await asyncio.wait({stepping, signalled}, return_when=asyncio.FIRST_COMPLETED)
-        await health.enter_graceful_shutdown()
-        await server.stop(grace=2)
+        await running.stop()
         stepping.cancel()
         signalled.cancel()
         if stepping in done:
