@@ -68,7 +68,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids,
             block_size=self.info.block_size, num_blocks=s.block_manager.num_usable_blocks,
             num_free_blocks=s.num_free_blocks, num_running=s.num_running,
-            num_waiting=s.num_waiting, num_preemptions=s.num_preemptions)
+            num_waiting=s.num_waiting, num_preemptions=s.num_preemptions, kv_cache_usage=s.kv_usage,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            gpu_memory_utilization=self.config.gpu_memory_utilization)
 
 
 def params_from_proto(p: engine_pb2.SamplingParams) -> SamplingParams:

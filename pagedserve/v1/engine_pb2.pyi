@@ -83,7 +83,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_preemptions")
+    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching", "gpu_memory_utilization")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,11 @@ class ModelInfo(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
     vocab_size: int
@@ -104,4 +109,9 @@ class ModelInfo(_message.Message):
     num_running: int
     num_waiting: int
     num_preemptions: int
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., gpu_memory_utilization: _Optional[float] = ...) -> None: ...
