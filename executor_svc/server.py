@@ -34,17 +34,18 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.busy = True
         loop = asyncio.get_running_loop()
         log.info("scheduler_attached")
-        sent = 0
+        # Between one step's end and the next one's start the model has nothing to do: that gap
+        # is what the control path (result and plan encoding, RPC, scheduling) costs the GPU.
+        done = 0
         try:
             async for message in request_iterator:
-                received = time.perf_counter_ns()
                 plan = plan_from_proto(message)
+                start = time.perf_counter_ns()
                 result = await loop.run_in_executor(self.pool, self.runner.run, plan)
-                if sent:
-                    result.idle_ns = received - sent
+                if done:
+                    result.idle_ns = start - done
+                done = time.perf_counter_ns()
                 yield result_to_proto(result)
-                # The generator resumes once the result is handed to gRPC: the GPU idles from here.
-                sent = time.perf_counter_ns()
         finally:
             self.busy = False
             await loop.run_in_executor(self.pool, self.runner.reset)

@@ -1,0 +1,23 @@
+from pagedserve.plan import (ContinuingRequest, NewRequest, SamplingOptions, StepPlan, StepResult,
+                             plan_from_proto, plan_to_proto, result_from_proto, result_to_proto)
+from pagedserve.v1 import executor_pb2 as pb
+
+
+def test_plan_survives_the_wire():
+    plan = StepPlan(7,
+                    new_requests=[NewRequest(3, [5, 6, 7], 0, 3, [4], SamplingOptions(0.5, 0.75, 4, 0.125, 11)),
+                                  NewRequest(4, [8], 0, 1, [9], SamplingOptions())],
+                    continuing=[ContinuingRequest(1, 1, []), ContinuingRequest(2, 16, [10, 11])],
+                    dropped=[5, 6])
+    wire = pb.StepPlan.FromString(plan_to_proto(plan).SerializeToString())
+    back = plan_from_proto(wire)
+    assert back == StepPlan(7, [NewRequest(3, [5, 6, 7], 0, 3, [4], SamplingOptions(0.5, 0.75, 4, 0.125, 11)),
+                                NewRequest(4, [8], 0, 1, [9], SamplingOptions())],
+                            [ContinuingRequest(1, 1, []), ContinuingRequest(2, 16, [10, 11])], [5, 6])
+    assert all(type(r.new_block_ids) is list for r in back.continuing)
+
+
+def test_result_survives_the_wire():
+    result = StepResult(7, [1, 2], [30, 40], forward_ns=1500, idle_ns=250)
+    wire = pb.StepResult.FromString(result_to_proto(result).SerializeToString())
+    assert result_from_proto(wire) == result
