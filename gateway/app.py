@@ -1,11 +1,13 @@
 """The aiohttp application: routes and middlewares."""
 from aiohttp import web
 
-from gateway import routes
+from gateway import ops_routes, routes, tokenize_routes
+from gateway.auth import auth_middleware
+from gateway.cors import CORS
 from gateway.engine_client import EngineClient
 from gateway.errors import MAX_BODY_BYTES, error_middleware
 from gateway.request_id import request_id_middleware
-from gateway.routes import GATEWAY, Gateway
+from gateway.state import GATEWAY, Gateway
 from gateway.tokenizer import Tokenizer
 
 
@@ -13,16 +15,32 @@ async def _close_engine(app: web.Application) -> None:
     await app[GATEWAY].engine.close()
 
 
-def build_app(tokenizer: Tokenizer, scheduler_address: str,
-              served_model_name: str | None = None) -> web.Application:
-    """The gateway app; serve it with handler_cancellation=True (see gateway.server.start)."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES,
-                          middlewares=[request_id_middleware, error_middleware])
-    app[GATEWAY] = Gateway(EngineClient(scheduler_address), tokenizer, served_model_name)
+def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_name: str | None = None, *,
+              api_key: str | None = None, protect_metrics: bool = False,
+              allowed_origins: list[str] | None = None) -> web.Application:
+    """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
+
+    With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
+    """
+    middlewares = [request_id_middleware, error_middleware]
+    cors = CORS(allowed_origins) if allowed_origins else None
+    if cors:
+        middlewares.append(cors.preflight)
+    if api_key:
+        open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
+        middlewares.append(auth_middleware(api_key, frozenset(open_paths)))
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+    if cors:
+        app.on_response_prepare.append(cors.on_prepare)
+    app[GATEWAY] = Gateway(EngineClient(scheduler_address), tokenizer, served_model_name=served_model_name)
     app.on_cleanup.append(_close_engine)
-    app.router.add_get("/health", routes.health)
+    app.router.add_get("/health", ops_routes.health)
+    app.router.add_get("/version", ops_routes.version_info)
+    app.router.add_get("/metrics", ops_routes.metrics)
     app.router.add_get("/v1/models", routes.list_models)
     app.router.add_get("/v1/models/{model:.+}", routes.get_model)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_post("/tokenize", tokenize_routes.tokenize)
+    app.router.add_post("/detokenize", tokenize_routes.detokenize)
     return app

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.errors import APIError, bad_request, internal, unavailable
+from gateway.errors import APIError, bad_request, internal, overloaded, unavailable
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import engine_pb2 as pb
 from pagedserve.v1.engine_pb2_grpc import EngineStub
@@ -31,7 +31,7 @@ def _api_error(e: grpc.aio.AioRpcError) -> APIError:
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
         return bad_request(e.details() or "The scheduler rejected the request.")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return unavailable("The server is overloaded; retry shortly.")
+        return overloaded()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         # Details name socket addresses, which a client must not see.
         return unavailable("The scheduler is unavailable; retry shortly.")

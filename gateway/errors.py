@@ -34,8 +34,8 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
 
 
 def unsupported(what: str, param: str) -> APIError:
@@ -51,6 +51,17 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable", headers={"Retry-After": "1"})
 
 
+def overloaded() -> APIError:
+    return APIError(503, "The server is overloaded; retry shortly.", type="service_unavailable",
+                    code="server_overloaded", headers={"Retry-After": "1"})
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Missing or incorrect API key: send it as the header `Authorization: Bearer "
+                    "<key>`, with the key the server was started with (--api-key or PAGEDSERVE_API_KEY).",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
 def internal(message: str = "The server had an error while processing your request.") -> APIError:
     return APIError(500, message, type="internal_server_error", headers={"x-should-retry": "false"})
 
@@ -59,7 +70,8 @@ _encoder = msgspec.json.Encoder()
 
 # Statuses aiohttp raises itself (routing, body size, methods) with messages that tell the client what to do.
 _HTTP_MESSAGES = {
-    404: "Not found: this server serves /v1/models, /v1/completions, /v1/chat/completions and /health.",
+    404: "Not found: this server serves /v1/models, /v1/completions, /v1/chat/completions, /tokenize, "
+         "/detokenize, /version, /health and /metrics.",
     405: "Method not allowed on this path.",
     413: f"Request body too large: the limit is {MAX_BODY_BYTES} bytes.",
 }

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import EngineClient
 from gateway.errors import internal, unavailable
+from gateway.metrics import ChoiceStats, ModelMetrics
 from gateway.schemas import PromptTokensDetails, Usage
 from gateway.tokenizer import Tokenizer
 from pagedserve.sampling_params import SamplingParams
@@ -56,11 +57,14 @@ class Generation:
     """Runs the choices of one request concurrently; events() yields their text as it is produced."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, choices: list[Choice],
-                 trace_id: str) -> None:
+                 trace_id: str, metrics: ModelMetrics, arrival: float) -> None:
         self._engine = engine
         self._trace_id = trace_id
         self._tokenizer = tokenizer
         self.choices = choices
+        self.metrics = metrics
+        # time.monotonic() when the HTTP request arrived: latencies count from there.
+        self._arrival = arrival
 
     def usage(self) -> Usage:
         # The n choices of one prompt share it: its tokens count once, as OpenAI counts them.
@@ -88,18 +92,26 @@ class Generation:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run(self, choice: Choice, queue: asyncio.Queue) -> None:
+        stats = ChoiceStats(self.metrics, self._arrival)
+        finish_reason = None
         try:
-            queue.put_nowait(await self._stream(choice, queue))
+            event = await self._stream(choice, queue, stats)
+            finish_reason = event.finish_reason
+            queue.put_nowait(event)
         except Exception as e:
             queue.put_nowait(e)
+        finally:
+            prompt_tokens = len(choice.prompt_token_ids) if choice.counts_prompt else 0
+            stats.end(finish_reason, prompt_tokens, choice.completion_tokens)
 
-    async def _stream(self, choice: Choice, queue: asyncio.Queue) -> ChoiceEvent:
+    async def _stream(self, choice: Choice, queue: asyncio.Queue, stats: ChoiceStats) -> ChoiceEvent:
         p = choice.params
         detok = IncrementalDetokenizer(self._tokenizer, p.skip_special_tokens, p.stop,
                                        p.include_stop_str_in_output, choice.prompt_token_ids)
         async with aclosing(self._engine.generate(choice.request_id, choice.prompt_token_ids, p,
                                                    self._trace_id)) as stream:
             async for response in stream:
+                stats.response()
                 choice.completion_tokens += len(response.token_ids)
                 choice.cached_tokens = max(choice.cached_tokens, response.cached_tokens)
                 text = detok.add(response.token_ids)

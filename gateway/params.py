@@ -1,6 +1,6 @@
 """Turns a decoded OpenAI request into prompt token ids and SamplingParams, rejecting what cannot run."""
 from gateway.errors import bad_request, model_not_found, unsupported
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from gateway.tokenizer import ChatTemplateError, Tokenizer
 from pagedserve.sampling_params import SamplingParams
 
@@ -43,19 +43,21 @@ def _message_text(content: str | list | None, index: int) -> str | None:
     return "\n".join(part.text for part in content)
 
 
-def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
-    messages = []
-    for i, m in enumerate(req.messages):
+def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                add_special_tokens: bool = False) -> list[int]:
+    """The templated chat's token ids; the template writes the special tokens (BOS included), so
+    add_special_tokens=True would add them twice (vLLM's /tokenize offers it all the same)."""
+    rendered = []
+    for i, m in enumerate(messages):
         message = {"role": m.role, "content": _message_text(m.content, i)}
         if m.name is not None:
             message["name"] = m.name
-        messages.append(message)
+        rendered.append(message)
     try:
-        text = tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt)
     except ChatTemplateError as e:
         raise bad_request(f"Cannot build a prompt from these messages: {e}", param="messages") from e
-    # The template writes the special tokens (BOS included), so encoding must not add them again.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> tuple[list[list[int]], list[str | None]]:
@@ -95,13 +97,14 @@ def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_le
     if max_tokens is None and longest >= max_model_len:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your "
                           f"prompt contains {longest} input tokens, leaving no room for output. Please "
-                          "reduce the length of the input prompt.")
+                          "reduce the length of the input prompt.", code="context_length_exceeded")
     if max_tokens is not None and longest + max_tokens > max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{max_tokens} output tokens and your prompt contains at least {longest} input tokens, for "
             f"a total of at least {longest + max_tokens} tokens. Please reduce the length of the input "
-            "prompt or the number of requested output tokens.", param="max_tokens")
+            "prompt or the number of requested output tokens.", param="max_tokens",
+            code="context_length_exceeded")
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingParams:

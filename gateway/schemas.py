@@ -74,6 +74,21 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: int | None = None
 
 
+class TokenizeRequest(Struct, kw_only=True):
+    """vLLM's /tokenize: either `prompt` or `messages` (rendered with the chat template)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+    # Unset means vLLM's defaults: true for a prompt, false for messages (the template adds them).
+    add_special_tokens: bool | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[Int32]
+
+
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
@@ -177,3 +192,13 @@ class Model(Struct):
 class ModelList(Struct):
     data: list[Model]
     object: str = "list"
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(Struct):
+    prompt: str

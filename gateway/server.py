@@ -1,6 +1,8 @@
 """Gateway entry point: flags, startup and graceful shutdown."""
 import argparse
 import asyncio
+import json
+import os
 import signal
 
 from aiohttp import web
@@ -34,6 +36,25 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     _add_once(g, "--served-model-name", default=None,
               help="the model name clients send; defaults to the scheduler's")
     _add_once(g, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_access_args(g)
+
+
+def add_access_args(group: argparse._ActionsContainer) -> None:
+    """API key and CORS flags, shared with `pagedserve serve`."""
+    group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on every route but /health (and /metrics); "
+                            "defaults to $PAGEDSERVE_API_KEY, which, unlike a flag, process listings do not show")
+    group.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
+    group.add_argument("--allowed-origins", type=parse_origins, default=[],
+                       help="CORS: origins browsers may call the API from, comma-separated or a JSON list; "
+                            "* allows any")
+
+
+def parse_origins(value: str) -> list[str]:
+    """A JSON list (vLLM's form) or a comma-separated list."""
+    if value.lstrip().startswith("["):
+        return [str(o) for o in json.loads(value)]
+    return [o.strip() for o in value.split(",") if o.strip()]
 
 
 async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
@@ -47,13 +68,15 @@ async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
 
 async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     """Serves until SIGINT or SIGTERM, then stops accepting and drains in-flight requests."""
-    app = build_app(tokenizer, args.scheduler_address, args.served_model_name)
+    app = build_app(tokenizer, args.scheduler_address, args.served_model_name, api_key=args.api_key,
+                    protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins)
     runner = await start(app, args.host, args.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    log.info("gateway_listening", host=args.host, port=args.port, scheduler=args.scheduler_address)
+    log.info("gateway_listening", host=args.host, port=args.port, scheduler=args.scheduler_address,
+             api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins)
     await stop.wait()
     log.info("gateway_stopping")
     await runner.cleanup()

@@ -1,6 +1,8 @@
 """The `pagedserve` command: serve the whole stack, run one service, build the demo model."""
 import argparse
 import asyncio
+import json
+import os
 import sys
 
 from pagedserve.config import add_engine_args, config_from_args, config_to_argv
@@ -31,11 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--scheduler-address", default=None,
                        help="also expose the scheduler's gRPC Engine service here (e.g. 127.0.0.1:50051)")
     serve.add_argument("--startup-timeout", type=float, default=900.0)
+    from gateway.server import add_access_args, add_gateway_args
+    add_access_args(serve)
     add_engine_args(serve)
     serve.set_defaults(run=run_serve)
 
     gateway = sub.add_parser("gateway", parents=[common, model], help="run the OpenAI REST gateway")
-    from gateway.server import add_gateway_args
     add_gateway_args(gateway)
     gateway.set_defaults(run=run_gateway)
 
@@ -81,6 +84,13 @@ def run_serve(args: argparse.Namespace) -> int:
     args.model = _model_dir(args)
     config = config_from_args(args)
     gateway_argv = ["--served-model-name", config.name, "--log-level", args.log_level]
+    if args.api_key:
+        # The gateway child inherits the environment; in its argv the key would show in process listings.
+        os.environ["PAGEDSERVE_API_KEY"] = args.api_key
+    if args.protect_metrics:
+        gateway_argv.append("--protect-metrics")
+    if args.allowed_origins:
+        gateway_argv += ["--allowed-origins", json.dumps(args.allowed_origins)]
     engine_argv = config_to_argv(config) + ["--log-level", args.log_level]
     return serve(args.model, engine_argv, gateway_argv, args.host, args.port,
                  args.scheduler_address, args.startup_timeout)

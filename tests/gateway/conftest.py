@@ -20,6 +20,10 @@ MODEL = "tiny-model"
 MAX_MODEL_LEN = 256
 CACHED_TOKENS = 3
 REPLY = "Hello wörld 😀 and 🎉! The quick brown fox jumps over the lazy dog. "
+# What the fake scheduler reports about itself in ModelInfo.
+ENGINE_STATS = dict(block_size=16, num_blocks=100, num_free_blocks=75, num_running=2, num_waiting=1,
+                    num_preemptions=4, kv_cache_usage=0.25, prefix_cache_queries=90, prefix_cache_hits=30,
+                    enable_prefix_caching=True, gpu_memory_utilization=0.9)
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -69,6 +73,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.vocab_size = tokenizer.vocab_size
         self.delay = 0.001
         self.fail_after: int | None = None
+        self.reject: grpc.StatusCode | None = None
         self.requests: list[pb.GenerateRequest] = []
         self.metadata: list[dict] = []
         self.cancelled: dict[str, float] = {}
@@ -78,6 +83,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     async def Generate(self, request, context):
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
+        if self.reject is not None:
+            await context.abort(self.reject, "rejected by the fake engine")
         p = request.params
         limit = p.max_tokens or MAX_MODEL_LEN - len(request.prompt_token_ids)
         finished = False
@@ -106,7 +113,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
     async def GetModelInfo(self, request, context):
         return pb.ModelInfo(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
-                            vocab_size=self.vocab_size, eos_token_ids=[self.eos])
+                            vocab_size=self.vocab_size, eos_token_ids=[self.eos], **ENGINE_STATS)
 
     async def wait_cancelled(self, count: int = 1, timeout: float = 2.0) -> None:
         deadline = time.monotonic() + timeout
@@ -126,10 +133,25 @@ async def engine(tokenizer):
     await server.stop(0)
 
 
-async def _serve(tokenizer, address: str):
-    runner = await start(build_app(tokenizer, address), "127.0.0.1", 0)
+async def _serve(tokenizer, address: str, **options):
+    runner = await start(build_app(tokenizer, address, **options), "127.0.0.1", 0)
     host, port = runner.addresses[0][:2]
     return runner, f"http://{host}:{port}"
+
+
+@pytest.fixture
+async def serve(engine, tokenizer):
+    """Starts gateways on the fake engine with build_app's options; returns their base URLs."""
+    runners = []
+
+    async def start_one(**options) -> str:
+        runner, url = await _serve(tokenizer, engine.address, **options)
+        runners.append(runner)
+        return url
+
+    yield start_one
+    for runner in runners:
+        await runner.cleanup()
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The gateway as its own process: flags, readiness, and a SIGTERM that lets in-flight streams finish."""
 import argparse
 import asyncio
+import os
 import signal
 import socket
 import sys
@@ -61,3 +62,21 @@ async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch):
+    from pagedserve import cli, launcher
+
+    calls = []
+    monkeypatch.setattr(launcher, "serve", lambda *a: calls.append(a) or 0)
+    # setenv, unlike delenv of an unset name, makes monkeypatch restore the variable run_serve sets.
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "")
+    assert cli.main(["serve", "/models/m", "--api-key", "sk-secret", "--protect-metrics",
+                     "--allowed-origins", "https://a.example,https://b.example"]) == 0
+    gateway_argv = calls[0][2]
+    assert "sk-secret" not in " ".join(gateway_argv) and os.environ["PAGEDSERVE_API_KEY"] == "sk-secret"
+    args = argparse.ArgumentParser()
+    add_gateway_args(args)
+    parsed = args.parse_args(gateway_argv)
+    assert parsed.api_key == "sk-secret" and parsed.protect_metrics
+    assert parsed.allowed_origins == ["https://a.example", "https://b.example"]

@@ -1,0 +1,34 @@
+"""What the handlers share: the engine connection, the tokenizer, the metrics and the served name."""
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from gateway.engine_client import EngineClient, ModelSpec
+from gateway.metrics import Metrics, ModelMetrics
+from gateway.tokenizer import Tokenizer
+
+
+@dataclass(slots=True, frozen=True)
+class ServedModel:
+    name: str
+    spec: ModelSpec
+    metrics: ModelMetrics
+
+
+@dataclass(slots=True)
+class Gateway:
+    engine: EngineClient
+    tokenizer: Tokenizer
+    metrics: Metrics = field(default_factory=Metrics)
+    served_model_name: str | None = None
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    async def model(self) -> ServedModel:
+        """The model clients address; raises a 503 APIError until the scheduler has answered once."""
+        spec = await self.engine.model_spec()
+        name = self.served_model_name or spec.served_model_name
+        return ServedModel(name, spec, self.metrics.bind(name, spec.max_model_len))
+
+
+GATEWAY = web.AppKey("gateway", Gateway)

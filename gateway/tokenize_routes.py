@@ -1,0 +1,32 @@
+"""vLLM's /tokenize and /detokenize: the served model's tokenizer and chat template, no generation."""
+from aiohttp import web
+
+from gateway import params
+from gateway.errors import bad_request
+from gateway.routes import json_response, read_json
+from gateway.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from gateway.state import GATEWAY
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    req = await read_json(request, TokenizeRequest)
+    gateway = request.app[GATEWAY]
+    served = await gateway.model()
+    params.resolve_model(req.model, served.name)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("Send exactly one of `prompt` (text) or `messages` (a chat).", param="prompt")
+    if req.messages is not None:
+        tokens = params.chat_prompt(gateway.tokenizer, req.messages, req.add_generation_prompt,
+                                    bool(req.add_special_tokens))
+    else:
+        tokens = gateway.tokenizer.encode(req.prompt, req.add_special_tokens is not False)
+    return json_response(TokenizeResponse(len(tokens), served.spec.max_model_len, tokens))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    req = await read_json(request, DetokenizeRequest)
+    gateway = request.app[GATEWAY]
+    params.resolve_model(req.model, (await gateway.model()).name)
+    params.check_token_ids(req.tokens, gateway.tokenizer.vocab_size, "tokens")
+    # Special tokens are kept, so that detokenize(tokenize(text)) shows exactly what the model sees.
+    return json_response(DetokenizeResponse(gateway.tokenizer.decode(req.tokens, skip_special_tokens=False)))

@@ -1,0 +1,89 @@
+"""vLLM's /tokenize and /detokenize, /version, and /health across a scheduler that starts late."""
+import asyncio
+import time
+from importlib.metadata import version
+
+import grpc
+
+from conftest import MAX_MODEL_LEN, MODEL, FakeEngine
+from pagedserve.v1 import engine_pb2_grpc
+
+CHAT = [{"role": "user", "content": "Grüße 😀"}]
+
+
+async def _post(http, url: str, body: dict) -> tuple[int, dict]:
+    async with http.post(url, json=body) as r:
+        return r.status, await r.json()
+
+
+async def test_tokenize_prompt(http, base_url, tokenizer):
+    status, reply = await _post(http, f"{base_url}/tokenize", {"model": MODEL, "prompt": "Hello wörld"})
+    assert status == 200
+    assert reply == {"count": len(reply["tokens"]), "max_model_len": MAX_MODEL_LEN,
+                     "tokens": tokenizer.encode("Hello wörld")}
+    assert reply["tokens"][0] == tokenizer.bos_token_id
+    _, bare = await _post(http, f"{base_url}/tokenize", {"prompt": "Hello wörld", "add_special_tokens": False})
+    assert bare["tokens"] == reply["tokens"][1:]
+
+
+async def test_tokenize_messages_matches_what_chat_sends(http, base_url, engine, tokenizer):
+    _, reply = await _post(http, f"{base_url}/tokenize", {"messages": CHAT})
+    status, _ = await _post(http, f"{base_url}/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})
+    assert status == 200
+    assert reply["tokens"] == list(engine.requests[-1].prompt_token_ids)
+    assert reply["tokens"].count(tokenizer.bos_token_id) == 1
+    _, bare = await _post(http, f"{base_url}/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    assert tokenizer.decode(reply["tokens"], False).endswith("<|assistant|>")
+    assert not tokenizer.decode(bare["tokens"], False).endswith("<|assistant|>")
+
+
+async def test_detokenize_round_trip(http, base_url, tokenizer):
+    _, tokens = await _post(http, f"{base_url}/tokenize", {"prompt": "Party 🎉 time"})
+    status, reply = await _post(http, f"{base_url}/detokenize", {"model": MODEL, "tokens": tokens["tokens"]})
+    assert status == 200 and reply == {"prompt": "<s>Party 🎉 time"}
+
+
+async def test_tokenize_errors(http, base_url):
+    cases = [
+        ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "x", "messages": CHAT}, 400, "prompt"),
+        ("/tokenize", {"messages": []}, 400, "messages"),
+        ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        ("/detokenize", {"model": "other", "tokens": [1]}, 404, "model"),
+    ]
+    for path, body, expected, param in cases:
+        status, reply = await _post(http, base_url + path, body)
+        assert (status, reply["error"]["param"]) == (expected, param), (path, body, reply)
+        assert set(reply["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_version(http, base_url):
+    async with http.get(f"{base_url}/version") as r:
+        assert r.status == 200 and await r.json() == {"version": version("pagedserve")}
+
+
+async def test_health_turns_ready_when_the_scheduler_comes_up(http, tokenizer, unused_tcp_port):
+    from conftest import _serve
+
+    runner, url = await _serve(tokenizer, f"127.0.0.1:{unused_tcp_port}")
+    server = grpc.aio.server()
+    try:
+        for _ in range(3):
+            async with http.get(f"{url}/health") as r:
+                assert r.status == 503 and r.headers["Retry-After"]
+            await asyncio.sleep(0.3)
+        engine_pb2_grpc.add_EngineServicer_to_server(FakeEngine(tokenizer), server)
+        server.add_insecure_port(f"127.0.0.1:{unused_tcp_port}")
+        await server.start()
+        started = time.monotonic()
+        while True:
+            async with http.get(f"{url}/health") as r:
+                if r.status == 200:
+                    break
+            assert time.monotonic() - started < 3, "the gateway did not see the scheduler come up"
+            await asyncio.sleep(0.1)
+    finally:
+        await runner.cleanup()
+        await server.stop(0)

@@ -1,0 +1,117 @@
+"""/metrics: Prometheus text whose counts and sums add up to exactly the traffic sent."""
+import asyncio
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import ENGINE_STATS, MODEL
+
+P, G, N = 7, 5, 4  # prompt tokens, generated tokens, requests
+
+
+async def scrape(http, base_url: str, **headers) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value}."""
+    async with http.get(f"{base_url}/metrics", headers=headers) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples[(f"pagedserve:{name}", tuple(sorted({"model_name": MODEL, **labels}.items())))]
+
+
+async def _request(http, base_url: str, stream: bool) -> None:
+    body = {"prompt": list(range(10, 10 + P)), "max_tokens": G, "stream": stream}
+    async with http.post(f"{base_url}/v1/completions", json=body) as r:
+        assert r.status == 200
+        await r.read()
+
+
+async def test_counts_and_sums_match_the_traffic(http, base_url):
+    await asyncio.gather(*[_request(http, base_url, stream=i % 2 == 0) for i in range(N)])
+    m = await scrape(http, base_url)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "request_params_n", "request_params_max_tokens"):
+        assert value(m, f"{name}_count") == N, name
+    assert value(m, "inter_token_latency_seconds_count") == N * (G - 1)
+    assert value(m, "request_prompt_tokens_sum") == N * P
+    assert value(m, "request_generation_tokens_sum") == N * G
+    assert value(m, "request_params_max_tokens_sum") == N * G
+    assert value(m, "prompt_tokens_total") == N * P
+    assert value(m, "generation_tokens_total") == N * G
+    assert value(m, "request_success_total", finished_reason="length") == N
+    assert value(m, "request_success_total", finished_reason="stop") == 0
+    assert value(m, "http_requests_client_disconnected_total") == 0
+    assert value(m, "time_to_first_token_seconds_bucket", le="+Inf") == N
+    assert value(m, "request_prompt_tokens_bucket", le="5.0") == 0
+    assert value(m, "request_prompt_tokens_bucket", le="10.0") == N
+
+
+async def test_n_choices_count_the_prompt_once(http, base_url):
+    body = {"prompt": list(range(10, 10 + P)), "max_tokens": G, "n": 3}
+    async with http.post(f"{base_url}/v1/completions", json=body) as r:
+        assert r.status == 200
+    m = await scrape(http, base_url)
+    assert value(m, "prompt_tokens_total") == P and value(m, "generation_tokens_total") == 3 * G
+    assert value(m, "request_success_total", finished_reason="length") == 3
+    assert value(m, "request_params_n_sum") == 3 and value(m, "request_params_n_count") == 1
+
+
+async def test_engine_series_come_from_the_scheduler(http, base_url):
+    m = await scrape(http, base_url)
+    assert value(m, "num_requests_running") == ENGINE_STATS["num_running"]
+    assert value(m, "num_requests_waiting") == ENGINE_STATS["num_waiting"]
+    assert value(m, "kv_cache_usage_perc") == ENGINE_STATS["kv_cache_usage"]
+    assert value(m, "num_preemptions_total") == ENGINE_STATS["num_preemptions"]
+    assert value(m, "prefix_cache_queries_total") == ENGINE_STATS["prefix_cache_queries"]
+    assert value(m, "prefix_cache_hits_total") == ENGINE_STATS["prefix_cache_hits"]
+    assert value(m, "cache_config_info", block_size="16", num_gpu_blocks="100", gpu_memory_utilization="0.9",
+                 enable_prefix_caching="True") == 1
+    assert not any(name.endswith("_created") for name, _ in m)
+
+
+async def test_rejections_by_reason(http, base_url, engine):
+    bad = [{"prompt": "x", "temperature": 5}, {"prompt": "x", "max_tokens": 1000},
+           {"model": "other", "prompt": "x"}]
+    for body in bad:
+        async with http.post(f"{base_url}/v1/completions", json=body) as r:
+            assert r.status in (400, 404)
+    async with http.post(f"{base_url}/v1/completions", data=b"x" * (5 * 1024 * 1024),
+                         headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 413
+    engine.reject = grpc.StatusCode.RESOURCE_EXHAUSTED
+    async with http.post(f"{base_url}/v1/chat/completions",
+                         json={"messages": [{"role": "user", "content": "hi"}]}) as r:
+        assert r.status == 503 and r.headers["Retry-After"]
+        assert (await r.json())["error"]["code"] == "server_overloaded"
+    m = await scrape(http, base_url)
+    assert value(m, "request_rejected_total", reason="invalid") == 2
+    assert value(m, "request_rejected_total", reason="too_long") == 2
+    assert value(m, "request_rejected_total", reason="queue_full") == 1
+
+
+async def test_disconnect_is_counted_once(http, base_url, engine):
+    engine.delay = 0.05
+    body = {"prompt": "x", "max_tokens": 100, "stream": True}
+    async with http.post(f"{base_url}/v1/completions", json=body) as r:
+        await r.content.readuntil(b"\n\n")
+    await engine.wait_cancelled()
+    m = await scrape(http, base_url)
+    assert value(m, "http_requests_client_disconnected_total") == 1
+    assert value(m, "request_success_total", finished_reason="length") == 0
+    assert value(m, "e2e_request_latency_seconds_count") == 0
+    assert value(m, "generation_tokens_total") >= 1
+
+
+async def test_scrape_without_scheduler_still_answers(http, dead_engine_url):
+    async with http.get(f"{dead_engine_url}/metrics") as r:
+        assert r.status == 200
+        assert "num_requests_running" not in await r.text()
+
+
+async def test_openmetrics_on_request(http, base_url):
+    async with http.get(f"{base_url}/metrics", headers={"Accept": "application/openmetrics-text"}) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        assert (await r.text()).endswith("# EOF\n")
