@@ -1,6 +1,8 @@
 """What travels between the scheduler and the executor: step plans (deltas) and step results."""
 from dataclasses import dataclass, field
 
+import msgspec
+
 from pagedserve.v1 import executor_pb2 as pb
 
 
@@ -23,8 +25,9 @@ class NewRequest:
     sampling: SamplingOptions
 
 
-@dataclass(slots=True)
-class ContinuingRequest:
+# A msgspec Struct rather than a dataclass: built in C at half the cost and untracked by the garbage
+# collector; the scheduler makes one per running request per step, the executor decodes as many.
+class ContinuingRequest(msgspec.Struct, gc=False):
     seq_id: int
     num_scheduled_tokens: int
     new_block_ids: list[int]

@@ -1,4 +1,5 @@
 """Continuous batching: one token budget per step, chunked prefill, prefix caching, recompute preemption."""
+import time
 from collections import deque
 from itertools import chain
 
@@ -7,6 +8,7 @@ from pagedserve.log import get_logger
 from pagedserve.plan import ContinuingRequest, NewRequest, StepPlan, StepResult
 from scheduler_svc.block_manager import BlockManager, hash_blocks
 from scheduler_svc.request import Request, RequestOutput, RequestStatus
+from scheduler_svc.step_stats import StepStats
 
 log = get_logger(__name__)
 
@@ -44,6 +46,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.stats = StepStats()
+        self._schedule_ns = 0
+        # Whether the step being applied followed the previous one without a pause for lack of work;
+        # only then is the executor's idle time the control path's cost.
+        self._back_to_back = False
 
     @property
     def num_running(self) -> int:
@@ -104,10 +111,13 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self._finish(request, "abort")
+        if not self.has_work():
+            self._back_to_back = False
         return True
 
     def schedule(self) -> StepPlan:
         """Plans the next step: running requests first, then waiting ones in arrival order."""
+        start = time.perf_counter_ns()
         self.step_id += 1
         plan = StepPlan(self.step_id)
         num_preemptions = self.num_preemptions
@@ -116,29 +126,36 @@ class Scheduler:
         if self.num_preemptions == num_preemptions:
             self._schedule_waiting(plan, budget)
         plan.dropped, self.dropped = self.dropped, []
+        self._schedule_ns = time.perf_counter_ns() - start
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         block_size = self.block_size
         block_manager = self.block_manager
-        i = 0
-        while i < len(self.running) and budget:
-            request = self.running[i]
+        running = self.running
+        append = plan.continuing.append
+        # Preemption pops from the end of `running`, which this loop has not reached: the list
+        # iterator checks the length on every turn, so iterating it while preempting is safe.
+        for request in running:
+            if not budget:
+                break
             computed = request.num_computed_tokens
-            n = min(len(request.token_ids) - computed, budget)
+            n = len(request.token_ids) - computed
+            if n > budget:
+                n = budget
             num_new = (computed + n + block_size - 1) // block_size - len(request.block_ids)
-            new_block_ids = []
             if num_new:
-                while not block_manager.can_allocate(num_new):
-                    victim = self.running.pop()
+                while num_new > block_manager.num_free_blocks:
+                    victim = running.pop()
                     self._preempt(victim)
                     if victim is request:
                         return budget
                 new_block_ids = block_manager.allocate(num_new)
                 request.block_ids += new_block_ids
-            plan.continuing.append(ContinuingRequest(request.seq_id, n, new_block_ids))
+                append(ContinuingRequest(request.seq_id, n, new_block_ids))
+            else:
+                append(ContinuingRequest(request.seq_id, n, []))
             budget -= n
-            i += 1
         return budget
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
@@ -182,51 +199,63 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Applies a step's result to the requests of `plan`; returns one output per request that
         received a token or finished. Requests aborted since `plan` was made are skipped."""
+        start = time.perf_counter_ns()
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} does not match plan {plan.step_id}")
+        self._advance(plan)
+        outputs = self._append_tokens(result)
+        self.stats.observe(self._schedule_ns + time.perf_counter_ns() - start, result.forward_ns,
+                           result.idle_ns if self._back_to_back else 0)
+        self._back_to_back = self.has_work()
+        return outputs
+
+    def _advance(self, plan: StepPlan) -> None:
         block_size = self.block_size
-        block_manager = self.block_manager
-        caching = block_manager.enable_prefix_caching
         requests = self.requests
+        caching = self.block_manager.enable_prefix_caching
+        cache = self.block_manager.cache
         for scheduled in chain(plan.new_requests, plan.continuing):
             request = requests.get(scheduled.seq_id)
             if request is None:
                 continue
-            before = request.num_computed_tokens // block_size
-            request.num_computed_tokens += scheduled.num_scheduled_tokens
-            after = request.num_computed_tokens // block_size
-            if caching and after > before:
-                for i in range(before, after):
-                    block_manager.cache(request.block_ids[i], request.block_hashes[i])
+            before = request.num_computed_tokens
+            after = before + scheduled.num_scheduled_tokens
+            request.num_computed_tokens = after
+            # Only the blocks filled by this step are new to the cache: O(new blocks) per step.
+            if caching and after // block_size > before // block_size:
+                for i in range(before // block_size, after // block_size):
+                    cache(request.block_ids[i], request.block_hashes[i])
+
+    def _append_tokens(self, result: StepResult) -> list[RequestOutput]:
+        block_size = self.block_size
+        requests = self.requests
+        caching = self.block_manager.enable_prefix_caching
         outputs = []
+        append = outputs.append
         num_finished = 0
         for seq_id, token_id in zip(result.seq_ids, result.token_ids):
             request = requests.get(seq_id)
             if request is None:
                 continue
-            request.append_token(token_id)
-            num_tokens = len(request.token_ids)
+            token_ids = request.token_ids
+            token_ids.append(token_id)
+            num_tokens = len(token_ids)
             if caching and num_tokens % block_size == 0:
-                hash_blocks(request.block_hashes, request.token_ids, block_size)
-            finish_reason = self._check_stop(request, token_id, num_tokens)
-            if finish_reason:
-                self._finish(request, finish_reason, token_id if finish_reason == "stop" else None)
+                hash_blocks(request.block_hashes, token_ids, block_size)
+            num_output_tokens = num_tokens - request.num_prompt_tokens
+            if token_id in request.stop_ids and num_output_tokens >= request.sampling.min_tokens:
+                self._finish(request, "stop", token_id)
+            elif num_tokens >= request.max_num_tokens:
+                self._finish(request, "length")
+            reason = request.finish_reason
+            if reason:
                 num_finished += 1
-            outputs.append(RequestOutput(seq_id, request.request_id, [token_id], bool(finish_reason),
-                                         finish_reason, request.stop_token_id,
-                                         len(request.prompt_token_ids), len(request.output_token_ids),
-                                         request.num_cached_tokens))
+            append(RequestOutput(seq_id, request.request_id, [token_id], reason is not None, reason,
+                                 request.stop_token_id, request.num_prompt_tokens, num_output_tokens,
+                                 request.num_cached_tokens))
         if num_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
-
-    @staticmethod
-    def _check_stop(request: Request, token_id: int, num_tokens: int) -> str | None:
-        if token_id in request.stop_ids and len(request.output_token_ids) >= request.sampling.min_tokens:
-            return "stop"
-        if num_tokens >= request.max_num_tokens:
-            return "length"
-        return None
 
     def _finish(self, request: Request, reason: str, stop_token_id: int | None = None) -> None:
         if request.status is RequestStatus.RUNNING:
