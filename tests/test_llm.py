@@ -1,0 +1,47 @@
+"""The offline API on the demo model: text prompts, n > 1, stop strings, progress of outputs."""
+import pytest
+
+from pagedserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield LLM(max_model_len=256)
+    mp.undo()
+
+
+def test_text_and_token_prompts(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    text_out, ids_out = llm.generate(
+        ["Hello, how are you?", {"prompt_token_ids": llm.tokenizer.encode("Hello, how are you?")}],
+        greedy, use_tqdm=False)
+    assert text_out.prompt == "Hello, how are you?"
+    assert text_out.prompt_token_ids == ids_out.prompt_token_ids
+    assert len(text_out.outputs[0].token_ids) == 6
+    assert text_out.outputs[0].token_ids == ids_out.outputs[0].token_ids
+    assert text_out.outputs[0].text == llm.tokenizer.decode(text_out.outputs[0].token_ids)
+    assert text_out.outputs[0].finish_reason == "length" and text_out.finished
+
+
+def test_n_choices_with_a_seed_differ_and_repeat(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    first = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    again = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1
+
+
+def test_stop_string_truncates_the_text(llm):
+    prompt = "The quick brown fox"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = free.text[len(free.text) // 2:][:3]
+    assert stop.strip(), f"the demo's greedy text {free.text!r} is too short for this test"
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == free.text[:free.text.index(stop)]
+    assert llm.scheduler.num_running == 0 and not llm.scheduler.has_work()
