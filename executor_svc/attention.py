@@ -1,26 +1,35 @@
 """The attention backend: the kernels the model runs, behind one object a Triton backend can replace.
 
 The model calls `backend.forward` for paged attention and `backend.rms_norm`, `backend.rotary`,
-`backend.silu_and_mul` for the elementwise kernels. A faster backend subclasses
-TorchAttentionBackend and overrides what it implements; the rest falls back to the references.
+`backend.silu_and_mul` for the elementwise kernels. TorchAttentionBackend (the CPU backend) runs the
+pure-torch references; TritonAttentionBackend (CUDA) runs the kernels of `kernels/`.
 """
 from dataclasses import dataclass
 
 import torch
 
+from kernels.activation import silu_and_mul
+from kernels.attention import paged_attention
+from kernels.kv_cache import write_kv
+from kernels.norm import rms_norm
 from kernels.reference import (paged_attention_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref,
                                write_kv_ref)
+from kernels.rotary import rotary
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """One step's flattened batch, in the layouts described in kernels/reference.py."""
+    """One step's flattened batch, in the layouts described in kernels/reference.py.
+
+    max_query_len and max_seq_len are host-known upper bounds; a CUDA graph fixes them (and
+    num_splits) at capture so that its kernels keep one launch configuration."""
     slot_mapping: torch.Tensor     # [num_tokens] int64
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     seq_lens: torch.Tensor         # [num_seqs] int32
     block_tables: torch.Tensor     # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int
     max_seq_len: int
+    num_splits: int | None = None
 
 
 class TorchAttentionBackend:
@@ -39,5 +48,21 @@ class TorchAttentionBackend:
                                    meta.query_start_loc, scale)
 
 
+class TritonAttentionBackend(TorchAttentionBackend):
+    """The Triton kernels; rotary rotates q and k in place, no op reads a device value on the host."""
+    rms_norm = staticmethod(rms_norm)
+    rotary = staticmethod(rotary)
+    silu_and_mul = staticmethod(silu_and_mul)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                               meta.query_start_loc, scale, max_query_len=meta.max_query_len,
+                               max_seq_len=meta.max_seq_len, num_splits=meta.num_splits)
+
+
 def get_backend(device: torch.device) -> TorchAttentionBackend:
+    if device.type == "cuda":
+        return TritonAttentionBackend()
     return TorchAttentionBackend()

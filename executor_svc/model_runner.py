@@ -1,6 +1,5 @@
 """The executor core: holds the model, the paged KV cache and each running request's state, and
 turns a step plan (a delta) into one forward pass and one sampled token per finished prefill or decode."""
-import itertools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -9,10 +8,13 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionMetadata, get_backend
+from executor_svc.cuda_graphs import CudaGraphs, bucket, capture_sizes, decode_metadata
+from executor_svc.input_batch import InputBatch
 from executor_svc.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
 from executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
-from executor_svc.models.llama import LlamaForCausalLM
-from executor_svc.sampler import Sampler
+from executor_svc.models.llama import KVCache, LlamaForCausalLM
+from executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
+from executor_svc.step_buffers import StepBuffers, Staging
 from executor_svc.weight_loader import load_weights
 from pagedserve.config import EngineConfig
 from pagedserve.log import get_logger
@@ -22,21 +24,21 @@ log = get_logger(__name__)
 
 
 @dataclass(slots=True)
-class RequestState:
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_ids: list[int]
-    sampling: SamplingOptions
-    generator: torch.Generator | None
+class Step:
+    """One step's device inputs (in the StepBuffers) and which of its sequences sample."""
+    num_tokens: int
+    meta: AttentionMetadata
+    graph_size: int | None
+    sample_rows: np.ndarray
+    logits_indices: torch.Tensor
 
 
 @dataclass(slots=True)
-class Batch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor
-    sampling_rows: list[int]
+class StepStats:
+    """Running totals of `run`'s time, and of the part spent blocked on the device."""
+    steps: int = 0
+    total_ns: int = 0
+    wait_ns: int = 0
 
 
 class ModelRunner:
@@ -55,15 +57,40 @@ class ModelRunner:
                                           self.max_model_len)
         load_weights(self.model, config.model, config.load_format, config.seed)
         self.sampler = Sampler()
-        self.requests: dict[int, RequestState] = {}
+        self.stats = StepStats()
+        # Padded decode steps run through CUDA graphs on a GPU and eagerly, same shapes, elsewhere.
+        self.graph_sizes = [] if config.enforce_eager else capture_sizes(config.max_num_seqs)
+        # The profiling step packs max_num_batched_tokens into sequences of max_model_len.
+        self.max_seqs = max(config.max_num_seqs,
+                            -(-config.max_num_batched_tokens // self.max_model_len))
+        max_tokens = max([config.max_num_batched_tokens, *self.graph_sizes])
+        self.batch = InputBatch(self.max_seqs, self.max_model_len, self.block_size, self.device)
+        max_blocks = self.batch.max_blocks
+        self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
+        self.staging = Staging(8 * (4 * max_tokens + 3 * self.max_seqs * max_blocks
+                                    + 16 * self.max_seqs) + 4096, self.device)
+        # The device copy of the batch's block table, updated from each plan's new block ids.
+        self.block_table = torch.zeros(self.max_seqs, max_blocks, dtype=torch.int32,
+                                       device=self.device)
+        self.sampled = torch.empty(self.max_seqs, dtype=torch.int64,
+                                   pin_memory=self.device.type == "cuda")
+        mc = self.model_config
+        self.graph_metas = {size: decode_metadata(self.buffers, size, self.max_model_len,
+                                                  mc.num_attention_heads, mc.num_key_value_heads,
+                                                  mc.head_dim, self.dtype)
+                            for size in self.graph_sizes}
+        self.graphs = CudaGraphs(self.model, self.buffers, self.graph_metas)
         block_bytes = bytes_per_block(self.model_config, self.block_size, self.dtype)
         self.num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device,
                                                self._profile_peak_bytes)
         self.kv_caches = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size,
                                            self.dtype, self.device)
+        if self.graph_sizes and self.device.type == "cuda":
+            self.graphs.capture(self.kv_caches)
         log.info("model_runner_ready", architecture=self.model_config.architecture,
                  device=str(self.device), dtype=dtype_name(self.dtype),
-                 max_model_len=self.max_model_len, num_blocks=self.num_blocks)
+                 max_model_len=self.max_model_len, num_blocks=self.num_blocks,
+                 cuda_graphs=bool(self.graphs.graphs))
 
     def describe(self) -> ExecutorInfo:
         return ExecutorInfo(num_blocks=self.num_blocks, block_size=self.block_size,
@@ -74,36 +101,27 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forgets every request (the scheduler that sent them is gone)."""
-        self.requests.clear()
+        for seq_id in list(self.batch.rows):
+            self.batch.remove(seq_id)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
         """Applies the plan's delta, computes each scheduled request's tokens, and samples the next
         token of every request whose known tokens are now all computed, in plan order."""
-        for seq_id in plan.dropped:
-            self._state(seq_id)
-            del self.requests[seq_id]
-        for request in plan.new_requests:
-            self._add(request)
-        for request in plan.continuing:
-            self._state(request.seq_id).block_ids += request.new_block_ids
-        scheduled = [(r.seq_id, r.num_scheduled_tokens)
-                     for r in itertools.chain(plan.new_requests, plan.continuing)
-                     if r.num_scheduled_tokens > 0]
-        if not scheduled:
-            return StepResult(plan.step_id)
-        seq_ids = [seq_id for seq_id, _ in scheduled]
-        states = [self.requests[seq_id] for seq_id in seq_ids]
         start = time.perf_counter_ns()
-        batch = self._prepare(states, [n for _, n in scheduled])
-        tokens = self._forward_and_sample(batch, [states[i] for i in batch.sampling_rows])
+        rows, query_lens, seq_ids = self._apply(plan)
+        if not len(rows):
+            return StepResult(plan.step_id)
+        step = self._prepare(rows, query_lens)
+        sample_rows = rows[step.sample_rows]
+        tokens = self._forward_and_sample(step, self.kv_caches, self._sampling(sample_rows))
+        self.batch.num_computed[rows] += query_lens
+        self.batch.append_sampled(sample_rows, tokens)
         forward_ns = time.perf_counter_ns() - start
-        for state, (_, num_scheduled) in zip(states, scheduled):
-            state.num_computed_tokens += num_scheduled
-        sampled_ids = [seq_ids[i] for i in batch.sampling_rows]
-        for seq_id, token in zip(sampled_ids, tokens):
-            self.requests[seq_id].token_ids.append(token)
-        return StepResult(plan.step_id, sampled_ids, tokens, forward_ns)
+        self.stats.steps += 1
+        self.stats.total_ns += forward_ns
+        return StepResult(plan.step_id, seq_ids[step.sample_rows].tolist(), tokens.tolist(),
+                          forward_ns)
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, num_sample_rows: int) -> None:
@@ -112,68 +130,126 @@ class ModelRunner:
         largest step the engine will run, for memory profiling and warm-up."""
         seq_len = min(num_tokens, self.max_model_len)
         num_blocks = -(-seq_len // self.block_size)
-        scratch = allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,
-                                    self.device)
+        scratch = self._scratch_cache(num_blocks)
         full, rest = divmod(num_tokens, seq_len)
-        lens = [seq_len] * full + ([rest] if rest else [])
-        states = [RequestState([0] * n, 0, list(range(num_blocks)), SamplingOptions(), None)
-                  for n in lens]
-        batch = self._prepare(states, lens)
-        hidden = self.model(batch.input_ids, batch.positions, scratch, batch.meta)
-        rows = torch.arange(num_sample_rows, device=self.device) % num_tokens
-        options = [SamplingOptions(temperature=1.0, top_p=0.9)] * num_sample_rows
-        self.sampler(self.model.compute_logits(hidden[rows]), options, [None] * num_sample_rows)
+        lens = np.array([seq_len] * full + ([rest] if rest else []), dtype=np.int64)
+        # Negative ids: the scheduler's seq_ids start at 1.
+        rows = np.array([self.batch.add(NewRequest(-1 - i, [0] * n, 0, n, list(range(num_blocks)),
+                                                   SamplingOptions()))
+                         for i, n in enumerate(lens.tolist())], dtype=np.int64)
+        try:
+            step = self._prepare(rows, lens)
+            step.logits_indices = torch.arange(num_sample_rows, device=self.device) % num_tokens
+            n = num_sample_rows
+            sampling = make_sampling_batch(np.ones(n, np.float32), np.full(n, 0.9, np.float32),
+                                           np.zeros(n, np.int64), np.zeros(n, np.float32), {},
+                                           self.staging.upload)
+            self._forward_and_sample(step, scratch, sampling)
+        finally:
+            for i in range(len(lens)):
+                self.batch.remove(-1 - i)
 
-    def _state(self, seq_id: int) -> RequestState:
-        state = self.requests.get(seq_id)
-        if state is None:
-            raise ValueError(f"step plan names seq_id {seq_id}, which this executor does not hold; "
-                             "the scheduler and executor are out of step (restart the scheduler)")
-        return state
+    def _apply(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Applies the plan's delta to the batch; returns the batch rows, query lengths and seq_ids
+        of the sequences with tokens scheduled, in plan order."""
+        batch = self.batch
+        for seq_id in plan.dropped:
+            batch.remove(seq_id)
+        new_rows = [batch.add(r) for r in plan.new_requests]
+        continuing = plan.continuing
+        index = batch.rows
+        try:
+            cont_rows = [index[r.seq_id] for r in continuing]
+        except KeyError as missing:
+            raise batch.unknown(missing.args[0]) from None
+        for r, row in zip(continuing, cont_rows):
+            if r.new_block_ids:
+                batch.append_blocks(row, r.new_block_ids)
+        rows = np.array(new_rows + cont_rows, dtype=np.int64)
+        query_lens = np.array([r.num_scheduled_tokens for r in plan.new_requests]
+                              + [r.num_scheduled_tokens for r in continuing], dtype=np.int64)
+        seq_ids = np.array([r.seq_id for r in plan.new_requests]
+                           + [r.seq_id for r in continuing], dtype=np.int64)
+        scheduled = query_lens > 0
+        if not scheduled.all():
+            return rows[scheduled], query_lens[scheduled], seq_ids[scheduled]
+        return rows, query_lens, seq_ids
 
-    def _add(self, request: NewRequest) -> None:
-        seed = request.sampling.seed
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.requests[request.seq_id] = RequestState(list(request.token_ids),
-                                                     request.num_computed_tokens,
-                                                     list(request.block_ids), request.sampling,
-                                                     generator)
-
-    def _prepare(self, states: list[RequestState], num_scheduled: list[int]) -> Batch:
-        query_lens = np.array(num_scheduled, dtype=np.int64)
-        computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
-        known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
+    def _prepare(self, rows: np.ndarray, query_lens: np.ndarray) -> Step:
+        """Builds the step's inputs on the host and copies them into the StepBuffers."""
+        batch, block_size = self.batch, self.block_size
+        computed = batch.num_computed[rows]
         seq_lens = computed + query_lens
-        self._check_lengths(states, seq_lens, known)
-        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
+        self._check_lengths(rows, seq_lens)
+        num_seqs, num_tokens = len(rows), int(query_lens.sum())
+        graph_size = bucket(self.graph_sizes, num_seqs) if num_tokens == num_seqs else None
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        input_ids = np.fromiter(itertools.chain.from_iterable(
-            s.token_ids[c:c + n] for s, c, n in zip(states, computed.tolist(), num_scheduled)),
-            dtype=np.int64, count=num_tokens)
-        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - computed, query_lens)
-        block_tables = np.zeros((len(states), max(len(s.block_ids) for s in states)), dtype=np.int64)
-        for row, state in zip(block_tables, states):
-            row[:len(state.block_ids)] = state.block_ids
-        rows = np.repeat(np.arange(len(states)), query_lens)
-        slot_mapping = (block_tables[rows, positions // self.block_size] * self.block_size
-                        + positions % self.block_size)
-        sampling_rows = np.flatnonzero(seq_lens == known)
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping, torch.int64),
-            query_start_loc=self._to_device(query_start_loc, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device(block_tables, torch.int32),
-            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()))
-        return Batch(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
-                     meta, self._to_device(query_start_loc[1:][sampling_rows] - 1, torch.int64),
-                     sampling_rows.tolist())
+        if graph_size is None:
+            token_rows = np.repeat(rows, query_lens)
+            positions = (np.arange(num_tokens)
+                         - np.repeat(query_start_loc[:-1] - computed, query_lens))
+        else:
+            token_rows, positions = rows, computed
+        input_ids = batch.token_ids[token_rows, positions]
+        slot_mapping = (batch.block_table[token_rows, positions // block_size] * block_size
+                        + positions % block_size)
+        sample_rows = np.flatnonzero(seq_lens == batch.num_tokens[rows])
+        logits_indices = query_start_loc[1:][sample_rows] - 1
+        if graph_size is not None:
+            pad = graph_size - num_seqs
+            input_ids, positions, rows = (_pad(a, pad, 0) for a in (input_ids, positions, rows))
+            slot_mapping, seq_lens = _pad(slot_mapping, pad, -1), _pad(seq_lens, pad, 1)
+            query_start_loc = np.arange(graph_size + 1)
+            num_seqs = num_tokens = graph_size
+        if num_tokens > self.buffers.input_ids.numel() or num_seqs > self.max_seqs:
+            raise ValueError(f"step plan schedules {num_tokens} tokens of {num_seqs} sequences, "
+                             f"more than max_num_batched_tokens "
+                             f"({self.config.max_num_batched_tokens}) or max_num_seqs allow")
+        return self._upload(rows, input_ids, positions, slot_mapping, seq_lens, query_start_loc,
+                            logits_indices, sample_rows, graph_size, int(query_lens.max()))
 
-    def _check_lengths(self, states: list[RequestState], seq_lens: np.ndarray,
-                       known: np.ndarray) -> None:
-        blocks = np.array([len(s.block_ids) for s in states])
+    def _upload(self, rows: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,
+                slot_mapping: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
+                logits_indices: np.ndarray, sample_rows: np.ndarray, graph_size: int | None,
+                max_query_len: int) -> Step:
+        buf, upload = self.buffers, self.staging.upload
+        num_tokens, num_seqs = len(input_ids), len(rows)
+        self.staging.reset()
+        updates = self.batch.take_block_updates()
+        if updates is not None:
+            updates = upload(updates)
+            self.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
+        upload(input_ids, buf.input_ids[:num_tokens])
+        upload(positions, buf.positions[:num_tokens])
+        upload(slot_mapping, buf.slot_mapping[:num_tokens])
+        upload(rows, buf.rows[:num_seqs])
+        upload(seq_lens.astype(np.int32), buf.seq_lens[:num_seqs])
+        upload(query_start_loc.astype(np.int32), buf.query_start_loc[:num_seqs + 1])
+        torch.index_select(self.block_table, 0, buf.rows[:num_seqs],
+                           out=buf.block_tables[:num_seqs])
+        logits = upload(logits_indices)
+        if graph_size is not None:
+            meta = self.graph_metas[graph_size]
+        else:
+            meta = AttentionMetadata(buf.slot_mapping[:num_tokens],
+                                     buf.query_start_loc[:num_seqs + 1], buf.seq_lens[:num_seqs],
+                                     buf.block_tables[:num_seqs], max_query_len,
+                                     int(seq_lens.max()))
+        return Step(num_tokens, meta, graph_size, sample_rows, logits)
+
+    def _sampling(self, rows: np.ndarray) -> SamplingBatch:
+        b = self.batch
+        generators = {}
+        if b.generators:
+            generators = {i: b.generators[row] for i, row in enumerate(rows.tolist())
+                          if row in b.generators}
+        return make_sampling_batch(b.temperature[rows], b.top_p[rows], b.top_k[rows],
+                                   b.min_p[rows], generators, self.staging.upload)
+
+    def _check_lengths(self, rows: np.ndarray, seq_lens: np.ndarray) -> None:
+        known = self.batch.num_tokens[rows]
+        blocks = self.batch.num_blocks[rows]
         if (seq_lens > known).any():
             raise ValueError("step plan schedules tokens past a request's known tokens: "
                              f"context lengths {seq_lens.tolist()}, known {known.tolist()}")
@@ -184,21 +260,35 @@ class ModelRunner:
             raise ValueError(f"step plan exceeds max_model_len {self.max_model_len}: "
                              f"context lengths {seq_lens.tolist()}")
 
-    def _forward_and_sample(self, batch: Batch, states: list[RequestState]) -> list[int]:
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        if not states:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return []
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        tokens = self.sampler(logits, [s.sampling for s in states], [s.generator for s in states])
-        return tokens.tolist()
+    def _forward_and_sample(self, step: Step, kv_caches: list[KVCache],
+                            sampling: SamplingBatch) -> np.ndarray:
+        """Runs the step; returns the sampled tokens on the host after one device sync (none when
+        nothing samples, so that the next plan is prepared while the GPU still works)."""
+        if step.graph_size is not None and step.graph_size in self.graphs.graphs:
+            hidden = self.graphs.replay(step.graph_size)
+        else:
+            buf = self.buffers
+            hidden = self.model(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
+                                kv_caches, step.meta)
+        num_samples = len(step.logits_indices)
+        if not num_samples:
+            self.staging.uploaded()
+            return np.zeros(0, dtype=np.int64)
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        tokens = self.sampler(logits, sampling)
+        self.staging.uploaded()
+        if self.device.type != "cuda":
+            return tokens.numpy()
+        host = self.sampled[:num_samples]
+        host.copy_(tokens, non_blocking=True)
+        wait = time.perf_counter_ns()
+        torch.cuda.current_stream(self.device).synchronize()
+        self.stats.wait_ns += time.perf_counter_ns() - wait
+        return host.numpy()
 
-    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.from_numpy(array).to(dtype)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+    def _scratch_cache(self, num_blocks: int) -> list[KVCache]:
+        return allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,
+                                 self.device)
 
     def _profile_peak_bytes(self) -> int:
         torch.cuda.empty_cache()
@@ -210,13 +300,34 @@ class ModelRunner:
         self.dummy_run(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        graph_bytes = self._graph_bytes() if self.graph_sizes else 0
         free, total = torch.cuda.mem_get_info(self.device)
         # CUDA context, cuBLAS workspaces and other memory that torch's allocator doesn't see.
         outside_torch = total - free - torch.cuda.memory_reserved(self.device)
         torch.cuda.empty_cache()
         log.info("profile_run", weights_gib=round(before / 2**30, 2),
+                 activations_gib=round((peak - before - scratch_bytes) / 2**30, 2),
+                 cuda_graphs_reserved_gib=round(graph_bytes / 2**30, 2),
                  outside_torch_gib=round(outside_torch / 2**30, 2))
-        return peak - scratch_bytes + outside_torch
+        return peak - scratch_bytes + graph_bytes + outside_torch
+
+    def _graph_bytes(self) -> int:
+        """What the CUDA graphs will hold beside the eager peak: the activations of the largest
+        (all graphs share one pool, the largest captured first) and every graph's output."""
+        size = max(self.graph_sizes)
+        scratch = self._scratch_cache(1)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.graphs.fill_padding(size)
+        self.graphs.forward(size, scratch)
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - before
+        outputs = sum(self.graph_sizes) * self.model_config.hidden_size * self.dtype.itemsize
+        return activations + outputs
+
+
+def _pad(array: np.ndarray, n: int, value: int) -> np.ndarray:
+    return np.concatenate((array, np.full(n, value, dtype=array.dtype)))
 
 
 def resolve_device(name: str) -> torch.device:

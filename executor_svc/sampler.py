@@ -1,34 +1,71 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, no host sync."""
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 
-from pagedserve.plan import SamplingOptions
-
 GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """The options of the rows to sample, as device columns [N]; an option no sampled row uses is
+    None so that its pass over the logits is skipped. Greedy rows carry temperature 1."""
+    all_greedy: bool
+    greedy: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    max_top_k: int = 0
+    # Row -> the request's own generator, for seeded rows that sample (the rest use the global RNG).
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+
+
+def make_sampling_batch(temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray,
+                        min_p: np.ndarray, generators: dict[int, torch.Generator],
+                        upload: Callable[[np.ndarray], torch.Tensor]) -> SamplingBatch:
+    """Builds the device columns from host columns [N] with one copy (`upload`)."""
+    greedy = temperature < GREEDY_TEMPERATURE
+    if greedy.all():
+        return SamplingBatch(all_greedy=True)
+    sampled = ~greedy
+    table = upload(np.stack((np.where(greedy, 1.0, temperature), top_p, top_k, min_p, greedy))
+                   .astype(np.float32))
+    temperature_t, top_p_t, top_k_t, min_p_t, greedy_t = table.unbind(0)
+    use_top_p = bool((top_p[sampled] < 1.0).any())
+    use_top_k = bool((top_k[sampled] > 0).any())
+    return SamplingBatch(
+        all_greedy=False, greedy=greedy_t.bool() if greedy.any() else None,
+        temperature=temperature_t, top_p=top_p_t if use_top_p else None,
+        top_k=top_k_t.long() if use_top_k or use_top_p else None,
+        min_p=min_p_t if (min_p[sampled] > 0).any() else None,
+        max_top_k=int(top_k[sampled].max()),
+        generators={row: g for row, g in generators.items() if sampled[row]})
 
 
 class Sampler:
     """Samples one token per row of float32 logits [N, vocab] under each row's options.
 
-    `generators[i]` is the request's own generator when it asked for a seed (so a seed gives the
-    same tokens whatever else is in the batch), else None for the engine's global RNG."""
+    A seeded row draws its noise from its own generator, so a seed gives the same tokens whatever
+    else is in the batch."""
 
-    def __call__(self, logits: torch.Tensor, options: list[SamplingOptions],
-                 generators: list[torch.Generator | None]) -> torch.Tensor:
-        greedy_rows = [o.temperature < GREEDY_TEMPERATURE for o in options]
-        greedy = logits.argmax(dim=-1)
-        if all(greedy_rows):
-            return greedy
-        temperature, min_p, top_p, top_k, is_greedy = _option_tensors(options, greedy_rows,
-                                                                      logits.device)
-        logits = logits / temperature[:, None]
-        if any(o.min_p > 0 for o in options):
-            logits = apply_min_p(logits, min_p)
-        if any(o.top_p < 1.0 for o in options):
-            logits = apply_top_k_top_p(logits, top_k.long(), top_p)
-        elif any(o.top_k > 0 for o in options):
-            logits = apply_top_k(logits, top_k.long(), max(o.top_k for o in options))
-        sampled = sample_exponential(logits.softmax(dim=-1), generators, greedy_rows)
-        return torch.where(is_greedy.bool(), greedy, sampled)
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy = logits.argmax(dim=-1) if batch.greedy is not None else None
+        logits = logits / batch.temperature[:, None]
+        if batch.min_p is not None:
+            logits = apply_min_p(logits, batch.min_p)
+        if batch.top_p is not None:
+            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        elif batch.top_k is not None:
+            logits = apply_top_k(logits, batch.top_k, batch.max_top_k)
+        sampled = sample_exponential(logits.softmax(dim=-1), batch.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(batch.greedy, greedy, sampled)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -61,23 +98,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def sample_exponential(probs: torch.Tensor, generators: list[torch.Generator | None],
-                       skip: list[bool]) -> torch.Tensor:
+def sample_exponential(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """argmax(probs / E) with E ~ Exponential(1) draws one token from probs (the Gumbel-max
     trick in another form) without torch.multinomial's host sync."""
     noise = torch.empty_like(probs).exponential_()
-    for row, (generator, skipped) in enumerate(zip(generators, skip)):
-        if generator is not None and not skipped:
-            noise[row].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
-
-
-def _option_tensors(options: list[SamplingOptions], greedy_rows: list[bool],
-                    device: torch.device) -> tuple[torch.Tensor, ...]:
-    """temperature, min_p, top_p, top_k, greedy as [N] float32 columns, in one host-to-device copy."""
-    rows = [(1.0 if g else o.temperature, o.min_p, o.top_p, o.top_k, g)
-            for o, g in zip(options, greedy_rows)]
-    table = torch.tensor(rows, dtype=torch.float32)
-    if device.type == "cuda":
-        table = table.pin_memory()
-    return table.to(device, non_blocking=True).unbind(dim=1)
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return probs.div_(noise).argmax(dim=-1)

@@ -73,7 +73,8 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, k_head, v_head, str
     return acc, l_i, m_i
 
 
-@triton.jit
+# num_seqs changes every step: specialising on it (== 1, multiple of 16) would recompile mid-run.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, block_tables, seq_lens,
                       query_start_loc, qk_scale, num_seqs, num_heads, stride_qt, stride_qh,
                       stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
@@ -200,6 +201,19 @@ def choose_num_splits(num_q_blocks: int, num_kv_heads: int, max_seq_len: int, ti
     return min(splits, MAX_SPLITS)
 
 
+def default_num_splits(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
+                       head_dim: int, elem_bytes: int, max_query_len: int, max_seq_len: int,
+                       device: torch.device) -> int:
+    """The KV segment count `paged_attention` picks when none is given: a CUDA graph fixes it
+    for its batch size at capture."""
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    cfg = _config(group_pad, head_dim, elem_bytes, max_query_len)
+    block_q = cfg.block_m // group_pad
+    # With short queries (decode rows) each sequence busies one q block per KV head.
+    busy_blocks = num_seqs if max_query_len <= block_q else num_tokens // block_q + num_seqs
+    return choose_num_splits(busy_blocks, num_kv_heads, max_seq_len, cfg.tile, _num_sms(device))
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
@@ -233,10 +247,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = cfg.block_m // group_pad
     num_q_blocks = num_tokens // block_q + num_seqs
     if num_splits is None:
-        # With short queries (decode rows) each sequence busies one q block per KV head.
-        busy_blocks = num_seqs if max_query_len <= block_q else num_q_blocks
-        num_splits = choose_num_splits(busy_blocks, num_kv_heads, max_seq_len, cfg.tile,
-                                       _num_sms(q.device))
+        num_splits = default_num_splits(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim,
+                                        q.element_size(), max_query_len, max_seq_len, q.device)
     num_splits = triton.next_power_of_2(num_splits)
     if out is None:
         out = torch.empty_like(q)

@@ -7,6 +7,7 @@ import transformers
 from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
 from executor_svc.kv_cache import allocate_kv_cache
 from executor_svc.model_config import load_model_config
+from executor_svc.model_runner import default_dtype
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.weight_loader import load_weights
 from tests.tiny_models import ARCHITECTURES, make_tiny_model
@@ -19,11 +20,15 @@ def tiny_model(request, tmp_path_factory):
     return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def paged_prefill_logits(path, prompts: list[list[int]]) -> list[torch.Tensor]:
+def paged_prefill_logits(path, prompts: list[list[int]], backend=None,
+                         device: torch.device = torch.device("cpu"),
+                         dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Every prompt's logits at every position, all prompts packed into one flattened batch whose
     KV blocks are shuffled across the cache."""
     config = load_model_config(path)
-    model = LlamaForCausalLM(config, TorchAttentionBackend(), config.max_position_embeddings)
+    with torch.device(device), default_dtype(dtype):
+        model = LlamaForCausalLM(config, backend or TorchAttentionBackend(),
+                                 config.max_position_embeddings)
     load_weights(model, path, "auto")
     num_blocks = [-(-len(p) // BLOCK_SIZE) for p in prompts]
     block_ids = list(range(sum(num_blocks) + 3))
@@ -37,15 +42,14 @@ def paged_prefill_logits(path, prompts: list[list[int]]) -> list[torch.Tensor]:
         slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
         positions.append(pos)
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
-    meta = AttentionMetadata(slot_mapping=torch.cat(slots), seq_lens=lens,
-                             query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32),
-                                                        lens.cumsum(0, dtype=torch.int32)]),
-                             block_tables=tables, max_query_len=int(lens.max()),
-                             max_seq_len=int(lens.max()))
-    kv_caches = allocate_kv_cache(config, sum(num_blocks) + 3, BLOCK_SIZE, torch.float32,
-                                  torch.device("cpu"))
+    starts = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0, dtype=torch.int32)])
+    meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(device), seq_lens=lens.to(device),
+                             query_start_loc=starts.to(device), block_tables=tables.to(device),
+                             max_query_len=int(lens.max()), max_seq_len=int(lens.max()))
+    kv_caches = allocate_kv_cache(config, sum(num_blocks) + 3, BLOCK_SIZE, dtype, device)
     with torch.inference_mode():
-        hidden = model(torch.tensor(sum(prompts, [])), torch.cat(positions), kv_caches, meta)
+        hidden = model(torch.tensor(sum(prompts, []), device=device),
+                       torch.cat(positions).to(device), kv_caches, meta)
         logits = model.compute_logits(hidden)
     return list(logits.split(lens.tolist()))
 

@@ -1,10 +1,23 @@
+import numpy as np
 import pytest
 import torch
 
-from executor_svc.sampler import Sampler
+from executor_svc.sampler import Sampler, make_sampling_batch
 from pagedserve.plan import SamplingOptions
 
-sample = Sampler()
+sampler = Sampler()
+
+
+def sample(logits: torch.Tensor, options: list[SamplingOptions],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    def column(name: str, dtype) -> np.ndarray:
+        return np.array([getattr(o, name) for o in options], dtype=dtype)
+
+    batch = make_sampling_batch(column("temperature", np.float32), column("top_p", np.float32),
+                                column("top_k", np.int64), column("min_p", np.float32),
+                                {i: g for i, g in enumerate(generators) if g is not None},
+                                lambda a: torch.from_numpy(a))
+    return sampler(logits, batch)
 
 
 def seeded(seed: int) -> torch.Generator:

@@ -1,0 +1,104 @@
+"""The persistent batch: every running request's tokens, block table and sampling options as rows
+of preallocated numpy arrays, so that a step is built by vectorised indexing rather than per-request
+Python work (vLLM's InputBatch)."""
+import numpy as np
+import torch
+
+from pagedserve.plan import NewRequest
+
+
+class InputBatch:
+    """Rows of per-request state, one row per running request, reused after a request leaves.
+
+    Block-table changes are also queued as (row, column, block id) triples so the device copy of
+    the table can be updated incrementally (`take_block_updates`)."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.device = device
+        self.rows: dict[int, int] = {}
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # One column past max_model_len: the token sampled at the last position lands there.
+        self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_seqs, self.max_blocks), dtype=np.int64)
+        self.temperature = np.ones(max_num_seqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_seqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_seqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_seqs, dtype=np.float32)
+        self.generators: dict[int, torch.Generator] = {}
+        self._update_rows: list[int] = []
+        self._update_cols: list[int] = []
+        self._update_ids: list[int] = []
+
+    def row(self, seq_id: int) -> int:
+        row = self.rows.get(seq_id)
+        if row is None:
+            raise self.unknown(seq_id)
+        return row
+
+    @staticmethod
+    def unknown(seq_id: int) -> ValueError:
+        return ValueError(f"step plan names seq_id {seq_id}, which this executor does not hold; "
+                          "the scheduler and executor are out of step (restart the scheduler)")
+
+    def add(self, request: NewRequest) -> int:
+        if not self.free_rows:
+            raise ValueError(f"step plan adds a request past the executor's max_num_seqs "
+                             f"({self.max_num_seqs}); start the executor with the scheduler's "
+                             "--max-num-seqs")
+        if request.seq_id in self.rows:
+            raise ValueError(f"step plan adds seq_id {request.seq_id}, which is already running")
+        row = self.free_rows.pop()
+        self.rows[request.seq_id] = row
+        n = len(request.token_ids)
+        self.token_ids[row, :n] = request.token_ids
+        self.num_tokens[row] = n
+        self.num_computed[row] = request.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, request.block_ids)
+        s = request.sampling
+        self.temperature[row], self.top_p[row] = s.temperature, s.top_p
+        self.top_k[row], self.min_p[row] = s.top_k, s.min_p
+        if s.seed is not None:
+            self.generators[row] = torch.Generator(device=self.device).manual_seed(s.seed)
+        return row
+
+    def remove(self, seq_id: int) -> None:
+        row = self.row(seq_id)
+        del self.rows[seq_id]
+        self.generators.pop(row, None)
+        self.free_rows.append(row)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        if end > self.max_blocks:
+            raise ValueError(f"step plan gives a request {end} blocks, more than max_model_len "
+                             f"needs ({self.max_blocks})")
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+        self._update_rows += [row] * len(block_ids)
+        self._update_cols += range(start, end)
+        self._update_ids += block_ids
+
+    def take_block_updates(self) -> np.ndarray | None:
+        """[3, n] (rows, columns, block ids) of the table entries set since the last call."""
+        if not self._update_ids:
+            return None
+        updates = np.array((self._update_rows, self._update_cols, self._update_ids), dtype=np.int64)
+        self._update_rows.clear()
+        self._update_cols.clear()
+        self._update_ids.clear()
+        return updates
+
+    def append_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        self.token_ids[rows, self.num_tokens[rows]] = tokens
+        self.num_tokens[rows] += 1

@@ -1,0 +1,39 @@
+"""Decode steps padded to CUDA-graph sizes: the size buckets, and padded steps run through the
+Triton kernels (under the interpreter on a CPU) giving transformers' greedy tokens."""
+import pytest
+
+from executor_svc import model_runner
+from executor_svc.attention import TritonAttentionBackend
+from executor_svc.cuda_graphs import bucket, capture_sizes
+from tests.executor_svc.test_model_runner import (NEW_TOKENS, MiniScheduler, Seq, make_runner,
+                                                  random_prompts)
+from tests.tiny_models import hf_greedy, make_tiny_model
+
+
+def test_capture_sizes_follow_vllm_buckets():
+    sizes = capture_sizes(1024)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512
+    assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]) if b <= 256)
+    assert all(b - a == 16 for a, b in zip(sizes, sizes[1:]) if a >= 256)
+    assert capture_sizes(100)[-2:] == [96, 100]
+    assert capture_sizes(1) == [1]
+
+
+@pytest.mark.parametrize("num_seqs, size", [(1, 1), (3, 4), (9, 16), (256, 256), (257, 272),
+                                            (512, 512), (513, None)])
+def test_bucket_is_the_smallest_size_that_fits(num_seqs, size):
+    assert bucket(capture_sizes(512), num_seqs) == size
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["padded", "eager"])
+def test_triton_backend_matches_transformers(monkeypatch, tmp_path, enforce_eager):
+    path = make_tiny_model("LlamaForCausalLM", tmp_path)
+    monkeypatch.setattr(model_runner, "get_backend", lambda device: TritonAttentionBackend())
+    runner = make_runner(path, max_num_seqs=8, enforce_eager=enforce_eager)
+    assert runner.graph_sizes == ([] if enforce_eager else [1, 2, 4, 8])
+    prompts = random_prompts([3, 20, 9], seed=5)
+    scheduler = MiniScheduler(runner, budget=16, seed=5)
+    for seq_id, prompt in enumerate(prompts):
+        scheduler.add(seq_id, Seq(list(prompt), NEW_TOKENS))
+    outputs = scheduler.run_to_completion()
+    assert [outputs[i] for i in range(len(prompts))] == hf_greedy(path, prompts, NEW_TOKENS)

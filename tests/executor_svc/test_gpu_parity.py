@@ -1,0 +1,76 @@
+"""On a CUDA GPU, in bf16: pagedserve's first-step logits and greedy tokens (Triton kernels, with
+and without CUDA graphs) against transformers' on a tiny random Llama."""
+import random
+
+import pytest
+import torch
+import transformers
+
+from executor_svc.attention import TritonAttentionBackend
+from pagedserve import LLM, SamplingParams
+from tests.executor_svc.test_model import paged_prefill_logits
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+NEW_TOKENS = 64
+PROMPT_LENS = (3, 9, 17, 24, 40, 61, 100, 130)
+# ||ours - hf|| / ||hf|| of two bf16 computations of the same logits.
+LOGITS_TOLERANCE = 2e-2
+MIN_AGREEMENT = 0.95
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    return model.cuda().eval()
+
+
+def test_first_step_logits_match_transformers_in_bf16(model_path, prompts, hf_model):
+    ours = paged_prefill_logits(model_path, prompts, TritonAttentionBackend(),
+                                torch.device("cuda"), torch.bfloat16)
+    for prompt, logits in zip(prompts, ours):
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([prompt], device="cuda")).logits[0].float()
+        err = ((logits - expected).norm() / expected.norm()).item()
+        assert err < LOGITS_TOLERANCE, f"prompt of {len(prompt)} tokens: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
+def test_greedy_tokens_agree_with_transformers_in_bf16(model_path, prompts, hf_model,
+                                                       enforce_eager):
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS,
+                                           pad_token_id=0)
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device="cuda")
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids),
+                                    generation_config=config)
+            expected.append(out[0, len(prompt):].tolist())
+    llm = LLM(str(model_path), dtype="bfloat16", device="cuda", max_model_len=256,
+              max_num_seqs=8, num_gpu_blocks_override=256, enforce_eager=enforce_eager)
+    assert bool(llm.runner.graphs.graphs) != enforce_eager
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    # Greedy decoding diverges for good after the first differing token: count the shared prefix.
+    agreed = sum(_common_prefix(o.outputs[0].token_ids, e) for o, e in zip(outputs, expected))
+    print(f"greedy agreement ({'eager' if enforce_eager else 'cuda graphs'}): "
+          f"{agreed}/{len(prompts) * NEW_TOKENS}")
+    assert agreed >= MIN_AGREEMENT * len(prompts) * NEW_TOKENS
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
