@@ -1,0 +1,273 @@
+"""`pagedserve bench control-path`: what one step costs without a model, so that the scheduler's CPU
+time and the gRPC round trip to the executor can be measured apart from GPU work.
+
+The scheduler core runs against a null model runner, first in this process (scheduler CPU alone),
+then through the real executor gRPC server over a Unix socket in a child process (adds the plan and
+result encoding and the round trip)."""
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from itertools import chain
+
+from pagedserve import service, workload
+from pagedserve.config import EngineConfig
+from pagedserve.plan import ExecutorInfo, StepPlan, StepResult, plan_to_proto, result_from_proto
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import executor_pb2_grpc
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler
+
+VOCAB = 32000
+TOKEN = 1  # what the null model samples; never EOS (0)
+
+
+@dataclass(slots=True)
+class NullState:
+    num_tokens: int
+    num_computed_tokens: int
+    num_blocks: int
+
+
+class NullModelRunner:
+    """ModelRunner's interface with no model: keeps each request's state from the plan deltas, as the
+    real runner does, and samples TOKEN for every request whose known tokens are all computed."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        self.info = ExecutorInfo(num_blocks=num_blocks, block_size=block_size, dtype="none",
+                                 device="none", vocab_size=VOCAB, max_model_len=max_model_len,
+                                 eos_token_ids=[0])
+        self.requests: dict[int, NullState] = {}
+
+    def describe(self) -> ExecutorInfo:
+        return self.info
+
+    def reset(self) -> None:
+        self.requests.clear()
+
+    def run(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter_ns()
+        requests = self.requests
+        for seq_id in plan.dropped:
+            del requests[seq_id]
+        for r in plan.new_requests:
+            requests[r.seq_id] = NullState(len(r.token_ids), r.num_computed_tokens, len(r.block_ids))
+        for r in plan.continuing:
+            requests[r.seq_id].num_blocks += len(r.new_block_ids)
+        sampled = []
+        for r in chain(plan.new_requests, plan.continuing):
+            state = requests[r.seq_id]
+            state.num_computed_tokens += r.num_scheduled_tokens
+            if state.num_computed_tokens == state.num_tokens:
+                state.num_tokens += 1
+                sampled.append(r.seq_id)
+        return StepResult(plan.step_id, sampled, [TOKEN] * len(sampled), time.perf_counter_ns() - start)
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Nanoseconds per phase of each step at the full batch; phases a mode lacks stay empty."""
+    schedule: list[int] = field(default_factory=list)
+    update: list[int] = field(default_factory=list)
+    scheduler_cpu: list[int] = field(default_factory=list)
+    scheduler_thread_cpu: list[int] = field(default_factory=list)
+    encode: list[int] = field(default_factory=list)
+    round_trip: list[int] = field(default_factory=list)
+    decode: list[int] = field(default_factory=list)
+    forward: list[int] = field(default_factory=list)
+    idle: list[int] = field(default_factory=list)
+    step: list[int] = field(default_factory=list)
+
+
+def add_control_path_args(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("control-path", help="scheduler CPU and gRPC cost per step, with a null model")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--mode", choices=["both", "in-process", "grpc"], default="both")
+    p.add_argument("--output-json", help="also write the result here")
+    p.set_defaults(run=run_control_path)
+
+
+def run_control_path(args: argparse.Namespace) -> None:
+    result = dict(bench="control-path", num_requests=args.num_requests, input_len=args.input_len,
+                  output_len=args.output_len, block_size=args.block_size,
+                  enable_prefix_caching=args.enable_prefix_caching)
+    if args.mode in ("both", "in-process"):
+        result["in_process"] = measure(args, run_in_process)
+    if args.mode in ("both", "grpc"):
+        result["grpc"] = measure(args, run_over_grpc)
+    print_table(result)
+    print(json.dumps(result))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def build_scheduler(args: argparse.Namespace) -> tuple[Scheduler, ExecutorInfo]:
+    """A scheduler holding every request of the workload, with a pool large enough that none waits."""
+    max_model_len = args.input_len + args.output_len
+    blocks_per_request = -(-max_model_len // args.block_size)
+    info = ExecutorInfo(num_blocks=args.num_requests * blocks_per_request + 1, block_size=args.block_size,
+                        dtype="none", device="none", vocab_size=VOCAB, max_model_len=max_model_len,
+                        eos_token_ids=[0])
+    config = EngineConfig(max_num_seqs=args.num_requests, block_size=args.block_size,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          enable_prefix_caching=args.enable_prefix_caching)
+    scheduler = Scheduler(config, info.num_blocks, info.max_model_len, info.eos_token_ids)
+    work = workload.random(n=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+                           vocab=VOCAB)
+    for i, (prompt, output_len) in enumerate(zip(work.prompts, work.output_lens)):
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+        scheduler.add(Request(seq_id=i + 1, request_id=str(i), prompt_token_ids=prompt, sampling=params))
+    return scheduler, info
+
+
+def measure(args: argparse.Namespace, run) -> dict:
+    scheduler, info = build_scheduler(args)
+    times = StepTimes()
+    num_steps, seconds = run(scheduler, info, times, args.num_requests)
+    summary = {name: summarize(values) for name, values in asdict(times).items() if values}
+    return dict(steps=num_steps, seconds=round(seconds, 3), steps_per_s=round(num_steps / seconds, 1),
+                full_batch_steps=len(times.step), us_per_step=summary,
+                scheduler_stats=scheduler.stats.summary())
+
+
+def summarize(values_ns: list[int]) -> dict:
+    values = sorted(values_ns)
+    return dict(mean=round(statistics.fmean(values) / 1000, 1),
+                p50=round(values[len(values) // 2] / 1000, 1),
+                p99=round(values[min(len(values) - 1, len(values) * 99 // 100)] / 1000, 1))
+
+
+def run_in_process(scheduler: Scheduler, info: ExecutorInfo, times: StepTimes,
+                   batch: int) -> tuple[int, float]:
+    runner = NullModelRunner(info.num_blocks, info.block_size, info.max_model_len)
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
+    num_steps = 0
+    start = time.perf_counter()
+    while scheduler.has_work():
+        c0, t0 = cpu(), clock()
+        plan = scheduler.schedule()
+        t1, c1 = clock(), cpu()
+        result = runner.run(plan)
+        c2, t2 = cpu(), clock()
+        scheduler.update(plan, result)
+        t3, c3 = clock(), cpu()
+        num_steps += 1
+        if len(plan.continuing) == batch:
+            record(times, t1 - t0, t3 - t2, t3 - t0, c1 - c0 + c3 - c2, result)
+    return num_steps, time.perf_counter() - start
+
+
+def record(times: StepTimes, schedule_ns: int, update_ns: int, step_ns: int, thread_cpu_ns: int,
+           result: StepResult) -> None:
+    times.schedule.append(schedule_ns)
+    times.update.append(update_ns)
+    times.scheduler_cpu.append(schedule_ns + update_ns)
+    times.scheduler_thread_cpu.append(thread_cpu_ns)
+    times.forward.append(result.forward_ns)
+    times.step.append(step_ns)
+
+
+def run_over_grpc(scheduler: Scheduler, info: ExecutorInfo, times: StepTimes,
+                  batch: int) -> tuple[int, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        address = f"unix://{os.path.join(tmp, 'executor.sock')}"
+        # spawn: the child must not inherit this process's gRPC state.
+        child = multiprocessing.get_context("spawn").Process(
+            target=serve_null_executor, args=(address, info.num_blocks, info.block_size, info.max_model_len),
+            daemon=True)
+        child.start()
+        try:
+            return run_event_loop(drive(scheduler, address, times, batch))
+        finally:
+            child.terminate()
+            child.join()
+
+
+async def drive(scheduler: Scheduler, address: str, times: StepTimes, batch: int) -> tuple[int, float]:
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
+    num_steps = 0
+    async with service.channel(address) as channel:
+        await service.wait_serving(address, timeout=60)
+        call = executor_pb2_grpc.ExecutorStub(channel).Run()
+        start = time.perf_counter()
+        while scheduler.has_work():
+            c0, t0 = cpu(), clock()
+            plan = scheduler.schedule()
+            t1, c1 = clock(), cpu()
+            message = plan_to_proto(plan)
+            t2 = clock()
+            await call.write(message)
+            reply = await call.read()
+            t3 = clock()
+            result = result_from_proto(reply)
+            c4, t4 = cpu(), clock()
+            scheduler.update(plan, result)
+            t5, c5 = clock(), cpu()
+            num_steps += 1
+            if len(plan.continuing) == batch:
+                record(times, t1 - t0, t5 - t4, t5 - t0, c1 - c0 + c5 - c4, result)
+                times.encode.append(t2 - t1)
+                times.round_trip.append(t3 - t2)
+                times.decode.append(t4 - t3)
+                if result.idle_ns:
+                    times.idle.append(result.idle_ns)
+        seconds = time.perf_counter() - start
+        await call.done_writing()
+    return num_steps, seconds
+
+
+def serve_null_executor(address: str, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    run_event_loop(_serve_null_executor(address, NullModelRunner(num_blocks, block_size, max_model_len)))
+
+
+async def _serve_null_executor(address: str, runner: NullModelRunner) -> None:
+    # Imported here: the executor server pulls in torch, which only the child needs.
+    from executor_svc.server import ExecutorService
+    running = await service.start("null executor", address, partial(
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(runner)))
+    await service.wait_for_signal()
+    await running.stop()
+
+
+def run_event_loop(coro):
+    """uvloop when installed, like the services themselves."""
+    try:
+        import uvloop
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+ROWS = [("schedule", "schedule()"), ("update", "update()"), ("scheduler_cpu", "scheduler wall"),
+        ("scheduler_thread_cpu", "scheduler thread CPU"),
+        ("encode", "plan_to_proto"), ("round_trip", "gRPC round trip"), ("decode", "result_from_proto"),
+        ("forward", "null forward"), ("idle", "executor idle"), ("step", "whole step")]
+
+
+def print_table(result: dict) -> None:
+    modes = [m for m in ("in_process", "grpc") if m in result]
+    print(f"control path: {result['num_requests']} requests, prompt {result['input_len']}, "
+          f"output {result['output_len']}, block {result['block_size']}, "
+          f"prefix caching {'on' if result['enable_prefix_caching'] else 'off'}")
+    print(f"{'':22}" + "".join(f"{m:>26}" for m in modes))
+    print(f"{'steps/s':22}" + "".join(f"{result[m]['steps_per_s']:>26.1f}" for m in modes))
+    print(f"{'us per step (full batch)':22}" + "".join(f"{'mean / p50 / p99':>26}" for m in modes))
+    for key, label in ROWS:
+        cells = []
+        for m in modes:
+            s = result[m]["us_per_step"].get(key)
+            cells.append(f"{s['mean']:>8.1f} /{s['p50']:>7.1f} /{s['p99']:>7.1f}" if s else f"{'-':>26}")
+        if any(c.strip() != "-" for c in cells):
+            print(f"{label:22}" + "".join(f"{c:>26}" for c in cells))

@@ -1,0 +1,103 @@
+"""`pagedserve bench serve`: its statistics on synthetic timings, and one run against the real stack."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pagedserve import cli
+from pagedserve.bench_serve import (RequestResult, arrival_times, inter_token_latencies, mark_stable,
+                                    parse_metric, summarize, time_per_output_token)
+from tests.e2e.test_serve import free_port, wait_http
+
+
+def test_one_token_per_chunk_gives_the_chunk_gaps():
+    assert inter_token_latencies([0.1, 0.2, 0.4], 3) == pytest.approx([0.1, 0.2])
+
+
+def test_chunks_carrying_several_tokens_split_their_gap():
+    itls = inter_token_latencies([0.1, 0.3, 0.4], 5)
+    assert itls == pytest.approx([0.1, 0.1, 0.05, 0.05])
+    assert sum(inter_token_latencies([0.1, 0.3, 0.4], 4)) == pytest.approx(0.3)
+    assert inter_token_latencies([0.1, 0.3, 0.4], 4) == pytest.approx([0.1, 0.1, 0.1])
+    assert inter_token_latencies([0.2], 1) == []
+
+
+def test_time_per_output_token_excludes_the_first():
+    assert time_per_output_token(RequestResult(True, 4, 5, ttft=0.1, latency=0.5)) == pytest.approx(0.1)
+    assert time_per_output_token(RequestResult(True, 4, 1, ttft=0.1, latency=0.1)) is None
+
+
+def test_summary_of_synthetic_requests():
+    ok = [RequestResult(True, 10, 3, 0.1, 0.3, [0.1, 0.2, 0.3]),
+          RequestResult(True, 20, 3, 0.3, 0.7, [0.3, 0.5, 0.7])]
+    failed = RequestResult(prompt_tokens=5, error="HTTP 500: boom")
+    s = summarize(ok + [failed], duration=2.0)
+    assert (s["completed"], s["failed"], s["errors"]) == (2, 1, ["HTTP 500: boom"])
+    assert (s["prompt_tokens"], s["output_tokens"]) == (30, 6)
+    assert s["output_throughput"] == 3.0 and s["request_throughput"] == 1.0
+    assert s["total_token_throughput"] == 18.0
+    assert s["ttft_ms"] == {"mean": 200.0, "median": 200.0, "p99": pytest.approx(298.0)}
+    assert s["tpot_ms"]["mean"] == pytest.approx(150.0)
+    assert s["itl_ms"]["mean"] == pytest.approx(150.0) and s["itl_ms"]["median"] == pytest.approx(150.0)
+    assert s["e2e_latency_ms"]["mean"] == pytest.approx(500.0)
+    assert summarize([failed], 1.0)["ttft_ms"] == {"mean": None, "median": None, "p99": None}
+
+
+def test_stable_needs_no_failures_and_a_bounded_ttft_tail():
+    def level(failed, median, p99):
+        return {"failed": failed, "ttft_ms": {"median": median, "p99": p99}}
+    levels = [level(0, 20.0, 50.0), level(0, 30.0, 199.0), level(0, 80.0, 201.0), level(1, 20.0, 30.0)]
+    mark_stable(levels)
+    assert [lv["stable"] for lv in levels] == [True, True, False, False]
+
+
+def test_metric_is_read_from_prometheus_text():
+    text = ("# HELP pagedserve:kv_cache_usage_perc KV usage\n"
+            "pagedserve:kv_cache_usage_perc_total 9\n"
+            'pagedserve:kv_cache_usage_perc{model_name="a"} 0.25\n'
+            'pagedserve:kv_cache_usage_perc{model_name="b"} 0.5 1700000000\n')
+    assert parse_metric(text, "pagedserve:kv_cache_usage_perc") == 0.5
+    assert parse_metric("pagedserve:kv_cache_usage_perc 0.125\n", "pagedserve:kv_cache_usage_perc") == 0.125
+    assert parse_metric("other 1\n", "pagedserve:kv_cache_usage_perc") is None
+
+
+def test_poisson_arrivals():
+    assert not arrival_times(4, math.inf, 0).any()
+    times = arrival_times(20000, 50.0, 0)
+    assert (np.diff(times) >= 0).all() and times[-1] / 20000 == pytest.approx(1 / 50, rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path_factory.mktemp("cache")))
+    process = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port),
+                                "--num-gpu-blocks-override", "256", "--max-model-len", "256"], env=env)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", process, timeout=180)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_bench_serve_against_the_demo_model(server, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    cli.main(["bench", "serve", "--base-url", server, "--num-prompts", "6", "--concurrency", "1,3",
+              "--dataset", "random", "--input-len", "16", "--output-len", "8", "--vocab-size", "256",
+              "--output-json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["model"] == "pagedserve-demo"
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
+    for lv in result["levels"]:
+        assert (lv["completed"], lv["failed"], lv["errors"]) == (6, 0, [])
+        assert (lv["prompt_tokens"], lv["output_tokens"]) == (6 * 16, 6 * 8)
+        assert 0 < lv["ttft_ms"]["mean"] <= lv["e2e_latency_ms"]["mean"]
+        assert lv["tpot_ms"]["mean"] > 0 and lv["output_throughput"] > 0
+        assert lv["kv_cache_usage_peak"] is None or 0 <= lv["kv_cache_usage_peak"] <= 1
+    table = capsys.readouterr().out
+    assert "concurrency" in table and "TTFT p99" in table and "stable" in table
