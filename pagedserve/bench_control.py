@@ -6,6 +6,7 @@ then through the real executor gRPC server over a Unix socket in a child process
 result encoding and the round trip)."""
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -134,6 +135,7 @@ def build_scheduler(args: argparse.Namespace) -> tuple[Scheduler, ExecutorInfo]:
 
 def measure(args: argparse.Namespace, run) -> dict:
     scheduler, info = build_scheduler(args)
+    gc.freeze()  # as the scheduler server does once its block pool exists
     times = StepTimes()
     num_steps, seconds = run(scheduler, info, times, args.num_requests)
     summary = {name: summarize(values) for name, values in asdict(times).items() if values}
