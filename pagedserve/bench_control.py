@@ -40,10 +40,8 @@ class NullModelRunner:
     """ModelRunner's interface with no model: keeps each request's state from the plan deltas, as the
     real runner does, and samples TOKEN for every request whose known tokens are all computed."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        self.info = ExecutorInfo(num_blocks=num_blocks, block_size=block_size, dtype="none",
-                                 device="none", vocab_size=VOCAB, max_model_len=max_model_len,
-                                 eos_token_ids=[0])
+    def __init__(self, info: ExecutorInfo) -> None:
+        self.info = info
         self.requests: dict[int, NullState] = {}
 
     def describe(self) -> ExecutorInfo:
@@ -114,13 +112,16 @@ def run_control_path(args: argparse.Namespace) -> None:
             json.dump(result, f, indent=2)
 
 
+def null_executor_info(num_blocks: int, block_size: int, max_model_len: int) -> ExecutorInfo:
+    return ExecutorInfo(num_blocks=num_blocks, block_size=block_size, dtype="none", device="none",
+                        vocab_size=VOCAB, max_model_len=max_model_len, eos_token_ids=[0])
+
+
 def build_scheduler(args: argparse.Namespace) -> tuple[Scheduler, ExecutorInfo]:
     """A scheduler holding every request of the workload, with a pool large enough that none waits."""
     max_model_len = args.input_len + args.output_len
     blocks_per_request = -(-max_model_len // args.block_size)
-    info = ExecutorInfo(num_blocks=args.num_requests * blocks_per_request + 1, block_size=args.block_size,
-                        dtype="none", device="none", vocab_size=VOCAB, max_model_len=max_model_len,
-                        eos_token_ids=[0])
+    info = null_executor_info(args.num_requests * blocks_per_request + 1, args.block_size, max_model_len)
     config = EngineConfig(max_num_seqs=args.num_requests, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=args.enable_prefix_caching)
@@ -153,7 +154,7 @@ def summarize(values_ns: list[int]) -> dict:
 
 def run_in_process(scheduler: Scheduler, info: ExecutorInfo, times: StepTimes,
                    batch: int) -> tuple[int, float]:
-    runner = NullModelRunner(info.num_blocks, info.block_size, info.max_model_len)
+    runner = NullModelRunner(info)
     clock, cpu = time.perf_counter_ns, time.thread_time_ns
     num_steps = 0
     start = time.perf_counter()
@@ -187,8 +188,7 @@ def run_over_grpc(scheduler: Scheduler, info: ExecutorInfo, times: StepTimes,
         address = f"unix://{os.path.join(tmp, 'executor.sock')}"
         # spawn: the child must not inherit this process's gRPC state.
         child = multiprocessing.get_context("spawn").Process(
-            target=serve_null_executor, args=(address, info.num_blocks, info.block_size, info.max_model_len),
-            daemon=True)
+            target=serve_null_executor, args=(address, info), daemon=True)
         child.start()
         try:
             return run_event_loop(drive(scheduler, address, times, batch))
@@ -230,8 +230,8 @@ async def drive(scheduler: Scheduler, address: str, times: StepTimes, batch: int
     return num_steps, seconds
 
 
-def serve_null_executor(address: str, num_blocks: int, block_size: int, max_model_len: int) -> None:
-    run_event_loop(_serve_null_executor(address, NullModelRunner(num_blocks, block_size, max_model_len)))
+def serve_null_executor(address: str, info: ExecutorInfo) -> None:
+    run_event_loop(_serve_null_executor(address, NullModelRunner(info)))
 
 
 async def _serve_null_executor(address: str, runner: NullModelRunner) -> None:

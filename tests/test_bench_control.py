@@ -2,12 +2,12 @@
 import json
 
 from pagedserve import cli
-from pagedserve.bench_control import TOKEN, NullModelRunner
+from pagedserve.bench_control import TOKEN, NullModelRunner, null_executor_info
 from pagedserve.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
 
 
 def test_null_runner_samples_once_all_known_tokens_are_computed():
-    runner = NullModelRunner(num_blocks=16, block_size=4, max_model_len=64)
+    runner = NullModelRunner(null_executor_info(num_blocks=16, block_size=4, max_model_len=64))
     chunk = StepPlan(1, new_requests=[NewRequest(1, [5] * 6, 0, 4, [1, 2], SamplingOptions()),
                                       NewRequest(2, [5] * 3, 0, 3, [3], SamplingOptions())])
     result = runner.run(chunk)
