@@ -49,7 +49,7 @@ class TorchAttentionBackend:
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
-    """The Triton kernels; rotary rotates q and k in place, no op reads a device value on the host."""
+    """The Triton kernels: rotary works in place, and no kernel reads a device value on the host."""
     rms_norm = staticmethod(rms_norm)
     rotary = staticmethod(rotary)
     silu_and_mul = staticmethod(silu_and_mul)

@@ -61,8 +61,9 @@ class Staging:
             raise ValueError(f"a step needs more than the {self.buffer.numel()} bytes of host "
                              "staging sized from max_num_batched_tokens and max_num_seqs")
         self.offset = -(-end // ALIGN) * ALIGN
-        host = torch.from_numpy(self.buffer.numpy()[start:end].view(array.dtype).reshape(array.shape))
-        host.numpy()[...] = array
+        staged = self.buffer.numpy()[start:end].view(array.dtype).reshape(array.shape)
+        staged[...] = array
+        host = torch.from_numpy(staged)
         if out is None:
             return host.to(self.device, non_blocking=True)
         return out.copy_(host, non_blocking=True)
