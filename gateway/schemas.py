@@ -44,8 +44,9 @@ class SamplingFields(Struct, kw_only=True):
     top_p: TopP | None = None
     top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
     min_p: MinP | None = None
-    n: N = 1
-    stream: bool = False
+    # OpenAI's spec lets n, stream and echo be null, meaning their defaults.
+    n: N | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
     seed: Seed | None = None
@@ -55,6 +56,10 @@ class SamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.n is None:
+            self.n = 1
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -70,7 +75,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | Annotated[list[str | Int32 | list[Int32]], Meta(min_length=1)]
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
 
 

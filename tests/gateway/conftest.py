@@ -1,12 +1,15 @@
 """Gateway fixtures: a tiny byte-level BPE tokenizer, a fake Engine on grpc.aio, the gateway on loopback."""
 import asyncio
 import json
+import re
 import time
+from pathlib import Path
 
 import aiohttp
 import grpc
 import openai
 import pytest
+import yaml
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
@@ -16,10 +19,16 @@ from gateway.tokenizer import Tokenizer
 from pagedserve.v1 import engine_pb2 as pb
 from pagedserve.v1 import engine_pb2_grpc
 
+# Outside the repository (../shared/specs), so looked up in every parent of this file.
+SPEC_NAME = Path("shared", "specs", "openai-openapi.yaml")
+SPEC = next((p / SPEC_NAME for p in Path(__file__).resolve().parents if (p / SPEC_NAME).is_file()), None)
 MODEL = "tiny-model"
 MAX_MODEL_LEN = 256
 CACHED_TOKENS = 3
 REPLY = "Hello wörld 😀 and 🎉! The quick brown fox jumps over the lazy dog. "
+# What error messages must never carry: tracebacks, source or socket paths, addresses.
+LEAK = re.compile(r"Traceback|File \"|\.py\b|/(home|work|tmp|usr|opt|root|srv|var)/|unix:|ipv[46]:|localhost"
+                  r"|\b\d{1,3}(\.\d{1,3}){3}\b|\[::1?\]")
 # What the fake scheduler reports about itself in ModelInfo.
 ENGINE_STATS = dict(block_size=16, num_blocks=100, num_free_blocks=75, num_running=2, num_waiting=1,
                     num_preemptions=4, kv_cache_usage=0.25, prefix_cache_queries=90, prefix_cache_hits=30,
@@ -187,3 +196,12 @@ async def loose_client(base_url):
     # last contradicts (OpenAI and vLLM send null there), so completion streams are not validated.
     async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def openai_spec() -> dict:
+    """OpenAI's OpenAPI description (read-only: copy before changing it)."""
+    if SPEC is None:
+        pytest.skip(f"{SPEC_NAME} not found in any parent directory of the tests; the OpenAI spec "
+                    "checks need it (see shared/specs/README.md)")
+    return yaml.load(SPEC.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))

@@ -5,7 +5,7 @@ import json
 import openai
 import pytest
 
-from conftest import CACHED_TOKENS, MAX_MODEL_LEN, MODEL, REPLY
+from conftest import CACHED_TOKENS, LEAK, MAX_MODEL_LEN, MODEL, REPLY
 
 CHAT = [{"role": "user", "content": "Say hello"}]
 
@@ -194,6 +194,21 @@ async def test_health(http, base_url, dead_engine_url):
         assert (await r.json())["error"]["type"] == "service_unavailable"
     async with http.post(f"{dead_engine_url}/v1/chat/completions", json={"messages": CHAT}) as r:
         assert r.status == 503 and "127.0.0.1" not in await r.text()
+
+
+async def test_errors_never_carry_paths_or_addresses(http, base_url, dead_engine_url, engine):
+    replies = []
+    for url in (base_url, dead_engine_url):
+        for method, path, body in (("GET", "/health", None), ("GET", "/v1/models", None),
+                                   ("POST", "/v1/chat/completions", {"messages": CHAT}),
+                                   ("POST", "/tokenize", {"prompt": "x"}), ("GET", "/nowhere", None)):
+            async with http.request(method, url + path, json=body) as r:
+                replies.append((r.status, await r.text()))
+    engine.fail_after = 0
+    async with http.post(f"{base_url}/v1/completions", json={"prompt": "x"}) as r:
+        replies.append((r.status, await r.text()))
+    errors = [text for status, text in replies if status >= 400]
+    assert len(errors) == 7 and not [e for e in errors if LEAK.search(e)]
 
 
 async def test_mid_stream_failure_sends_error_then_done(http, base_url, engine):

@@ -76,6 +76,13 @@ async def test_unsupported_messages_say_what_to_do(http, base_url):
         assert "not supported yet" in (await r.json())["error"]["message"]
 
 
+async def test_null_means_default(http, base_url, engine):
+    body = {"prompt": "x", "max_tokens": 2, "n": None, "stream": None, "echo": None}
+    async with http.post(base_url + COMPLETIONS, json=body) as r:
+        assert r.status == 200, await r.text()
+        assert len((await r.json())["choices"]) == 1
+
+
 async def test_accepted_extras(http, base_url):
     body = {"messages": MSG, "max_tokens": 2, "user": "u", "store": False, "metadata": {"a": 1},
             "parallel_tool_calls": False, "response_format": {"type": "text", "strict": True},
