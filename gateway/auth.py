@@ -2,11 +2,12 @@
 import hmac
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from gateway.errors import unauthorized
 
 
-def auth_middleware(api_key: str, open_paths: frozenset[str]):
+def auth_middleware(api_key: str, open_paths: frozenset[str]) -> Middleware:
     """Answers 401 unless the request carries `api_key`. `open_paths` match exactly: "/health/" or a
     prefix of "/health" is not open."""
     expected = api_key.encode()

@@ -63,7 +63,8 @@ class Generation:
         self._tokenizer = tokenizer
         self.choices = choices
         self.metrics = metrics
-        # time.monotonic() when the HTTP request arrived: latencies count from there.
+        # time.monotonic() when the request was accepted (validated, tokenized): vLLM's arrival time,
+        # from which the latency metrics count.
         self._arrival = arrival
 
     def usage(self) -> Usage:

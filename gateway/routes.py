@@ -62,7 +62,7 @@ def _counts_rejections(handler: Handler) -> Handler:
         except (APIError, web.HTTPException) as e:
             reason = rejection_reason(e.status, e.info.code if isinstance(e, APIError) else None)
             if reason is not None:
-                # Until the scheduler has answered once the model name, the label, is unknown.
+                # Until the scheduler has answered once, the model name (the label) is unknown.
                 with suppress(APIError):
                     (await request.app[GATEWAY].model()).metrics.request_rejected[reason].inc()
             raise

@@ -42,8 +42,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
 def add_access_args(group: argparse._ActionsContainer) -> None:
     """API key and CORS flags, shared with `pagedserve serve`."""
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on every route but /health (and /metrics); "
-                            "defaults to $PAGEDSERVE_API_KEY, which, unlike a flag, process listings do not show")
+                       help="require `Authorization: Bearer KEY` on every route but /health (and "
+                            "/metrics); defaults to $PAGEDSERVE_API_KEY, which, unlike a flag, process "
+                            "listings do not show")
     group.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
     group.add_argument("--allowed-origins", type=parse_origins, default=[],
                        help="CORS: origins browsers may call the API from, comma-separated or a JSON list; "

@@ -22,7 +22,8 @@ async def test_tokenize_prompt(http, base_url, tokenizer):
     assert reply == {"count": len(reply["tokens"]), "max_model_len": MAX_MODEL_LEN,
                      "tokens": tokenizer.encode("Hello wörld")}
     assert reply["tokens"][0] == tokenizer.bos_token_id
-    _, bare = await _post(http, f"{base_url}/tokenize", {"prompt": "Hello wörld", "add_special_tokens": False})
+    _, bare = await _post(http, f"{base_url}/tokenize",
+                          {"prompt": "Hello wörld", "add_special_tokens": False})
     assert bare["tokens"] == reply["tokens"][1:]
 
 

@@ -1,4 +1,4 @@
-"""Schemathesis cases from OpenAI's spec, valid and invalid: never a 5xx, never a path or address in a reply."""
+"""Schemathesis cases from OpenAI's spec, valid and invalid: never a 5xx, no path or address in errors."""
 import asyncio
 import threading
 

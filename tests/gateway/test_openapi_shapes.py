@@ -36,7 +36,8 @@ def validate(openai_spec):
 
     def check(name: str, body: dict) -> None:
         schema = {"$ref": f"#/components/schemas/{name}", "components": components}
-        errors = [f"{list(e.absolute_path)}: {e.message}" for e in Draft202012Validator(schema).iter_errors(body)]
+        validator = Draft202012Validator(schema)
+        errors = [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(body)]
         assert not errors, f"{name}: {errors} in {json.dumps(body)[:500]}"
 
     return check
