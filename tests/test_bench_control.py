@@ -6,6 +6,13 @@ from pagedserve.bench_control import TOKEN, NullModelRunner, null_executor_info
 from pagedserve.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
 
 
+def run_cli(argv: list[str]) -> None:
+    # Not cli.main: its logging setup would bind structlog to this test's captured stderr, which
+    # pytest closes afterwards, failing every later test that logs.
+    args = cli.build_parser().parse_args(argv)
+    args.run(args)
+
+
 def test_null_runner_samples_once_all_known_tokens_are_computed():
     runner = NullModelRunner(null_executor_info(num_blocks=16, block_size=4, max_model_len=64))
     chunk = StepPlan(1, new_requests=[NewRequest(1, [5] * 6, 0, 4, [1, 2], SamplingOptions()),
@@ -23,7 +30,7 @@ def test_null_runner_samples_once_all_known_tokens_are_computed():
 
 def test_control_path_in_process_and_over_grpc(tmp_path, capsys):
     out = tmp_path / "control.json"
-    cli.main(["bench", "control-path", "--num-requests", "8", "--input-len", "16", "--output-len", "32",
+    run_cli(["bench", "control-path", "--num-requests", "8", "--input-len", "16", "--output-len", "32",
               "--block-size", "4", "--output-json", str(out)])
     result = json.loads(out.read_text())
     for mode in ("in_process", "grpc"):

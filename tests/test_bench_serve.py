@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from pagedserve import cli
 from pagedserve.bench_serve import (RequestResult, arrival_times, inter_token_latencies, mark_stable,
                                     parse_metric, summarize, time_per_output_token)
 from tests.e2e.test_serve import free_port, wait_http
+from tests.test_bench_control import run_cli
 
 
 def test_one_token_per_chunk_gives_the_chunk_gaps():
@@ -87,7 +87,7 @@ def server(tmp_path_factory):
 
 def test_bench_serve_against_the_demo_model(server, tmp_path, capsys):
     out = tmp_path / "serve.json"
-    cli.main(["bench", "serve", "--base-url", server, "--num-prompts", "6", "--concurrency", "1,3",
+    run_cli(["bench", "serve", "--base-url", server, "--num-prompts", "6", "--concurrency", "1,3",
               "--dataset", "random", "--input-len", "16", "--output-len", "8", "--vocab-size", "256",
               "--output-json", str(out)])
     result = json.loads(out.read_text())
