@@ -140,7 +140,8 @@ async def _generate(request: web.Request, builder: ResponseBuilder, choices: lis
 
 def _log_end(event: str, builder: ResponseBuilder, generation: Generation, start: float) -> None:
     usage = generation.usage()
-    log.info(event, id=builder.id, prompt_tokens=usage.prompt_tokens,
+    # Debug, not info: one line per request is an access log, and a log storm slows serving.
+    log.debug(event, id=builder.id, prompt_tokens=usage.prompt_tokens,
              completion_tokens=usage.completion_tokens, elapsed_s=round(time.monotonic() - start, 3))
 
 
