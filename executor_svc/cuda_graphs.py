@@ -42,7 +42,7 @@ def decode_metadata(buffers: StepBuffers, size: int, max_model_len: int, num_hea
     num_splits = default_num_splits(size, size, num_heads, num_kv_heads, head_dim,
                                     dtype.itemsize, 1, max_model_len, buffers.input_ids.device)
     return AttentionMetadata(slot_mapping=buffers.slot_mapping[:size],
-                             query_start_loc=buffers.query_start_loc[:size + 1],
+                             query_start_loc=buffers.decode_query_start_loc[:size + 1],
                              seq_lens=buffers.seq_lens[:size],
                              block_tables=buffers.block_tables[:size], max_query_len=1,
                              max_seq_len=max_model_len, num_splits=num_splits)
@@ -65,7 +65,6 @@ class CudaGraphs:
         b.positions[:size].zero_()
         b.slot_mapping[:size].fill_(-1)
         b.seq_lens[:size].fill_(1)
-        torch.arange(size + 1, out=b.query_start_loc[:size + 1])
 
     def forward(self, size: int, kv_caches: list[KVCache]) -> torch.Tensor:
         """The eager forward that `replay(size)` repeats."""

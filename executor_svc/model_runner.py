@@ -30,7 +30,8 @@ class Step:
     meta: AttentionMetadata
     graph_size: int | None
     sample_rows: np.ndarray
-    logits_indices: torch.Tensor
+    # The hidden-state rows to sample; None when they are the first len(sample_rows) rows.
+    logits_indices: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -113,8 +114,11 @@ class ModelRunner:
         if not len(rows):
             return StepResult(plan.step_id)
         step = self._prepare(rows, query_lens)
+        hidden = self._forward(step, self.kv_caches)
         sample_rows = rows[step.sample_rows]
-        tokens = self._forward_and_sample(step, self.kv_caches, self._sampling(sample_rows))
+        # Built while the device runs the forward.
+        sampling = self._sampling(sample_rows)
+        tokens = self._sample(step, hidden, sampling)
         self.batch.num_computed[rows] += query_lens
         self.batch.append_sampled(sample_rows, tokens)
         forward_ns = time.perf_counter_ns() - start
@@ -139,12 +143,14 @@ class ModelRunner:
                          for i, n in enumerate(lens.tolist())], dtype=np.int64)
         try:
             step = self._prepare(rows, lens)
-            step.logits_indices = torch.arange(num_sample_rows, device=self.device) % num_tokens
+            hidden = self._forward(step, scratch)
             n = num_sample_rows
+            step.sample_rows = np.arange(n)
+            step.logits_indices = torch.arange(n, device=self.device) % num_tokens
             sampling = make_sampling_batch(np.ones(n, np.float32), np.full(n, 0.9, np.float32),
                                            np.zeros(n, np.int64), np.zeros(n, np.float32), {},
                                            self.staging.upload)
-            self._forward_and_sample(step, scratch, sampling)
+            self._sample(step, hidden, sampling)
         finally:
             for i in range(len(lens)):
                 self.batch.remove(-1 - i)
@@ -195,12 +201,13 @@ class ModelRunner:
         slot_mapping = (batch.block_table[token_rows, positions // block_size] * block_size
                         + positions % block_size)
         sample_rows = np.flatnonzero(seq_lens == batch.num_tokens[rows])
-        logits_indices = query_start_loc[1:][sample_rows] - 1
+        # One token per sequence, all sampling: the logits rows are the first hidden-state rows.
+        logits_indices = (None if num_tokens == num_seqs == len(sample_rows)
+                          else query_start_loc[1:][sample_rows] - 1)
         if graph_size is not None:
             pad = graph_size - num_seqs
             input_ids, positions, rows = (_pad(a, pad, 0) for a in (input_ids, positions, rows))
             slot_mapping, seq_lens = _pad(slot_mapping, pad, -1), _pad(seq_lens, pad, 1)
-            query_start_loc = np.arange(graph_size + 1)
             num_seqs = num_tokens = graph_size
         if num_tokens > self.buffers.input_ids.numel() or num_seqs > self.max_seqs:
             raise ValueError(f"step plan schedules {num_tokens} tokens of {num_seqs} sequences, "
@@ -211,7 +218,7 @@ class ModelRunner:
 
     def _upload(self, rows: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,
                 slot_mapping: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
-                logits_indices: np.ndarray, sample_rows: np.ndarray, graph_size: int | None,
+                logits_indices: np.ndarray | None, sample_rows: np.ndarray, graph_size: int | None,
                 max_query_len: int) -> Step:
         buf, upload = self.buffers, self.staging.upload
         num_tokens, num_seqs = len(input_ids), len(rows)
@@ -225,17 +232,15 @@ class ModelRunner:
         upload(slot_mapping, buf.slot_mapping[:num_tokens])
         upload(rows, buf.rows[:num_seqs])
         upload(seq_lens.astype(np.int32), buf.seq_lens[:num_seqs])
-        upload(query_start_loc.astype(np.int32), buf.query_start_loc[:num_seqs + 1])
         torch.index_select(self.block_table, 0, buf.rows[:num_seqs],
                            out=buf.block_tables[:num_seqs])
-        logits = upload(logits_indices)
+        logits = None if logits_indices is None else upload(logits_indices)
         if graph_size is not None:
-            meta = self.graph_metas[graph_size]
-        else:
-            meta = AttentionMetadata(buf.slot_mapping[:num_tokens],
-                                     buf.query_start_loc[:num_seqs + 1], buf.seq_lens[:num_seqs],
-                                     buf.block_tables[:num_seqs], max_query_len,
-                                     int(seq_lens.max()))
+            return Step(num_tokens, self.graph_metas[graph_size], graph_size, sample_rows, logits)
+        upload(query_start_loc.astype(np.int32), buf.query_start_loc[:num_seqs + 1])
+        meta = AttentionMetadata(buf.slot_mapping[:num_tokens], buf.query_start_loc[:num_seqs + 1],
+                                 buf.seq_lens[:num_seqs], buf.block_tables[:num_seqs],
+                                 max_query_len, int(seq_lens.max()))
         return Step(num_tokens, meta, graph_size, sample_rows, logits)
 
     def _sampling(self, rows: np.ndarray) -> SamplingBatch:
@@ -260,22 +265,22 @@ class ModelRunner:
             raise ValueError(f"step plan exceeds max_model_len {self.max_model_len}: "
                              f"context lengths {seq_lens.tolist()}")
 
-    def _forward_and_sample(self, step: Step, kv_caches: list[KVCache],
-                            sampling: SamplingBatch) -> np.ndarray:
-        """Runs the step; returns the sampled tokens on the host after one device sync (none when
-        nothing samples, so that the next plan is prepared while the GPU still works)."""
+    def _forward(self, step: Step, kv_caches: list[KVCache]) -> torch.Tensor:
         if step.graph_size is not None and step.graph_size in self.graphs.graphs:
-            hidden = self.graphs.replay(step.graph_size)
-        else:
-            buf = self.buffers
-            hidden = self.model(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
-                                kv_caches, step.meta)
-        num_samples = len(step.logits_indices)
+            return self.graphs.replay(step.graph_size)
+        buf = self.buffers
+        return self.model(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
+                          kv_caches, step.meta)
+
+    def _sample(self, step: Step, hidden: torch.Tensor, sampling: SamplingBatch) -> np.ndarray:
+        """Returns the sampled tokens on the host after one device sync (none when nothing
+        samples, so that the next plan is prepared while the device still works)."""
+        num_samples = len(step.sample_rows)
         if not num_samples:
             self.staging.uploaded()
             return np.zeros(0, dtype=np.int64)
-        logits = self.model.compute_logits(hidden[step.logits_indices])
-        tokens = self.sampler(logits, sampling)
+        rows = hidden[:num_samples] if step.logits_indices is None else hidden[step.logits_indices]
+        tokens = self.sampler(self.model.compute_logits(rows), sampling)
         self.staging.uploaded()
         if self.device.type != "cuda":
             return tokens.numpy()

@@ -18,6 +18,8 @@ class StepBuffers:
     seq_lens: torch.Tensor         # [max_seqs] int32
     query_start_loc: torch.Tensor  # [max_seqs + 1] int32
     block_tables: torch.Tensor     # [max_seqs, max_blocks] int32
+    # 0, 1, 2, ...: the query_start_loc of every padded decode step, so those steps copy none.
+    decode_query_start_loc: torch.Tensor  # [max_seqs + 1] int32
 
     @classmethod
     def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int,
@@ -26,7 +28,8 @@ class StepBuffers:
             return torch.zeros(shape, dtype=dtype, device=device)
         return cls(zeros(max_tokens), zeros(max_tokens), zeros(max_tokens), zeros(max_seqs),
                    zeros(max_seqs, dtype=torch.int32), zeros(max_seqs + 1, dtype=torch.int32),
-                   zeros(max_seqs, max_blocks, dtype=torch.int32))
+                   zeros(max_seqs, max_blocks, dtype=torch.int32),
+                   torch.arange(max_seqs + 1, dtype=torch.int32, device=device))
 
 
 class Staging:

@@ -158,20 +158,28 @@ def run_latency(args: argparse.Namespace) -> None:
     llm.generate(prompts, params, use_tqdm=False)
     times = StepTimes()
     times.attach(llm)
+    stats = llm.runner.stats
+    stats.steps = stats.total_ns = stats.wait_ns = 0
     for _ in range(args.num_iters):
         llm.generate(prompts, params, use_tqdm=False)
     run_ms, interval_ms = times.decode_run_ms(), times.decode_interval_ms()
+    host_ms = (stats.total_ns - stats.wait_ns) / stats.steps / 1e6
     result = dict(bench="latency", batch_size=args.batch_size, input_len=args.input_len,
                   output_len=args.output_len, decode_steps=len(run_ms),
                   decode_step_ms_mean=round(float(run_ms.mean()), 3),
                   decode_step_ms_median=round(float(np.median(run_ms)), 3),
                   decode_interval_ms_mean=round(float(interval_ms.mean()), 3),
+                  step_host_ms=round(host_ms, 3),
+                  step_device_wait_ms=round(stats.wait_ns / stats.steps / 1e6, 3),
                   cuda_graphs=bool(llm.runner.graphs.graphs),
                   model=args.model_config or args.model, **environment())
     print(f"mean decode step:   {result['decode_step_ms_mean']:.3f} ms "
           f"(median {result['decode_step_ms_median']:.3f} ms; prepare + forward + sample + sync, "
           f"{len(run_ms)} steps, CUDA graphs {'on' if result['cuda_graphs'] else 'off'})")
     print(f"mean step interval: {result['decode_interval_ms_mean']:.3f} ms (with scheduling)")
+    print(f"per step (all steps): {result['step_host_ms']:.3f} ms on the host in runner.run "
+          f"(device idle unless the previous step's work is still queued), "
+          f"{result['step_device_wait_ms']:.3f} ms blocked on the device")
     _emit(result, args.output_json)
 
 
