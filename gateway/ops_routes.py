@@ -1,15 +1,14 @@
 """Operational routes: /health for probes, /version, and /metrics for Prometheus."""
-from importlib.metadata import version
-
 import msgspec
 from aiohttp import web
 
 from gateway.errors import APIError
 from gateway.state import GATEWAY
+from pagedserve import __version__
 from pagedserve.log import get_logger
 
 log = get_logger(__name__)
-_VERSION = msgspec.json.encode({"version": version("pagedserve")})
+_VERSION = msgspec.json.encode({"version": __version__})
 
 
 async def health(request: web.Request) -> web.Response:

@@ -1,5 +1,6 @@
 """pagedserve: PagedAttention, continuous batching and an OpenAI-compatible API."""
 
+__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams"]
 
 
