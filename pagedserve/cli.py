@@ -7,6 +7,7 @@ import sys
 
 from pagedserve.config import add_engine_args, config_from_args, config_to_argv
 from pagedserve.log import configure
+from pagedserve.model_shapes import SHAPES, write_shape
 
 DEMO_NAME = "pagedserve-demo"
 
@@ -64,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.bench import add_bench_args
     add_bench_args(bench)
 
+    shape = sub.add_parser("make-shape-model", parents=[common],
+                           help="write a config-only model of a named shape, for --load-format dummy")
+    shape.add_argument("name", choices=sorted(SHAPES))
+    shape.add_argument("dir")
+    shape.add_argument("--with-tokenizer", action="store_true",
+                       help="add a synthetic tokenizer, so that `serve` can run on it")
+    shape.set_defaults(run=run_make_shape_model)
+
     demo = sub.add_parser("make-demo-model", parents=[common], help="write the demo model to DIR")
     demo.add_argument("dir")
     demo.set_defaults(run=run_make_demo_model)
@@ -118,6 +127,10 @@ def run_probe(args: argparse.Namespace) -> int:
     from pagedserve.launcher import grpc_ready, http_ready
     probe = grpc_ready(args.grpc) if args.grpc else http_ready(args.http)
     return 0 if probe() else 1
+
+
+def run_make_shape_model(args: argparse.Namespace) -> None:
+    print(write_shape(args.name, args.dir, tokenizer=args.with_tokenizer))
 
 
 def run_make_demo_model(args: argparse.Namespace) -> None:

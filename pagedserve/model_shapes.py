@@ -3,6 +3,8 @@ import json
 import tempfile
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
 SHAPES = {
     "llama-3.1-8b": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
@@ -15,10 +17,25 @@ SHAPES = {
 }
 
 
-def write_shape(name: str) -> str:
-    """Writes a config-only model directory for `name` and returns its path."""
+def write_shape(name: str, path: str | None = None, tokenizer: bool = False) -> str:
+    """Writes a model directory for `name` with a config and no weights (serve it with
+    `--load-format dummy`); returns its path. With `tokenizer`, it also gets a synthetic word-level
+    tokenizer covering the whole vocabulary, so that a server can stream text for every token."""
     if name not in SHAPES:
         raise ValueError(f"unknown model config {name!r}; known: {', '.join(SHAPES)}")
-    path = Path(tempfile.mkdtemp(prefix=f"pagedserve-{name}-"))
-    (path / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
-    return str(path)
+    out = Path(path) if path else Path(tempfile.mkdtemp(prefix=f"pagedserve-{name}-"))
+    out.mkdir(parents=True, exist_ok=True)
+    config = SHAPES[name]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer:
+        _write_tokenizer(out, config["vocab_size"])
+    return str(out)
+
+
+def _write_tokenizer(path: Path, vocab_size: int) -> None:
+    # Real weights would come with their real tokenizer; this one only has to decode every id.
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))

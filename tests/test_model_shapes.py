@@ -1,0 +1,19 @@
+import json
+
+from gateway.tokenizer import Tokenizer
+from pagedserve.model_shapes import SHAPES, write_shape
+
+
+def test_shape_directory_with_a_tokenizer_decodes_every_id(tmp_path):
+    path = write_shape("llama-3.1-8b", tmp_path / "m", tokenizer=True)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config == SHAPES["llama-3.1-8b"]
+    tokenizer = Tokenizer.from_dir(path)
+    vocab = config["vocab_size"]
+    assert tokenizer.vocab_size == vocab
+    assert tokenizer.decode([0, 17, vocab - 1]) == f"w0 w17 w{vocab - 1}"
+
+
+def test_shape_directory_without_a_tokenizer(tmp_path):
+    write_shape("llama-3.1-8b", tmp_path, tokenizer=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
