@@ -13,6 +13,13 @@ class SamplingOptions:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    min_tokens: int = 0
+    # Masked while the request has fewer than min_tokens outputs; empty without min_tokens.
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
 
 @dataclass(slots=True)
@@ -23,6 +30,9 @@ class NewRequest:
     num_scheduled_tokens: int
     block_ids: list[int]
     sampling: SamplingOptions
+    # token_ids[:num_prompt_tokens] is the prompt, the rest outputs sampled before a preemption;
+    # None: all of token_ids is the prompt.
+    num_prompt_tokens: int | None = None
 
 
 # A msgspec Struct rather than a dataclass: built in C at half the cost and untracked by the garbage
@@ -47,6 +57,18 @@ class StepPlan:
 
 
 @dataclass(slots=True)
+class StepLogprobs:
+    """Raw-logit log probabilities of the sampled rows that asked, packed: entry i is about
+    seq_ids[rows[i]], whose num_top[i] top tokens follow the previous entries' in the top_ lists."""
+    rows: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    num_top: list[int]
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
 class StepResult:
     step_id: int
     seq_ids: list[int] = field(default_factory=list)
@@ -55,6 +77,7 @@ class StepResult:
     # From the previous step's end to this one's start, as the executor server saw it: what the
     # control path (encoding, RPC, scheduling) costs the GPU.
     idle_ns: int = 0
+    logprobs: StepLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -70,12 +93,17 @@ class ExecutorInfo:
 
 def sampling_to_proto(s: SamplingOptions) -> pb.SamplingOptions:
     return pb.SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              min_p=s.min_p, seed=s.seed)
+                              min_p=s.min_p, seed=s.seed, min_tokens=s.min_tokens,
+                              stop_token_ids=s.stop_token_ids, presence_penalty=s.presence_penalty,
+                              frequency_penalty=s.frequency_penalty,
+                              repetition_penalty=s.repetition_penalty, logprobs=s.logprobs)
 
 
 def sampling_from_proto(m: pb.SamplingOptions) -> SamplingOptions:
     return SamplingOptions(m.temperature, m.top_p, m.top_k, m.min_p,
-                           m.seed if m.HasField("seed") else None)
+                           m.seed if m.HasField("seed") else None, m.min_tokens,
+                           m.stop_token_ids[:], m.presence_penalty, m.frequency_penalty,
+                           m.repetition_penalty, m.logprobs if m.HasField("logprobs") else None)
 
 
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
@@ -83,7 +111,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
     for r in plan.new_requests:
         m.new_requests.add(seq_id=r.seq_id, token_ids=r.token_ids, num_computed_tokens=r.num_computed_tokens,
                            num_scheduled_tokens=r.num_scheduled_tokens, block_ids=r.block_ids,
-                           sampling=sampling_to_proto(r.sampling))
+                           sampling=sampling_to_proto(r.sampling), num_prompt_tokens=r.num_prompt_tokens)
     # Runs once per running request per step: add() in place is 2x cheaper than building each
     # message and copying it in, and an empty repeated field passed as a keyword costs as much again.
     add = m.continuing.add
@@ -100,7 +128,9 @@ def plan_from_proto(m: pb.StepPlan) -> StepPlan:
     return StepPlan(
         step_id=m.step_id,
         new_requests=[NewRequest(r.seq_id, r.token_ids[:], r.num_computed_tokens, r.num_scheduled_tokens,
-                                 r.block_ids[:], sampling_from_proto(r.sampling)) for r in m.new_requests],
+                                 r.block_ids[:], sampling_from_proto(r.sampling),
+                                 r.num_prompt_tokens if r.HasField("num_prompt_tokens") else None)
+                      for r in m.new_requests],
         continuing=[ContinuingRequest(r.seq_id, r.num_scheduled_tokens, r.new_block_ids[:])
                     for r in m.continuing],
         dropped=m.dropped[:])
@@ -108,11 +138,23 @@ def plan_from_proto(m: pb.StepPlan) -> StepPlan:
 
 def result_to_proto(r: StepResult) -> pb.StepResult:
     return pb.StepResult(step_id=r.step_id, seq_ids=r.seq_ids, token_ids=r.token_ids,
-                         forward_ns=r.forward_ns, idle_ns=r.idle_ns)
+                         forward_ns=r.forward_ns, idle_ns=r.idle_ns,
+                         logprobs=None if r.logprobs is None else logprobs_to_proto(r.logprobs))
 
 
 def result_from_proto(m: pb.StepResult) -> StepResult:
-    return StepResult(m.step_id, list(m.seq_ids), list(m.token_ids), m.forward_ns, m.idle_ns)
+    return StepResult(m.step_id, list(m.seq_ids), list(m.token_ids), m.forward_ns, m.idle_ns,
+                      logprobs_from_proto(m.logprobs) if m.HasField("logprobs") else None)
+
+
+def logprobs_to_proto(lp: StepLogprobs) -> pb.StepLogprobs:
+    return pb.StepLogprobs(rows=lp.rows, logprobs=lp.logprobs, ranks=lp.ranks, num_top=lp.num_top,
+                           top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+
+
+def logprobs_from_proto(m: pb.StepLogprobs) -> StepLogprobs:
+    return StepLogprobs(m.rows[:], m.logprobs[:], m.ranks[:], m.num_top[:], m.top_token_ids[:],
+                        m.top_logprobs[:])
 
 
 def info_to_proto(i: ExecutorInfo) -> pb.ExecutorInfo:

@@ -49,7 +49,18 @@ class Request:
 
     def sampling_options(self) -> SamplingOptions:
         p = self.sampling
-        return SamplingOptions(p.temperature, p.top_p, p.top_k, p.min_p, p.seed)
+        stop_token_ids = sorted(self.stop_ids) if p.min_tokens else []
+        return SamplingOptions(p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.min_tokens,
+                               stop_token_ids, p.presence_penalty, p.frequency_penalty,
+                               p.repetition_penalty, p.logprobs)
+
+
+class TokenLogprobs(msgspec.Struct, gc=False):
+    """One sampled token's log probability and rank (1 = most likely), and the top tokens'."""
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
 
 
 # A msgspec Struct rather than a dataclass: built in C at half the cost, and untracked by the garbage
@@ -64,3 +75,5 @@ class RequestOutput(msgspec.Struct, gc=False):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    # One per new token when the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None

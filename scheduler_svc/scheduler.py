@@ -7,7 +7,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.log import get_logger
 from pagedserve.plan import ContinuingRequest, NewRequest, StepPlan, StepResult
 from scheduler_svc.block_manager import BlockManager, hash_blocks
-from scheduler_svc.request import Request, RequestOutput, RequestStatus
+from scheduler_svc.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from scheduler_svc.step_stats import StepStats
 
 log = get_logger(__name__)
@@ -182,7 +182,8 @@ class Scheduler:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_cached
             plan.new_requests.append(NewRequest(request.seq_id, list(request.token_ids), num_cached, n,
-                                                list(request.block_ids), request.sampling_options()))
+                                                list(request.block_ids), request.sampling_options(),
+                                                request.num_prompt_tokens))
             budget -= n
 
     def _preempt(self, request: Request) -> None:
@@ -204,6 +205,8 @@ class Scheduler:
             raise ValueError(f"result of step {result.step_id} does not match plan {plan.step_id}")
         self._advance(plan)
         outputs = self._append_tokens(result)
+        if result.logprobs is not None:
+            _attach_logprobs(outputs, result)
         self.stats.observe(self._schedule_ns + time.perf_counter_ns() - start, result.forward_ns,
                            result.idle_ns if self._back_to_back else 0)
         self._back_to_back = self.has_work()
@@ -267,3 +270,17 @@ class Scheduler:
         request.block_ids = []
         del self.requests[request.seq_id]
         del self.request_ids[request.request_id]
+
+
+def _attach_logprobs(outputs: list[RequestOutput], result: StepResult) -> None:
+    lp = result.logprobs
+    by_seq = {}
+    end = 0
+    for i, row in enumerate(lp.rows):
+        start, end = end, end + lp.num_top[i]
+        by_seq[result.seq_ids[row]] = TokenLogprobs(lp.logprobs[i], lp.ranks[i],
+                                                    lp.top_token_ids[start:end], lp.top_logprobs[start:end])
+    for out in outputs:
+        token = by_seq.get(out.seq_id)
+        if token is not None:
+            out.logprobs = [token]

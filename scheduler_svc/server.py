@@ -79,14 +79,21 @@ def params_from_proto(p: engine_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
                           min_p=p.min_p, seed=p.seed if p.HasField("seed") else None,
                           max_tokens=p.max_tokens or None, min_tokens=p.min_tokens,
-                          stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+                          stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                          repetition_penalty=p.repetition_penalty or 1.0,
+                          logprobs=p.logprobs if p.HasField("logprobs") else None)
 
 
 def response_from_output(out: RequestOutput) -> engine_pb2.GenerateResponse:
-    return engine_pb2.GenerateResponse(
+    response = engine_pb2.GenerateResponse(
         token_ids=out.new_token_ids, finish_reason=FINISH_REASONS[out.finish_reason],
         prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
         cached_tokens=out.num_cached_tokens, stop_token_id=out.stop_token_id)
+    for t in out.logprobs or ():
+        response.logprobs.add(logprob=t.logprob, rank=t.rank, top_token_ids=t.top_token_ids,
+                              top_logprobs=t.top_logprobs)
+    return response
 
 
 async def serve(config: EngineConfig, address: str, executor_address: str,

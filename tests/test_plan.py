@@ -1,5 +1,5 @@
-from pagedserve.plan import (ContinuingRequest, NewRequest, SamplingOptions, StepPlan, StepResult,
-                             plan_from_proto, plan_to_proto, result_from_proto, result_to_proto)
+from pagedserve.plan import (ContinuingRequest, NewRequest, SamplingOptions, StepLogprobs, StepPlan,
+                             StepResult, plan_from_proto, plan_to_proto, result_from_proto, result_to_proto)
 from pagedserve.v1 import executor_pb2 as pb
 
 
@@ -17,7 +17,21 @@ def test_plan_survives_the_wire():
     assert all(type(r.new_block_ids) is list for r in back.continuing)
 
 
+def test_new_sampling_options_and_prompt_length_survive_the_wire():
+    options = SamplingOptions(0.5, 1.0, 0, 0.0, None, min_tokens=3, stop_token_ids=[2, 9],
+                              presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.25,
+                              logprobs=0)
+    plan = StepPlan(1, new_requests=[NewRequest(3, [5, 6, 7, 8], 0, 4, [4], options, num_prompt_tokens=2),
+                                     NewRequest(4, [8], 0, 1, [9], SamplingOptions())])
+    back = plan_from_proto(pb.StepPlan.FromString(plan_to_proto(plan).SerializeToString()))
+    assert back == plan
+    assert back.new_requests[1].sampling.logprobs is None and back.new_requests[1].num_prompt_tokens is None
+
+
 def test_result_survives_the_wire():
     result = StepResult(7, [1, 2], [30, 40], forward_ns=1500, idle_ns=250)
+    wire = pb.StepResult.FromString(result_to_proto(result).SerializeToString())
+    assert result_from_proto(wire) == result
+    result.logprobs = StepLogprobs([1], [-0.5], [2], [2], [40, 30], [-0.25, -0.5])
     wire = pb.StepResult.FromString(result_to_proto(result).SerializeToString())
     assert result_from_proto(wire) == result

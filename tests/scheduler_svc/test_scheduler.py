@@ -6,10 +6,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.config import EngineConfig
-from pagedserve.plan import StepPlan, StepResult
+from pagedserve.plan import StepLogprobs, StepPlan, StepResult
 from pagedserve.sampling_params import SamplingParams
 from scheduler_svc.block_manager import NULL_BLOCK
-from scheduler_svc.request import Request, RequestOutput, RequestStatus
+from scheduler_svc.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from scheduler_svc.scheduler import Scheduler
 
 EOS = 0
@@ -131,6 +131,8 @@ def test_preemption_evicts_the_newest_and_resends_it_with_its_outputs():
     resent = plan.new_requests[0]
     assert (resent.seq_id, resent.token_ids, resent.num_computed_tokens, resent.num_scheduled_tokens) == (
         2, known, 0, 9)
+    # The executor tells prompt from earlier outputs (for penalties and min_tokens) by this.
+    assert resent.num_prompt_tokens == 4
     assert len(resent.block_ids) == 3 and b.output_token_ids == known[4:] + [7]
 
 
@@ -246,6 +248,37 @@ def test_min_tokens_holds_back_stops():
     add(s, 1, 3, min_tokens=2, stop_token_ids=[9])
     outputs = run_to_end(s, [EOS, 9])
     assert [o.finish_reason for o in outputs] == [None, "stop"]
+
+
+def test_sampling_options_carry_penalties_logprobs_and_the_stops_to_mask():
+    s = make_scheduler()
+    add(s, 1, 3, min_tokens=2, stop_token_ids=[9, 4], presence_penalty=0.5, frequency_penalty=-1.0,
+        repetition_penalty=1.2, logprobs=3)
+    add(s, 2, 3, stop_token_ids=[9])
+    add(s, 3, 3, min_tokens=1, ignore_eos=True, stop_token_ids=[9])
+    plan = s.schedule()
+    options = {r.seq_id: r.sampling for r in plan.new_requests}
+    assert options[1].stop_token_ids == [EOS, 4, 9] and options[1].min_tokens == 2
+    assert (options[1].presence_penalty, options[1].frequency_penalty, options[1].repetition_penalty,
+            options[1].logprobs) == (0.5, -1.0, 1.2, 3)
+    # Without min_tokens nothing is masked, so the stops need not travel.
+    assert options[2].stop_token_ids == [] and options[2].logprobs is None
+    assert options[3].stop_token_ids == [9]
+    assert {r.num_prompt_tokens for r in plan.new_requests} == {3}
+
+
+def test_logprobs_reach_the_outputs_of_the_rows_that_carry_them():
+    s = make_scheduler()
+    for seq_id in (1, 2, 3):
+        add(s, seq_id, 3)
+    plan = s.schedule()
+    s.abort(1)
+    logprobs = StepLogprobs(rows=[0, 2], logprobs=[-0.5, -2.0], ranks=[1, 4], num_top=[2, 1],
+                            top_token_ids=[7, 8, 6], top_logprobs=[-0.5, -1.0, -0.1])
+    outputs = s.update(plan, StepResult(plan.step_id, [1, 2, 3], [7, 7, 9], logprobs=logprobs))
+    assert [o.seq_id for o in outputs] == [2, 3]
+    assert outputs[0].logprobs is None
+    assert outputs[1].logprobs == [TokenLogprobs(-2.0, 4, [6], [-0.1])]
 
 
 def test_max_tokens_finishes_with_length():
