@@ -23,7 +23,9 @@ def to_proto(params: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
         seed=params.seed, max_tokens=params.max_tokens or 0, min_tokens=params.min_tokens,
-        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logprobs=params.logprobs)
 
 
 def _api_error(e: grpc.aio.AioRpcError) -> APIError:

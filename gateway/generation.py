@@ -2,11 +2,12 @@
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import EngineClient
 from gateway.errors import internal, unavailable
+from gateway.logprobs import TokenLogprob, decode_logprobs
 from gateway.metrics import ChoiceStats, ModelMetrics
 from gateway.schemas import PromptTokensDetails, Usage
 from gateway.tokenizer import Tokenizer
@@ -18,11 +19,13 @@ _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 @dataclass(slots=True)
 class ChoiceEvent:
-    """New text of one choice; finish_reason is set on its last event only."""
+    """New text of one choice; finish_reason is set on its last event only. With logprobs asked,
+    those of the tokens received since the previous event (text held back moves them later)."""
     index: int
     text: str
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -109,27 +112,32 @@ class Generation:
         p = choice.params
         detok = IncrementalDetokenizer(self._tokenizer, p.skip_special_tokens, p.stop,
                                        p.include_stop_str_in_output, choice.prompt_token_ids)
+        logprobs: list[TokenLogprob] = []
         async with aclosing(self._engine.generate(choice.request_id, choice.prompt_token_ids, p,
                                                    self._trace_id)) as stream:
             async for response in stream:
                 stats.response()
                 choice.completion_tokens += len(response.token_ids)
                 choice.cached_tokens = max(choice.cached_tokens, response.cached_tokens)
+                if response.logprobs:
+                    logprobs += decode_logprobs(self._tokenizer, response.token_ids, response.logprobs)
                 text = detok.add(response.token_ids)
                 if detok.stopped:
                     # Leaving the block cancels the call, which the scheduler turns into an abort.
-                    return ChoiceEvent(choice.index, text, "stop", detok.stop_reason)
+                    return ChoiceEvent(choice.index, text, "stop", detok.stop_reason, logprobs)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    return self._finish(choice, response, text + detok.flush())
+                    return self._finish(choice, response, text + detok.flush(), logprobs)
                 if text:
-                    queue.put_nowait(ChoiceEvent(choice.index, text))
+                    queue.put_nowait(ChoiceEvent(choice.index, text, logprobs=logprobs))
+                    logprobs = []
         raise internal("The scheduler ended a generation without a finish reason.")
 
-    def _finish(self, choice: Choice, response: pb.GenerateResponse, text: str) -> ChoiceEvent:
+    def _finish(self, choice: Choice, response: pb.GenerateResponse, text: str,
+                logprobs: list[TokenLogprob]) -> ChoiceEvent:
         reason = _FINISH.get(response.finish_reason)
         if reason is None:
             raise unavailable("The scheduler aborted the request (it may be shutting down); retry.")
         stop_token = response.stop_token_id if response.HasField("stop_token_id") else None
         # vLLM's convention: stop_reason names a matched stop_token_ids entry, and is null for EOS.
         stop_reason = stop_token if stop_token in choice.params.stop_token_ids else None
-        return ChoiceEvent(choice.index, text, reason, stop_reason)
+        return ChoiceEvent(choice.index, text, reason, stop_reason, logprobs)

@@ -12,8 +12,9 @@ def resolve_model(requested: str | None, served: str) -> str:
 
 
 def check_chat_options(req: ChatCompletionRequest) -> None:
-    if req.logprobs or req.top_logprobs is not None:
-        raise unsupported("Returning logprobs", "logprobs" if req.logprobs else "top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("`top_logprobs` needs `logprobs: true`; set it or remove `top_logprobs`.",
+                          param="top_logprobs")
     if req.tools:
         raise unsupported("Tool calling", "tools")
     if req.response_format is not None and req.response_format.type != "text":
@@ -23,9 +24,15 @@ def check_chat_options(req: ChatCompletionRequest) -> None:
 
 
 def check_completion_options(req: CompletionRequest) -> None:
-    if req.logprobs is not None:
-        raise unsupported("Returning logprobs", "logprobs")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("Prompt logprobs (`echo` together with `logprobs`) are not supported yet; "
+                          "remove `echo` or `logprobs`.", param="echo")
     check_stream_options(req)
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """The engine's logprobs count: top_logprobs (default 0) when logprobs is true, else None."""
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def check_stream_options(req: SamplingFields) -> None:
@@ -107,8 +114,9 @@ def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_le
             code="context_length_exceeded")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingParams:
-    """max_tokens None lets the scheduler fill the remaining context of each prompt."""
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """max_tokens None lets the scheduler fill the remaining context of each prompt; logprobs is the
+    number of top logprobs per token (None: none)."""
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).",
                           param="min_tokens")
@@ -128,4 +136,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingPara
         ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        logprobs=logprobs,
     )

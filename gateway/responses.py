@@ -5,8 +5,10 @@ from abc import ABC, abstractmethod
 from msgspec import UNSET, Struct
 
 from gateway.generation import ChoiceEvent
+from gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                             ChatMessageOut, Completion, CompletionChoice, Delta, Usage)
+                             ChatLogprobs, ChatMessageOut, Completion, CompletionChoice,
+                             CompletionLogprobs, Delta, Usage)
 
 
 class ResponseBuilder(ABC):
@@ -14,12 +16,15 @@ class ResponseBuilder(ABC):
     id_prefix: str
     chunk_type: type[ChatCompletionChunk] | type[Completion]
 
-    def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool) -> None:
+    def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
+                 logprobs: bool) -> None:
         self.id = self.id_prefix + request_id
         self.created = int(time.time())
         self.model = model
         self.num_choices = num_choices
         self.include_usage = include_usage
+        # Whether the request asked for logprobs: without, every choice's "logprobs" is null.
+        self.logprobs = logprobs
         # include_usage puts "usage": null on every chunk; without it the key is absent.
         self._chunk_usage = None if include_usage else UNSET
 
@@ -39,8 +44,9 @@ class ResponseBuilder(ABC):
         """The stream chunk carrying one choice event."""
 
     @abstractmethod
-    def response(self, texts: list[str], finals: list[ChoiceEvent], usage: Usage) -> Struct:
-        """The non-stream body from each choice's full text and last event."""
+    def response(self, texts: list[str], logprobs: list[list[TokenLogprob]], finals: list[ChoiceEvent],
+                 usage: Usage) -> Struct:
+        """The non-stream body from each choice's full text, token logprobs and last event."""
 
 
 class ChatResponses(ResponseBuilder):
@@ -53,12 +59,17 @@ class ChatResponses(ResponseBuilder):
 
     def chunk(self, event: ChoiceEvent) -> Struct:
         delta = Delta(content=event.text or None)
-        return self._chunk([ChatChunkChoice(event.index, delta, event.finish_reason, event.stop_reason)])
+        return self._chunk([ChatChunkChoice(event.index, delta, event.finish_reason, event.stop_reason,
+                                            self._logprobs(event.logprobs))])
 
-    def response(self, texts: list[str], finals: list[ChoiceEvent], usage: Usage) -> Struct:
-        choices = [ChatChoice(f.index, ChatMessageOut(texts[f.index]), f.finish_reason, f.stop_reason)
-                   for f in finals]
+    def response(self, texts: list[str], logprobs: list[list[TokenLogprob]], finals: list[ChoiceEvent],
+                 usage: Usage) -> Struct:
+        choices = [ChatChoice(f.index, ChatMessageOut(texts[f.index]), f.finish_reason, f.stop_reason,
+                              self._logprobs(logprobs[f.index])) for f in finals]
         return ChatCompletion(self.id, self.created, self.model, choices, usage)
+
+    def _logprobs(self, tokens: list[TokenLogprob]) -> ChatLogprobs | None:
+        return chat_logprobs(tokens) if self.logprobs else None
 
 
 class CompletionResponses(ResponseBuilder):
@@ -66,19 +77,30 @@ class CompletionResponses(ResponseBuilder):
     chunk_type = Completion
 
     def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
-                 echo: list[str]) -> None:
-        super().__init__(request_id, model, num_choices, include_usage)
+                 logprobs: bool, echo: list[str]) -> None:
+        super().__init__(request_id, model, num_choices, include_usage, logprobs)
         # echo[i] is the prompt text that choice i starts with ("" without echo).
         self._echo = echo
+        # Where choice i's next streamed token starts in its text, for logprobs' text_offset.
+        self._offsets = [len(text) for text in echo]
 
     def openings(self) -> list[Struct]:
         return [self._chunk([CompletionChoice(i, text)]) for i, text in enumerate(self._echo) if text]
 
     def chunk(self, event: ChoiceEvent) -> Struct:
+        logprobs = None
+        if self.logprobs:
+            logprobs, self._offsets[event.index] = completion_logprobs(event.logprobs,
+                                                                       self._offsets[event.index])
         return self._chunk([CompletionChoice(event.index, event.text, event.finish_reason,
-                                             event.stop_reason)])
+                                             event.stop_reason, logprobs)])
 
-    def response(self, texts: list[str], finals: list[ChoiceEvent], usage: Usage) -> Struct:
+    def response(self, texts: list[str], logprobs: list[list[TokenLogprob]], finals: list[ChoiceEvent],
+                 usage: Usage) -> Struct:
         choices = [CompletionChoice(f.index, self._echo[f.index] + texts[f.index], f.finish_reason,
-                                    f.stop_reason) for f in finals]
+                                    f.stop_reason, self._logprobs(logprobs[f.index], f.index))
+                   for f in finals]
         return Completion(self.id, self.created, self.model, choices, usage)
+
+    def _logprobs(self, tokens: list[TokenLogprob], index: int) -> CompletionLogprobs | None:
+        return completion_logprobs(tokens, len(self._echo[index]))[0] if self.logprobs else None

@@ -12,6 +12,7 @@ from aiohttp import web
 from gateway import params
 from gateway.errors import APIError, bad_request, internal, model_not_found
 from gateway.generation import Choice, ChoiceEvent, Generation, fan_out
+from gateway.logprobs import TokenLogprob
 from gateway.metrics import rejection_reason
 from gateway.request_id import current_request_id
 from gateway.responses import ChatResponses, CompletionResponses, ResponseBuilder
@@ -78,8 +79,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params.check_chat_options(req)
     prompts = [params.chat_prompt(gateway.tokenizer, req.messages, req.add_generation_prompt)]
     rid = _new_id()
-    choices = _choices(rid, req, prompts, req.max_completion_tokens or req.max_tokens, served)
-    builder = ChatResponses(rid, model, len(choices), _include_usage(req))
+    logprobs = params.chat_logprobs(req)
+    choices = _choices(rid, req, prompts, req.max_completion_tokens or req.max_tokens, logprobs, served)
+    builder = ChatResponses(rid, model, len(choices), _include_usage(req), logprobs is not None)
     return await _generate(request, builder, choices, req.stream, served)
 
 
@@ -92,11 +94,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params.check_completion_options(req)
     prompts, texts = params.completion_prompts(gateway.tokenizer, req.prompt)
     rid = _new_id()
-    choices = _choices(rid, req, prompts, req.max_tokens, served)
+    choices = _choices(rid, req, prompts, req.max_tokens, req.logprobs, served)
     echo = [""] * len(choices)
     if req.echo:
         echo = [texts[c.index // req.n] or gateway.tokenizer.decode(c.prompt_token_ids) for c in choices]
-    builder = CompletionResponses(rid, model, len(choices), _include_usage(req), echo)
+    builder = CompletionResponses(rid, model, len(choices), _include_usage(req), req.logprobs is not None,
+                                  echo)
     return await _generate(request, builder, choices, req.stream, served)
 
 
@@ -110,12 +113,12 @@ def _include_usage(req: SamplingFields) -> bool:
 
 
 def _choices(rid: str, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
-             served: ServedModel) -> list[Choice]:
+             logprobs: int | None, served: ServedModel) -> list[Choice]:
     spec = served.spec
     params.check_prompts(prompts, spec.vocab_size)
     params.check_token_ids(req.stop_token_ids or [], spec.vocab_size, "stop_token_ids")
     params.check_context(prompts, max_tokens, spec.max_model_len)
-    choices = fan_out(rid, prompts, params.sampling_params(req, max_tokens))
+    choices = fan_out(rid, prompts, params.sampling_params(req, max_tokens, logprobs))
     served.metrics.request_params_n.observe(req.n)
     served.metrics.request_params_max_tokens.observe(
         max_tokens or spec.max_model_len - max(len(p) for p in prompts))
@@ -153,14 +156,17 @@ def _client_left(builder: ResponseBuilder, generation: Generation, start: float)
 async def _collect(builder: ResponseBuilder, generation: Generation, events: AsyncIterator[ChoiceEvent],
                    start: float) -> web.Response:
     texts: list[list[str]] = [[] for _ in generation.choices]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in generation.choices]
     finals = []
     async for event in events:
         texts[event.index].append(event.text)
+        logprobs[event.index] += event.logprobs
         if event.finish_reason is not None:
             finals.append(event)
     finals.sort(key=lambda e: e.index)
     _log_end("request_finished", builder, generation, start)
-    return json_response(builder.response(["".join(t) for t in texts], finals, generation.usage()))
+    return json_response(builder.response(["".join(t) for t in texts], logprobs, finals,
+                                          generation.usage()))
 
 
 async def _stream(request: web.Request, builder: ResponseBuilder, generation: Generation,

@@ -12,6 +12,7 @@ Positive = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
 MinP = Annotated[float, Meta(ge=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
 Seed = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]
 N = Annotated[int, Meta(ge=1, le=16)]
 Stop = str | Annotated[list[str], Meta(max_length=4)]
@@ -55,6 +56,9 @@ class SamplingFields(Struct, kw_only=True):
     min_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
     user: str | None = None
 
     def __post_init__(self) -> None:
@@ -66,7 +70,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: Positive | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
@@ -76,7 +80,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | Annotated[list[str | Int32 | list[Int32]], Meta(min_length=1)]
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
 
 
 class TokenizeRequest(Struct, kw_only=True):
@@ -129,12 +133,38 @@ class ChatMessageOut(Struct):
     refusal: None = None
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    # The most likely tokens of each position, with the sampled one (so up to logprobs + 1).
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(Struct):
     index: int
     message: ChatMessageOut
     finish_reason: str
     stop_reason: str | int | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -156,7 +186,7 @@ class ChatChunkChoice(Struct):
     delta: Delta
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct):
@@ -174,7 +204,7 @@ class CompletionChoice(Struct):
     text: str
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(Struct):

@@ -73,8 +73,18 @@ def tokenizer(tokenizer_dir) -> Tokenizer:
     return Tokenizer.from_dir(tokenizer_dir)
 
 
+def fake_logprobs(i: int, token: int, k: int, vocab_size: int) -> pb.TokenLogprobs:
+    """Output token i is the most likely, at logprob -0.01 * (i + 1); the k top tokens are it and
+    the ids after it, each one less likely (logprob one lower) than the one before."""
+    logprob = -0.01 * (i + 1)
+    return pb.TokenLogprobs(logprob=logprob, rank=1,
+                            top_token_ids=[(token + j) % vocab_size for j in range(k)],
+                            top_logprobs=[logprob - j for j in range(k)])
+
+
 class FakeEngine(engine_pb2_grpc.EngineServicer):
-    """Replies with REPLY's tokens, one per message after `delay` seconds, cycling until max_tokens."""
+    """Replies with REPLY's tokens, one per message after `delay` seconds, cycling until max_tokens;
+    with logprobs asked, fake_logprobs of each."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.reply = tokenizer.encode(REPLY, add_special_tokens=False)
@@ -107,10 +117,13 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 finish = (pb.FINISH_REASON_STOP if stop else
                           pb.FINISH_REASON_LENGTH if i + 1 == limit else pb.FINISH_REASON_UNSPECIFIED)
                 finished = bool(finish)
+                logprobs = []
+                if p.HasField("logprobs"):
+                    logprobs.append(fake_logprobs(i, token, p.logprobs, self.vocab_size))
                 yield pb.GenerateResponse(
                     token_ids=[token], finish_reason=finish, prompt_tokens=len(request.prompt_token_ids),
                     completion_tokens=i + 1, cached_tokens=CACHED_TOKENS,
-                    stop_token_id=token if stop else None)
+                    stop_token_id=token if stop else None, logprobs=logprobs)
         finally:
             # A cancelled call shows up as CancelledError or as the generator being closed early.
             if not finished:

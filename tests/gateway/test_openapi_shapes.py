@@ -63,7 +63,7 @@ def test_the_patch_makes_nullable_fields_accept_null():
 
 
 async def test_chat(http, base_url, validate):
-    for extra in ({}, {"n": 2, "stop": ["fox"]}, {"max_tokens": 3}):
+    for extra in ({}, {"n": 2, "stop": ["fox"]}, {"max_tokens": 3}, {"logprobs": True, "top_logprobs": 2}):
         status, body = await _post(http, f"{base_url}/v1/chat/completions",
                                    {"model": MODEL, "messages": CHAT, "max_tokens": 30, **extra})
         assert status == 200
@@ -71,7 +71,8 @@ async def test_chat(http, base_url, validate):
 
 
 async def test_chat_stream_chunks(http, base_url, validate):
-    for extra in ({}, {"stream_options": {"include_usage": True}, "n": 2}, {"stop": "quick"}):
+    for extra in ({}, {"stream_options": {"include_usage": True}, "n": 2}, {"stop": "quick"},
+                  {"logprobs": True, "top_logprobs": 3}):
         status, raw = await _post(http, f"{base_url}/v1/chat/completions",
                                   {"messages": CHAT, "max_tokens": 30, "stream": True, **extra})
         assert status == 200
@@ -82,16 +83,17 @@ async def test_chat_stream_chunks(http, base_url, validate):
 
 
 async def test_completions_and_their_stream(http, base_url, validate):
-    for extra in ({}, {"prompt": ["a", "b"], "n": 2, "echo": True}):
+    for extra in ({}, {"prompt": ["a", "b"], "n": 2, "echo": True}, {"logprobs": 3}):
         status, body = await _post(http, f"{base_url}/v1/completions",
                                    {"prompt": "Once", "max_tokens": 10, **extra})
         assert status == 200
         validate("CreateCompletionResponse", json.loads(body))
-    status, raw = await _post(http, f"{base_url}/v1/completions",
-                              {"prompt": "Once", "max_tokens": 10, "stream": True,
-                               "stream_options": {"include_usage": True}})
-    for chunk in _events(raw):
-        validate("CreateCompletionResponse", chunk)
+    for extra in ({}, {"logprobs": 2}):
+        status, raw = await _post(http, f"{base_url}/v1/completions",
+                                  {"prompt": "Once", "max_tokens": 10, "stream": True,
+                                   "stream_options": {"include_usage": True}, **extra})
+        for chunk in _events(raw):
+            validate("CreateCompletionResponse", chunk)
 
 
 async def test_models(http, base_url, validate):

@@ -43,9 +43,15 @@ CASES = {
     "wrong type": (CHAT, {"messages": MSG, "max_tokens": "ten"}, "max_tokens"),
     "stream_options without stream": (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}},
                                       "stream_options"),
-    "chat logprobs": (CHAT, {"messages": MSG, "logprobs": True}, "logprobs"),
-    "top_logprobs": (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
-    "completion logprobs": (COMPLETIONS, {"prompt": "x", "logprobs": 1}, "logprobs"),
+    "top_logprobs without logprobs": (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    "top_logprobs above 20": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    "negative top_logprobs": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    "completion logprobs above 5": (COMPLETIONS, {"prompt": "x", "logprobs": 6}, "logprobs"),
+    "echo with logprobs": (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    "presence_penalty above 2": (CHAT, {"messages": MSG, "presence_penalty": 2.5}, "presence_penalty"),
+    "frequency_penalty below -2": (COMPLETIONS, {"prompt": "x", "frequency_penalty": -3},
+                                   "frequency_penalty"),
+    "repetition_penalty zero": (CHAT, {"messages": MSG, "repetition_penalty": 0}, "repetition_penalty"),
     "tools": (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     "json_schema": (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
 }
@@ -72,7 +78,7 @@ async def test_bad_request(http, base_url, engine, case):
 async def test_unsupported_messages_say_what_to_do(http, base_url):
     async with http.post(base_url + CHAT, json={"messages": MSG, "response_format": {"type": "json_schema"}}) as r:
         assert "'response_format' of type 'json_schema' is not supported" in (await r.json())["error"]["message"]
-    async with http.post(base_url + CHAT, json={"messages": MSG, "logprobs": True}) as r:
+    async with http.post(base_url + COMPLETIONS, json={"prompt": "x", "echo": True, "logprobs": 0}) as r:
         assert "not supported yet" in (await r.json())["error"]["message"]
 
 
