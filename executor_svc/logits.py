@@ -1,0 +1,77 @@
+"""Logits processing around sampling, in vLLM's order: raw logprobs first, then stop tokens masked
+until min_tokens, then repetition, frequency and presence penalties. Batched tensor functions with
+no host sync; rows that use none of this cost nothing."""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.plan import StepLogprobs
+
+
+def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Sets logits[rows[i], token_ids[i]] to -inf in place (contiguous logits): the stop tokens of
+    rows that have fewer than min_tokens outputs."""
+    # index_fill_ takes the value as a scalar; index_put_ would copy it to the device and sync.
+    logits.view(-1).index_fill_(0, rows * logits.shape[1] + token_ids, float("-inf"))
+
+
+def apply_penalties(logits: torch.Tensor, token_ids: torch.Tensor, num_prompt: torch.Tensor,
+                    repetition: torch.Tensor | None, frequency: torch.Tensor | None,
+                    presence: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's penalties on float32 logits [N, vocab]. token_ids [N, L] holds each row's prompt
+    (its first num_prompt[i] entries) then its outputs, padded with vocab. repetition
+    divides the positive logits and multiplies the negative ones of every token seen in prompt or
+    output; frequency subtracts per occurrence in the output, presence once per token there. A
+    penalty no row uses is None."""
+    num_rows, vocab = logits.shape
+    if repetition is not None:
+        # Column `vocab` collects the padding.
+        seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
+        seen = seen.scatter_(1, token_ids, True)[:, :vocab]
+        scale = torch.where(seen, repetition[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / scale, logits * scale)
+    if frequency is None and presence is None:
+        return logits
+    counts = _output_counts(token_ids, num_prompt, vocab)
+    if frequency is not None:
+        logits = logits - frequency[:, None] * counts
+    if presence is not None:
+        logits = logits - presence[:, None] * (counts > 0)
+    return logits
+
+
+def _output_counts(token_ids: torch.Tensor, num_prompt: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, vocab] float32: how often each token occurs among each row's outputs. token_ids [N, L]
+    as apply_penalties takes them."""
+    positions = torch.arange(token_ids.shape[1], device=token_ids.device)
+    outputs = token_ids.masked_fill(positions[None, :] < num_prompt[:, None], vocab)
+    counts = torch.zeros(token_ids.shape[0], vocab + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+@dataclass(slots=True)
+class SampledLogprobs:
+    """Per row that asked, packed for one device-to-host copy each: column 0 holds the sampled
+    token's logprob and rank (1 = most likely), columns 1..k the top k tokens' logprobs and ids."""
+    values: torch.Tensor  # [M, 1 + k] float32
+    ids: torch.Tensor     # [M, 1 + k] int64
+
+
+def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> SampledLogprobs:
+    """From log_softmax'd raw logits [M, vocab] and the tokens sampled in those rows [M]."""
+    chosen = logprobs.gather(-1, sampled[:, None])
+    # vLLM's rank: how many tokens are at least as likely as the sampled one.
+    rank = (logprobs >= chosen).sum(-1, keepdim=True)
+    top = logprobs.topk(k, dim=-1)
+    return SampledLogprobs(torch.cat((chosen, top.values), 1), torch.cat((rank, top.indices), 1))
+
+
+def step_logprobs(rows: np.ndarray, num_top: np.ndarray, values: np.ndarray,
+                  ids: np.ndarray) -> StepLogprobs:
+    """The wire form of a step's SampledLogprobs on the host: rows index the step's sampled
+    tokens, and row i keeps its own num_top[i] of the batch's k top tokens."""
+    keep = np.arange(values.shape[1] - 1)[None, :] < num_top[:, None]
+    return StepLogprobs(rows.tolist(), values[:, 0].tolist(), ids[:, 0].tolist(), num_top.tolist(),
+                        ids[:, 1:][keep].tolist(), values[:, 1:][keep].tolist())

@@ -1,0 +1,108 @@
+import numpy as np
+import pytest
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor
+
+from executor_svc.logits import apply_penalties, gather_logprobs, mask_tokens, step_logprobs
+
+VOCAB = 50
+
+
+def padded(rows: list[list[int]]) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [VOCAB] * (width - len(r)) for r in rows])
+
+
+def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float,
+                        frequency: float, presence: float) -> torch.Tensor:
+    """One row the plain way: transformers' repetition processor, then a loop over the output."""
+    processor = RepetitionPenaltyLogitsProcessor(repetition)
+    row = processor(torch.tensor([prompt + output]), logits[None].clone())[0]
+    for token in output:
+        row[token] -= frequency
+    for token in set(output):
+        row[token] -= presence
+    return row
+
+
+def test_penalties_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    # Prompt [0], outputs [1, 1, 2]; token 3 never seen, token 4 seen nowhere either.
+    ids = torch.tensor([[0, 1, 1, 2]])
+    out = apply_penalties(logits, ids, torch.tensor([1]), torch.tensor([2.0]), torch.tensor([0.5]),
+                          torch.tensor([0.25]))
+    expected = torch.tensor([[2.0 / 2, -1.0 * 2 - 2 * 0.5 - 0.25, 0.5 / 2 - 0.5 - 0.25, 3.0, -2.0]])
+    torch.testing.assert_close(out, expected)
+
+
+NEUTRAL = {"repetition": 1.0, "frequency": 0.0, "presence": 0.0}
+
+
+@pytest.mark.parametrize("penalties", [
+    {"repetition": [1.3, 1.0, 2.0, 0.5]}, {"frequency": [0.7, 0.0, 1.0, -2.0]},
+    {"presence": [-1.5, 0.0, -0.5, 2.0]},
+    {"repetition": [0.6, 1.0, 2.0, 0.5], "frequency": [-0.4, 0.0, 1.0, -2.0],
+     "presence": [1.2, 0.0, -0.5, 2.0]},
+], ids=["repetition", "frequency", "presence", "all"])
+def test_penalties_match_the_reference(penalties):
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    prompts = [[1, 2, 3], [4, 4], [7], [9, 10, 11, 12]]
+    outputs = [[3, 5, 5, 5], [], [7, 8, 7], [1]]
+    # A penalty no row uses travels as None.
+    args = {name: torch.tensor(penalties[name]) if name in penalties else None for name in NEUTRAL}
+    out = apply_penalties(logits, padded([p + o for p, o in zip(prompts, outputs)]),
+                          torch.tensor([len(p) for p in prompts]), **args)
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        values = {name: penalties[name][i] if name in penalties else neutral
+                  for name, neutral in NEUTRAL.items()}
+        expected = reference_penalties(logits[i], prompt, output, **values)
+        torch.testing.assert_close(out[i], expected)
+
+
+def test_neutral_penalties_change_nothing():
+    logits = torch.randn(2, VOCAB)
+    out = apply_penalties(logits, padded([[1, 2, 3], [4]]), torch.tensor([1, 1]), torch.ones(2),
+                          torch.zeros(2), torch.zeros(2))
+    assert torch.equal(out, logits)
+
+
+def test_mask_tokens_sets_only_the_named_entries():
+    logits = torch.randn(3, VOCAB)
+    before = logits.clone()
+    mask_tokens(logits, torch.tensor([0, 0, 2]), torch.tensor([5, 49, 0]))
+    masked = torch.zeros(3, VOCAB, dtype=torch.bool)
+    masked[[0, 0, 2], [5, 49, 0]] = True
+    assert torch.isneginf(logits[masked]).all()
+    assert torch.equal(logits[~masked], before[~masked])
+
+
+def test_gather_logprobs_are_log_softmax_with_sorted_top_k():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1)) * 4
+    logprobs = logits.log_softmax(-1)
+    sampled = torch.tensor([logits[0].argmax().item(), 7, logits[2].argsort()[-3].item()])
+    got = gather_logprobs(logprobs, sampled, 4)
+    assert got.values.shape == got.ids.shape == (3, 5)
+    torch.testing.assert_close(got.values[:, 0], logprobs[torch.arange(3), sampled])
+    expected_ranks = [1, int((logprobs[1] >= logprobs[1, 7]).sum()), 3]
+    assert got.ids[:, 0].tolist() == expected_ranks
+    for row in range(3):
+        order = logprobs[row].argsort(descending=True)[:4]
+        assert got.ids[row, 1:].tolist() == order.tolist()
+        torch.testing.assert_close(got.values[row, 1:], logprobs[row, order])
+    assert (got.values[:, 1:].diff(dim=1) <= 0).all()
+
+
+def test_gather_logprobs_with_no_top_tokens():
+    logprobs = torch.randn(2, VOCAB).log_softmax(-1)
+    got = gather_logprobs(logprobs, torch.tensor([3, 4]), 0)
+    assert got.values.shape == (2, 1) and got.ids.shape == (2, 1)
+
+
+def test_step_logprobs_keep_each_rows_own_count():
+    values = np.array([[-0.1, -0.2, -0.3, -0.4], [-1.0, -0.5, -0.6, -0.7]], dtype=np.float32)
+    ids = np.array([[1, 10, 11, 12], [3, 20, 21, 22]])
+    packed = step_logprobs(np.array([0, 2]), np.array([3, 1]), values, ids)
+    assert packed.rows == [0, 2] and packed.ranks == [1, 3] and packed.num_top == [3, 1]
+    assert packed.top_token_ids == [10, 11, 12, 20]
+    np.testing.assert_allclose(packed.logprobs, [-0.1, -1.0])
+    np.testing.assert_allclose(packed.top_logprobs, [-0.2, -0.3, -0.4, -0.5])
