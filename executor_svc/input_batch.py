@@ -4,7 +4,7 @@ Python work (vLLM's InputBatch)."""
 import numpy as np
 import torch
 
-from pagedserve.plan import NewRequest
+from pagedserve.plan import NewRequest, SamplingOptions
 
 
 class InputBatch:
@@ -32,6 +32,18 @@ class InputBatch:
         self.top_k = np.zeros(max_num_seqs, dtype=np.int64)
         self.min_p = np.zeros(max_num_seqs, dtype=np.float32)
         self.generators: dict[int, torch.Generator] = {}
+        # token_ids[row, :num_prompt[row]] is the prompt, the rest outputs.
+        self.num_prompt = np.zeros(max_num_seqs, dtype=np.int64)
+        self.repetition = np.ones(max_num_seqs, dtype=np.float32)
+        self.frequency = np.zeros(max_num_seqs, dtype=np.float32)
+        self.presence = np.zeros(max_num_seqs, dtype=np.float32)
+        self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)  # -1: none asked
+        # 0 unless the row has stop ids to mask until min_tokens (held in stop_ids).
+        self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        # The rows that use each feature, so that a batch where none does skips it without a look.
+        self.stop_ids: dict[int, np.ndarray] = {}
+        self.penalised: set[int] = set()
+        self.logprob_rows: set[int] = set()
         self._update_rows: list[int] = []
         self._update_cols: list[int] = []
         self._update_ids: list[int] = []
@@ -67,12 +79,30 @@ class InputBatch:
         self.top_k[row], self.min_p[row] = s.top_k, s.min_p
         if s.seed is not None:
             self.generators[row] = torch.Generator(device=self.device).manual_seed(s.seed)
+        self.num_prompt[row] = n if request.num_prompt_tokens is None else request.num_prompt_tokens
+        self._add_logits_options(row, s)
         return row
+
+    def _add_logits_options(self, row: int, s: SamplingOptions) -> None:
+        self.repetition[row], self.frequency[row] = s.repetition_penalty, s.frequency_penalty
+        self.presence[row] = s.presence_penalty
+        if s.repetition_penalty != 1 or s.frequency_penalty or s.presence_penalty:
+            self.penalised.add(row)
+        self.num_logprobs[row] = -1 if s.logprobs is None else s.logprobs
+        if s.logprobs is not None:
+            self.logprob_rows.add(row)
+        self.min_tokens[row] = 0
+        if s.min_tokens and s.stop_token_ids:
+            self.min_tokens[row] = s.min_tokens
+            self.stop_ids[row] = np.array(s.stop_token_ids, dtype=np.int64)
 
     def remove(self, seq_id: int) -> None:
         row = self.row(seq_id)
         del self.rows[seq_id]
         self.generators.pop(row, None)
+        self.stop_ids.pop(row, None)
+        self.penalised.discard(row)
+        self.logprob_rows.discard(row)
         self.free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -98,6 +128,23 @@ class InputBatch:
         self._update_cols.clear()
         self._update_ids.clear()
         return updates
+
+    def stop_mask(self, rows: np.ndarray) -> np.ndarray | None:
+        """[2, n] (index into rows, token id): the stop ids of the rows that have fewer than
+        min_tokens outputs; None if no row does."""
+        short = np.flatnonzero(self.num_tokens[rows] - self.num_prompt[rows] < self.min_tokens[rows])
+        if not len(short):
+            return None
+        ids = [self.stop_ids[row] for row in rows[short].tolist()]
+        return np.stack((np.repeat(short, [len(i) for i in ids]), np.concatenate(ids)))
+
+    def padded_tokens(self, rows: np.ndarray, pad: int) -> np.ndarray:
+        """[len(rows), longest] int32: each row's prompt and outputs, padded with `pad`."""
+        lengths = self.num_tokens[rows]
+        width = int(lengths.max())
+        ids = self.token_ids[rows, :width].astype(np.int32)
+        ids[np.arange(width)[None, :] >= lengths[:, None]] = pad
+        return ids
 
     def append_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         self.token_ids[rows, self.num_tokens[rows]] = tokens

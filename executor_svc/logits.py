@@ -16,6 +16,24 @@ def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tenso
     logits.view(-1).index_fill_(0, rows * logits.shape[1] + token_ids, float("-inf"))
 
 
+@dataclass(slots=True)
+class Penalties:
+    """The rows of a batch that use a penalty (indices into its logits), with apply_penalties'
+    other arguments for them."""
+    rows: torch.Tensor
+    token_ids: torch.Tensor
+    num_prompt: torch.Tensor
+    repetition: torch.Tensor | None
+    frequency: torch.Tensor | None
+    presence: torch.Tensor | None
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place on logits [N, vocab]; the other rows stay as they are."""
+        penalised = apply_penalties(logits[self.rows], self.token_ids, self.num_prompt,
+                                    self.repetition, self.frequency, self.presence)
+        logits.index_copy_(0, self.rows, penalised)
+
+
 def apply_penalties(logits: torch.Tensor, token_ids: torch.Tensor, num_prompt: torch.Tensor,
                     repetition: torch.Tensor | None, frequency: torch.Tensor | None,
                     presence: torch.Tensor | None) -> torch.Tensor:
@@ -49,6 +67,19 @@ def _output_counts(token_ids: torch.Tensor, num_prompt: torch.Tensor, vocab: int
     counts = torch.zeros(token_ids.shape[0], vocab + 1, dtype=torch.float32, device=token_ids.device)
     counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
     return counts[:, :vocab]
+
+
+@dataclass(slots=True)
+class LogprobRows:
+    """The rows of a batch that asked for logprobs (indices into it, on the host and the device),
+    and how many top logprobs each asked for."""
+    index: np.ndarray
+    device_index: torch.Tensor
+    num_top: np.ndarray
+
+    @property
+    def max_top(self) -> int:
+        return int(self.num_top.max())
 
 
 @dataclass(slots=True)

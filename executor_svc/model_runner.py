@@ -11,14 +11,16 @@ from executor_svc.attention import AttentionMetadata, get_backend
 from executor_svc.cuda_graphs import CudaGraphs, bucket, capture_sizes, decode_metadata
 from executor_svc.input_batch import InputBatch
 from executor_svc.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
+from executor_svc.logits import LogprobRows, Penalties, SampledLogprobs, step_logprobs
 from executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from executor_svc.models.llama import KVCache, LlamaForCausalLM
 from executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
-from executor_svc.step_buffers import StepBuffers, Staging
+from executor_svc.step_buffers import StepBuffers, Staging, upload_pinned
 from executor_svc.weight_loader import load_weights
 from pagedserve.config import EngineConfig
 from pagedserve.log import get_logger
-from pagedserve.plan import ExecutorInfo, NewRequest, SamplingOptions, StepPlan, StepResult
+from pagedserve.plan import ExecutorInfo, NewRequest, SamplingOptions, StepLogprobs, StepPlan, StepResult
+from pagedserve.sampling_params import MAX_LOGPROBS
 
 log = get_logger(__name__)
 
@@ -73,8 +75,13 @@ class ModelRunner:
         # The device copy of the batch's block table, updated from each plan's new block ids.
         self.block_table = torch.zeros(self.max_seqs, max_blocks, dtype=torch.int32,
                                        device=self.device)
-        self.sampled = torch.empty(self.max_seqs, dtype=torch.int64,
-                                   pin_memory=self.device.type == "cuda")
+        pinned = self.device.type == "cuda"
+        self.sampled = torch.empty(self.max_seqs, dtype=torch.int64, pin_memory=pinned)
+        # Where logprobs land on the host, as gather_logprobs packs them ([rows, 1 + k], flat).
+        self.logprob_values = torch.empty(self.max_seqs * (1 + MAX_LOGPROBS), dtype=torch.float32,
+                                          pin_memory=pinned)
+        self.logprob_ids = torch.empty(self.max_seqs * (1 + MAX_LOGPROBS), dtype=torch.int64,
+                                       pin_memory=pinned)
         mc = self.model_config
         self.graph_metas = {size: decode_metadata(self.buffers, size, self.max_model_len,
                                                   mc.num_attention_heads, mc.num_key_value_heads,
@@ -118,14 +125,14 @@ class ModelRunner:
         sample_rows = rows[step.sample_rows]
         # Built while the device runs the forward.
         sampling = self._sampling(sample_rows)
-        tokens = self._sample(step, hidden, sampling)
+        tokens, logprobs = self._sample(step, hidden, sampling)
         self.batch.num_computed[rows] += query_lens
         self.batch.append_sampled(sample_rows, tokens)
         forward_ns = time.perf_counter_ns() - start
         self.stats.steps += 1
         self.stats.total_ns += forward_ns
         return StepResult(plan.step_id, seq_ids[step.sample_rows].tolist(), tokens.tolist(),
-                          forward_ns)
+                          forward_ns, logprobs=logprobs)
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, num_sample_rows: int) -> None:
@@ -249,8 +256,35 @@ class ModelRunner:
         if b.generators:
             generators = {i: b.generators[row] for i, row in enumerate(rows.tolist())
                           if row in b.generators}
-        return make_sampling_batch(b.temperature[rows], b.top_p[rows], b.top_k[rows],
-                                   b.min_p[rows], generators, self.staging.upload)
+        sampling = make_sampling_batch(b.temperature[rows], b.top_p[rows], b.top_k[rows],
+                                       b.min_p[rows], generators, self.staging.upload)
+        if b.stop_ids:
+            mask = b.stop_mask(rows)
+            # Unbounded (a request may name many stop ids), so not through the staging buffer.
+            sampling.stop_mask = None if mask is None else upload_pinned(mask, self.device)
+        if b.penalised:
+            sampling.penalties = self._penalties(rows)
+        if b.logprob_rows:
+            num_top = b.num_logprobs[rows]
+            index = np.flatnonzero(num_top >= 0)
+            if len(index):
+                sampling.logprobs = LogprobRows(index, self.staging.upload(index), num_top[index])
+        return sampling
+
+    def _penalties(self, rows: np.ndarray) -> Penalties | None:
+        b, upload = self.batch, self.staging.upload
+        repetition, frequency, presence = b.repetition[rows], b.frequency[rows], b.presence[rows]
+        index = np.flatnonzero((repetition != 1) | (frequency != 0) | (presence != 0))
+        if not len(index):
+            return None
+        penalised = rows[index]
+        repetition, frequency, presence = repetition[index], frequency[index], presence[index]
+        columns = upload(np.stack((repetition, frequency, presence)))
+        token_ids = upload_pinned(b.padded_tokens(penalised, self.model_config.vocab_size), self.device)
+        return Penalties(upload(index), token_ids.long(), upload(b.num_prompt[penalised]),
+                         columns[0] if (repetition != 1).any() else None,
+                         columns[1] if frequency.any() else None,
+                         columns[2] if presence.any() else None)
 
     def _check_lengths(self, rows: np.ndarray, seq_lens: np.ndarray) -> None:
         known = self.batch.num_tokens[rows]
@@ -272,24 +306,32 @@ class ModelRunner:
         return self.model(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
                           kv_caches, step.meta)
 
-    def _sample(self, step: Step, hidden: torch.Tensor, sampling: SamplingBatch) -> np.ndarray:
-        """Returns the sampled tokens on the host after one device sync (none when nothing
-        samples, so that the next plan is prepared while the device still works)."""
+    def _sample(self, step: Step, hidden: torch.Tensor,
+                sampling: SamplingBatch) -> tuple[np.ndarray, StepLogprobs | None]:
+        """Returns the sampled tokens, and the logprobs of the rows that asked, on the host after
+        one device sync (none when nothing samples, so that the next plan is prepared while the
+        device still works)."""
         num_samples = len(step.sample_rows)
         if not num_samples:
             self.staging.uploaded()
-            return np.zeros(0, dtype=np.int64)
+            return np.zeros(0, dtype=np.int64), None
         rows = hidden[:num_samples] if step.logits_indices is None else hidden[step.logits_indices]
-        tokens = self.sampler(self.model.compute_logits(rows), sampling)
+        out = self.sampler(self.model.compute_logits(rows), sampling)
         self.staging.uploaded()
-        if self.device.type != "cuda":
-            return tokens.numpy()
-        host = self.sampled[:num_samples]
-        host.copy_(tokens, non_blocking=True)
-        wait = time.perf_counter_ns()
-        torch.cuda.current_stream(self.device).synchronize()
-        self.stats.wait_ns += time.perf_counter_ns() - wait
-        return host.numpy()
+        tokens, logprobs = out.tokens, out.logprobs
+        if self.device.type == "cuda":
+            tokens = _copy_to_host(tokens, self.sampled)
+            if logprobs is not None:
+                logprobs = SampledLogprobs(_copy_to_host(logprobs.values, self.logprob_values),
+                                           _copy_to_host(logprobs.ids, self.logprob_ids))
+            wait = time.perf_counter_ns()
+            torch.cuda.current_stream(self.device).synchronize()
+            self.stats.wait_ns += time.perf_counter_ns() - wait
+        if logprobs is None:
+            return tokens.numpy(), None
+        asked = sampling.logprobs
+        return tokens.numpy(), step_logprobs(asked.index, asked.num_top, logprobs.values.numpy(),
+                                             logprobs.ids.numpy())
 
     def _scratch_cache(self, num_blocks: int) -> list[KVCache]:
         return allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,
@@ -329,6 +371,14 @@ class ModelRunner:
         activations = torch.cuda.max_memory_allocated(self.device) - before
         outputs = sum(self.graph_sizes) * self.model_config.hidden_size * self.dtype.itemsize
         return activations + outputs
+
+
+def _copy_to_host(tensor: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+    """Starts copying `tensor` into the front of a flat pinned buffer (contiguous, so no hidden
+    sync); the returned view holds it after the next device sync."""
+    host = pinned[:tensor.numel()].view(tensor.shape)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 def _pad(array: np.ndarray, n: int, value: int) -> np.ndarray:

@@ -1,9 +1,12 @@
-"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, no host sync."""
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, no host sync;
+before it min_tokens stop masking and penalties, around it logprobs (executor_svc/logits.py)."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from executor_svc.logits import LogprobRows, Penalties, SampledLogprobs, gather_logprobs, mask_tokens
 
 GREEDY_TEMPERATURE = 1e-5
 
@@ -21,6 +24,16 @@ class SamplingBatch:
     max_top_k: int = 0
     # Row -> the request's own generator, for seeded rows that sample (the rest use the global RNG).
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # [2, n] (row, token id): stop tokens of rows with fewer than min_tokens outputs.
+    stop_mask: torch.Tensor | None = None
+    penalties: Penalties | None = None
+    logprobs: LogprobRows | None = None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    tokens: torch.Tensor                    # [N]
+    logprobs: SampledLogprobs | None = None  # of SamplingBatch.logprobs' rows, in their order
 
 
 def make_sampling_batch(temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray,
@@ -49,9 +62,25 @@ class Sampler:
     """Samples one token per row of float32 logits [N, vocab] under each row's options.
 
     A seeded row draws its noise from its own generator, so a seed gives the same tokens whatever
-    else is in the batch."""
+    else is in the batch. Logprobs come from the logits as given (vLLM's raw logprobs), which the
+    stop mask and penalties then change in place."""
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw = None
+        if batch.logprobs is not None:
+            raw = logits[batch.logprobs.device_index].log_softmax(dim=-1)
+        if batch.stop_mask is not None:
+            mask_tokens(logits, batch.stop_mask[0], batch.stop_mask[1])
+        if batch.penalties is not None:
+            batch.penalties.apply(logits)
+        tokens = self._sample(logits, batch)
+        if raw is None:
+            return SamplerOutput(tokens)
+        rows = batch.logprobs
+        logprobs = gather_logprobs(raw, tokens[rows.device_index], rows.max_top)
+        return SamplerOutput(tokens, logprobs)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         greedy = logits.argmax(dim=-1) if batch.greedy is not None else None

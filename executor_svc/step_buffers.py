@@ -70,3 +70,15 @@ class Staging:
         if out is None:
             return host.to(self.device, non_blocking=True)
         return out.copy_(host, non_blocking=True)
+
+
+def upload_pinned(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Copies an array of any size to the device without a host sync, through pinned memory from
+    torch's caching host allocator, which keeps it until the copy is done (for inputs that the
+    staging buffer is not sized for, such as the token ids of penalised rows)."""
+    source = torch.from_numpy(array)
+    if device.type != "cuda":
+        return source
+    host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+    host.copy_(source)
+    return host.to(device, non_blocking=True)

@@ -11,9 +11,9 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.tokenizer import Tokenizer
 from pagedserve.config import EngineConfig
 from pagedserve.demo_model import ensure_demo_model
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.request import Request
+from scheduler_svc.request import Request, TokenLogprobs
 from scheduler_svc.scheduler import Scheduler
 
 Prompt = str | dict
@@ -71,7 +71,7 @@ class LLM:
             seq_id = next(self._seq_ids)
             self.scheduler.add(Request(seq_id=seq_id, request_id=f"{request_id}-{index}",
                                        prompt_token_ids=token_ids, sampling=child_params))
-            completion = CompletionOutput(index, "", [])
+            completion = CompletionOutput(index, "", [], logprobs=None if params.logprobs is None else [])
             output.outputs.append(completion)
             children[seq_id] = _Child(output, completion, self._detokenizer(child_params))
         return output
@@ -100,6 +100,8 @@ class LLM:
             for out in self.scheduler.update(plan, self.runner.run(plan)):
                 child = children[out.seq_id]
                 child.completion.token_ids += out.new_token_ids
+                if out.logprobs:
+                    child.completion.logprobs += map(self._logprobs, out.new_token_ids, out.logprobs)
                 if child.detokenizer is not None:
                     child.detokenizer.add(out.new_token_ids)
                     if child.detokenizer.stopped and not out.finished:
@@ -110,6 +112,17 @@ class LLM:
                     self._finish(child, out.finish_reason, out.stop_token_id, bar)
                 child.output.num_cached_tokens = out.num_cached_tokens
         bar.close()
+
+    def _logprobs(self, token_id: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        def text(t: int) -> str | None:
+            return None if self.tokenizer is None else self.tokenizer.decode([t], skip_special_tokens=False)
+
+        # vLLM's order: the sampled token, then the top ones (the sampled one only once).
+        logprobs = {token_id: Logprob(lp.logprob, lp.rank, text(token_id))}
+        for rank, (t, p) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), 1):
+            if t not in logprobs:
+                logprobs[t] = Logprob(p, rank, text(t))
+        return logprobs
 
     @staticmethod
     def _finish(child: _Child, reason: str, stop_reason: str | int | None, bar: tqdm) -> None:

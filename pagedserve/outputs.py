@@ -3,12 +3,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    """A token's log probability under the model's raw logits, its rank (1 = most likely) and text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # With SamplingParams.logprobs: per output token, the sampled token's and the top tokens'.
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass(slots=True)

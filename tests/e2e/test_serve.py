@@ -90,6 +90,25 @@ def test_completions(server):
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_logprobs_and_penalties_cross_every_process(server):
+    c = client(server)
+    messages = [{"role": "user", "content": "Count: one one one one"}]
+    args = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                extra_body={"ignore_eos": True})
+    reply = c.chat.completions.create(**args, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 10
+    # Greedy: each token is the most likely one, so it heads its own top logprobs.
+    assert all(t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob
+               for t in content)
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 3 for t in content)
+    penalised = c.chat.completions.create(**args, frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalised.choices[0].message.content != reply.choices[0].message.content
+    completion = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6,
+                                      temperature=0, logprobs=2, extra_body={"min_tokens": 6})
+    assert len(completion.choices[0].logprobs.tokens) == completion.usage.completion_tokens == 6
+
+
 def test_cancelled_stream_frees_its_blocks(server):
     before = model_info(server["grpc"])
     assert before.num_free_blocks == before.num_blocks

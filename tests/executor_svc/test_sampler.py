@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.sampler import Sampler, make_sampling_batch
+from executor_svc.logits import LogprobRows, Penalties
+from executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
 from pagedserve.plan import SamplingOptions
 
 sampler = Sampler()
@@ -17,7 +18,7 @@ def sample(logits: torch.Tensor, options: list[SamplingOptions],
                                 column("top_k", np.int64), column("min_p", np.float32),
                                 {i: g for i, g in enumerate(generators) if g is not None},
                                 lambda a: torch.from_numpy(a))
-    return sampler(logits, batch)
+    return sampler(logits, batch).tokens
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -128,3 +129,26 @@ def test_top_k_rows_next_to_unrestricted_rows():
     draws = sample(probs.log().repeat(400, 1), options * 400, [None] * 1200).view(400, 3)
     assert set(draws[:, 0].tolist()) == {0, 1}
     assert set(draws[:, 1].tolist()) == set(draws[:, 2].tolist()) == {0, 1, 2, 3}
+
+
+def test_stop_mask_and_penalties_steer_the_sample_but_logprobs_stay_raw():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0], [0.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    raw = logits.log_softmax(-1)
+    batch = SamplingBatch(
+        all_greedy=True,
+        # Row 0 may not end yet (token 0 is its stop); row 1 has prompt [0] and output [1]
+        # (then padding), whose logits a repetition penalty of 4 shrinks.
+        stop_mask=torch.tensor([[0], [0]]),
+        penalties=Penalties(torch.tensor([1]), torch.tensor([[0, 1, 4]]), torch.tensor([1]),
+                            torch.tensor([4.0]), None, None),
+        logprobs=LogprobRows(np.array([0, 1]), torch.tensor([0, 1]), np.array([2, 1])))
+    out = sampler(logits.clone(), batch)
+    assert out.tokens.tolist() == [1, 2, 3]
+    torch.testing.assert_close(out.logprobs.values[:, 0], raw[[0, 1], [1, 2]])
+    assert out.logprobs.ids[:, 0].tolist() == [2, 2]
+    assert out.logprobs.ids[:, 1:].tolist() == [[0, 1], [1, 2]]
+    torch.testing.assert_close(out.logprobs.values[:, 1:], raw[[[0], [1]], [[0, 1], [1, 2]]])
+
+
+def test_without_logprobs_asked_none_come_back(logits):
+    assert sampler(logits, SamplingBatch(all_greedy=True)).logprobs is None

@@ -1,0 +1,133 @@
+"""Logprobs, penalties and min_tokens through the offline LLM (scheduler + executor cores) on a tiny
+model, against transformers: its log_softmax, its repetition and min-new-tokens processors, and a
+frequency/presence processor written out below."""
+import random
+
+import pytest
+import torch
+import transformers
+
+from pagedserve import LLM, SamplingParams
+from tiny_models import make_tiny_model
+
+ARCH = "LlamaForCausalLM"
+PROMPTS = [[random.Random(n).randrange(3, 512) for _ in range(n)] for n in (5, 11, 23, 40)]
+
+
+class FrequencyPresence(transformers.LogitsProcessor):
+    """OpenAI's penalties over the generated tokens only (the prompt is the first prompt_len)."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores)
+        outputs = input_ids[:, self.prompt_len:]
+        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_tiny_model(ARCH, tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def hf(path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # As the engine's requests ignore EOS; generate() would take it from here otherwise.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_generate(hf, prompt: list[int], max_new_tokens: int,
+                processors: transformers.LogitsProcessorList | None = None, **options) -> list[int]:
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
+                                           pad_token_id=0, **options)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                          logits_processor=processors)
+    return out[0, len(prompt):].tolist()
+
+
+def generate(llm: LLM, params: SamplingParams) -> list:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0] for o in outputs]
+
+
+def test_logprobs_are_transformers_log_softmax_of_the_raw_logits(path, hf):
+    llm = LLM(str(path))
+    # Sampled at temperature 0.7: the logprobs still come from the unscaled logits.
+    for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5),
+                   SamplingParams(temperature=0.7, seed=3, max_tokens=8, ignore_eos=True, logprobs=2)):
+        for prompt, out in zip(PROMPTS, generate(llm, params)):
+            assert len(out.logprobs) == len(out.token_ids) == 8
+            with torch.inference_mode():
+                logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+            expected = logits.float().log_softmax(-1)
+            for i, (token, entries) in enumerate(zip(out.token_ids, out.logprobs)):
+                top = expected[i].topk(params.logprobs)
+                top_ids = top.indices.tolist()
+                # vLLM's order: the sampled token, then the top ones (the sampled one only once).
+                assert list(entries) == [token] + [t for t in top_ids if t != token]
+                torch.testing.assert_close(entries[token].logprob, expected[i, token].item(),
+                                           atol=1e-4, rtol=0)
+                torch.testing.assert_close(torch.tensor([entries[t].logprob for t in top_ids]),
+                                           top.values, atol=1e-4, rtol=0)
+                assert [entries[t].rank for t in top_ids] == list(range(1, params.logprobs + 1))
+                assert entries[token].rank == int((expected[i] >= expected[i, token]).sum())
+                if params.temperature == 0:
+                    assert entries[token].rank == 1
+
+
+def test_no_logprobs_unless_asked(path):
+    out = LLM(str(path)).generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2),
+                                  use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is None
+
+
+def repeats(tokens: list[int]) -> int:
+    return len(tokens) - len(set(tokens))
+
+
+def test_repetition_penalty_matches_transformers_and_repeats_less(path, hf):
+    llm = LLM(str(path))
+    plain = generate(llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    penalised = generate(llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                             repetition_penalty=1.8))
+    for prompt, out in zip(PROMPTS, penalised):
+        assert out.token_ids == hf_generate(hf, prompt, 24, repetition_penalty=1.8)
+    assert [o.token_ids for o in plain] != [o.token_ids for o in penalised]
+    assert sum(repeats(o.token_ids) for o in penalised) < sum(repeats(o.token_ids) for o in plain)
+
+
+def frequency_presence_reference(hf, frequency: float, presence: float) -> list[list[int]]:
+    return [hf_generate(hf, p, 24, processors=transformers.LogitsProcessorList(
+        [FrequencyPresence(len(p), frequency, presence)])) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("engine", [
+    {}, {"block_size": 4, "num_gpu_blocks_override": 32, "max_model_len": 128}],
+    ids=["ample cache", "forced preemption"])
+def test_frequency_and_presence_penalties_match_transformers(path, hf, engine):
+    llm = LLM(str(path), enable_prefix_caching=False, **engine)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=1.5,
+                            presence_penalty=0.5, repetition_penalty=1.0)
+    # After a preemption the executor gets prompt and outputs again: num_prompt_tokens keeps the
+    # outputs counted as outputs.
+    assert [o.token_ids for o in generate(llm, params)] == frequency_presence_reference(hf, 1.5, 0.5)
+    assert bool(llm.scheduler.num_preemptions) == bool(engine)
+
+
+def test_min_tokens_masks_an_eos_that_greedy_would_pick_first(path, hf, tmp_path):
+    first = hf_generate(hf, PROMPTS[0], 1)[0]
+    eos_path = make_tiny_model(ARCH, tmp_path, eos_token_id=first)
+    llm = LLM(str(eos_path))
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    eager = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    assert eager.token_ids == [first] and eager.finish_reason == "stop"
+    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, min_tokens=6),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 6 and first not in held.token_ids[:6]
+    assert held.token_ids == hf_generate(hf, PROMPTS[0], 10, min_new_tokens=6, eos_token_id=first)
