@@ -2,6 +2,7 @@
 model, against transformers: its log_softmax, its repetition and min-new-tokens processors, and a
 frequency/presence processor written out below."""
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -118,6 +119,20 @@ def test_frequency_and_presence_penalties_match_transformers(path, hf, engine):
     # outputs counted as outputs.
     assert [o.token_ids for o in generate(llm, params)] == frequency_presence_reference(hf, 1.5, 0.5)
     assert bool(llm.scheduler.num_preemptions) == bool(engine)
+
+
+def test_rows_without_options_stay_untouched_next_to_rows_with_them(path, hf):
+    llm = LLM(str(path))
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    penalised = replace(plain, frequency_penalty=1.5, presence_penalty=0.5)
+    mixed = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                         [plain, penalised, replace(plain, logprobs=1), penalised], use_tqdm=False)
+    mixed = [o.outputs[0] for o in mixed]
+    alone = generate(llm, plain)
+    reference = frequency_presence_reference(hf, 1.5, 0.5)
+    assert [o.token_ids for o in mixed] == [alone[0].token_ids, reference[1], alone[2].token_ids,
+                                            reference[3]]
+    assert [o.logprobs is None for o in mixed] == [True, True, False, True]
 
 
 def test_min_tokens_masks_an_eos_that_greedy_would_pick_first(path, hf, tmp_path):
