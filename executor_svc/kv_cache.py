@@ -35,23 +35,24 @@ def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtyp
 def determine_num_blocks(config: EngineConfig, block_bytes: int, max_model_len: int,
                          device: torch.device, measure_peak_bytes: Callable[[], int]) -> int:
     """--num-gpu-blocks-override, else --kv-cache-memory-bytes, else a CPU default budget, else
-    what --gpu-memory-utilization leaves after a profiling forward (`measure_peak_bytes`)."""
+    what --gpu-memory-utilization leaves after a profiling forward (`measure_peak_bytes`). A budget
+    is capped at what max_num_seqs requests of max_model_len tokens can use: a small model would
+    otherwise get millions of blocks that the scheduler tracks one by one for nothing."""
     if config.num_gpu_blocks_override is not None:
         num_blocks, source = config.num_gpu_blocks_override, "override"
     elif config.kv_cache_memory_bytes is not None:
         num_blocks, source = config.kv_cache_memory_bytes // block_bytes, "kv_cache_memory_bytes"
-    elif device.type == "cpu":
-        # A small model on the CPU needs far less than the budget; don't allocate what can't be used.
-        most_tokens = config.max_num_seqs * max_model_len
-        num_blocks = min(CPU_DEFAULT_BYTES // block_bytes, -(-most_tokens // config.block_size) + 1)
-        source = "cpu_default"
     else:
-        total = torch.cuda.mem_get_info(device)[1]
-        peak = measure_peak_bytes()
-        num_blocks = int(total * config.gpu_memory_utilization - peak) // block_bytes
-        source = "profile"
-        log.info("memory_profiled", total_gib=round(total / GiB, 2), peak_gib=round(peak / GiB, 2),
-                 gpu_memory_utilization=config.gpu_memory_utilization)
+        if device.type == "cpu":
+            budget, source = CPU_DEFAULT_BYTES, "cpu_default"
+        else:
+            total = torch.cuda.mem_get_info(device)[1]
+            peak = measure_peak_bytes()
+            budget, source = int(total * config.gpu_memory_utilization - peak), "profile"
+            log.info("memory_profiled", total_gib=round(total / GiB, 2), peak_gib=round(peak / GiB, 2),
+                     gpu_memory_utilization=config.gpu_memory_utilization)
+        most_tokens = config.max_num_seqs * max_model_len
+        num_blocks = min(budget // block_bytes, -(-most_tokens // config.block_size) + 1)
     _check_fits(num_blocks, config.block_size, max_model_len, block_bytes)
     log.info("kv_cache_sized", source=source, num_blocks=num_blocks,
              tokens=num_blocks * config.block_size, gib=round(num_blocks * block_bytes / GiB, 3))
