@@ -45,11 +45,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         finished = False
         try:
             while not finished:
-                out = await queue.get()
-                if isinstance(out, ExecutorLost):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(out))
-                finished = out.finished
-                yield response_from_output(out)
+                outs = [await queue.get()]
+                # A stream that lags the engine by a few steps catches up in one message.
+                while not queue.empty():
+                    outs.append(queue.get_nowait())
+                lost = next((o for o in outs if isinstance(o, ExecutorLost)), None)
+                if lost:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(lost))
+                finished = outs[-1].finished
+                yield response_from_outputs(outs)
         finally:
             # Runs on cancellation too (client gone, deadline): the abort frees the request's blocks.
             if not finished:
@@ -85,14 +89,18 @@ def params_from_proto(p: engine_pb2.SamplingParams) -> SamplingParams:
                           logprobs=p.logprobs if p.HasField("logprobs") else None)
 
 
-def response_from_output(out: RequestOutput) -> engine_pb2.GenerateResponse:
+def response_from_outputs(outs: list[RequestOutput]) -> engine_pb2.GenerateResponse:
+    """One response for consecutive outputs of one request: their tokens, the last one's state."""
+    last = outs[-1]
     response = engine_pb2.GenerateResponse(
-        token_ids=out.new_token_ids, finish_reason=FINISH_REASONS[out.finish_reason],
-        prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-        cached_tokens=out.num_cached_tokens, stop_token_id=out.stop_token_id)
-    for t in out.logprobs or ():
-        response.logprobs.add(logprob=t.logprob, rank=t.rank, top_token_ids=t.top_token_ids,
-                              top_logprobs=t.top_logprobs)
+        token_ids=[t for out in outs for t in out.new_token_ids],
+        finish_reason=FINISH_REASONS[last.finish_reason], prompt_tokens=last.num_prompt_tokens,
+        completion_tokens=last.num_output_tokens, cached_tokens=last.num_cached_tokens,
+        stop_token_id=last.stop_token_id)
+    for out in outs:
+        for t in out.logprobs or ():
+            response.logprobs.add(logprob=t.logprob, rank=t.rank, top_token_ids=t.top_token_ids,
+                                  top_logprobs=t.top_logprobs)
     return response
 
 
