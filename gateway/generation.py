@@ -60,7 +60,7 @@ class Generation:
     """Runs the choices of one request concurrently; events() yields their text as it is produced."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, choices: list[Choice],
-                 trace_id: str, metrics: ModelMetrics, arrival: float) -> None:
+                 trace_id: str, metrics: ModelMetrics, arrival: float, stream_interval: int = 1) -> None:
         self._engine = engine
         self._trace_id = trace_id
         self._tokenizer = tokenizer
@@ -69,6 +69,7 @@ class Generation:
         # time.monotonic() when the request was accepted (validated, tokenized): vLLM's arrival time,
         # from which the latency metrics count.
         self._arrival = arrival
+        self._stream_interval = stream_interval
 
     def usage(self) -> Usage:
         # The n choices of one prompt share it: its tokens count once, as OpenAI counts them.
@@ -113,6 +114,7 @@ class Generation:
         detok = IncrementalDetokenizer(self._tokenizer, p.skip_special_tokens, p.stop,
                                        p.include_stop_str_in_output, choice.prompt_token_ids)
         logprobs: list[TokenLogprob] = []
+        text, pending_tokens = "", 0
         async with aclosing(self._engine.generate(choice.request_id, choice.prompt_token_ids, p,
                                                    self._trace_id)) as stream:
             async for response in stream:
@@ -121,15 +123,16 @@ class Generation:
                 choice.cached_tokens = max(choice.cached_tokens, response.cached_tokens)
                 if response.logprobs:
                     logprobs += decode_logprobs(self._tokenizer, response.token_ids, response.logprobs)
-                text = detok.add(response.token_ids)
+                text += detok.add(response.token_ids)
+                pending_tokens += len(response.token_ids)
                 if detok.stopped:
                     # Leaving the block cancels the call, which the scheduler turns into an abort.
                     return ChoiceEvent(choice.index, text, "stop", detok.stop_reason, logprobs)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     return self._finish(choice, response, text + detok.flush(), logprobs)
-                if text:
+                if text and pending_tokens >= self._stream_interval:
                     queue.put_nowait(ChoiceEvent(choice.index, text, logprobs=logprobs))
-                    logprobs = []
+                    text, logprobs, pending_tokens = "", [], 0
         raise internal("The scheduler ended a generation without a finish reason.")
 
     def _finish(self, choice: Choice, response: pb.GenerateResponse, text: str,

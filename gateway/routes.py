@@ -130,7 +130,7 @@ async def _generate(request: web.Request, builder: ResponseBuilder, choices: lis
     gateway = request.app[GATEWAY]
     start = time.monotonic()
     generation = Generation(gateway.engine, gateway.tokenizer, choices, current_request_id(),
-                            served.metrics, start)
+                            served.metrics, start, gateway.stream_interval)
     try:
         async with aclosing(generation.events()) as events:
             if stream:

@@ -36,11 +36,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     _add_once(g, "--served-model-name", default=None,
               help="the model name clients send; defaults to the scheduler's")
     _add_once(g, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_access_args(g)
+    add_serving_args(g)
 
 
-def add_access_args(group: argparse._ActionsContainer) -> None:
-    """API key and CORS flags, shared with `pagedserve serve`."""
+def add_serving_args(group: argparse._ActionsContainer) -> None:
+    """API key, CORS and streaming flags, shared with `pagedserve serve`."""
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                        help="require `Authorization: Bearer KEY` on every route but /health (and "
                             "/metrics); defaults to $PAGEDSERVE_API_KEY, which, unlike a flag, process "
@@ -49,6 +49,8 @@ def add_access_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--allowed-origins", type=parse_origins, default=[],
                        help="CORS: origins browsers may call the API from, comma-separated or a JSON list; "
                             "* allows any")
+    group.add_argument("--stream-interval", type=int, default=1,
+                       help="tokens per streamed chunk; more means fewer writes under load (vLLM's flag)")
 
 
 def parse_origins(value: str) -> list[str]:
@@ -70,7 +72,8 @@ async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
 async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     """Serves until SIGINT or SIGTERM, then stops accepting and drains in-flight requests."""
     app = build_app(tokenizer, args.scheduler_address, args.served_model_name, api_key=args.api_key,
-                    protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins)
+                    protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
+                    stream_interval=args.stream_interval)
     runner = await start(app, args.host, args.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

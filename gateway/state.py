@@ -22,6 +22,7 @@ class Gateway:
     tokenizer: Tokenizer
     metrics: Metrics = field(default_factory=Metrics)
     served_model_name: str | None = None
+    stream_interval: int = 1
     started: int = field(default_factory=lambda: int(time.time()))
 
     async def model(self) -> ServedModel:

@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--scheduler-address", default=None,
                        help="also expose the scheduler's gRPC Engine service here (e.g. 127.0.0.1:50051)")
     serve.add_argument("--startup-timeout", type=float, default=900.0)
-    from gateway.server import add_access_args, add_gateway_args
-    add_access_args(serve)
+    from gateway.server import add_gateway_args, add_serving_args
+    add_serving_args(serve)
     add_engine_args(serve)
     serve.set_defaults(run=run_serve)
 
@@ -100,6 +100,8 @@ def run_serve(args: argparse.Namespace) -> int:
         gateway_argv.append("--protect-metrics")
     if args.allowed_origins:
         gateway_argv += ["--allowed-origins", json.dumps(args.allowed_origins)]
+    if args.stream_interval != 1:
+        gateway_argv += ["--stream-interval", str(args.stream_interval)]
     engine_argv = config_to_argv(config) + ["--log-level", args.log_level]
     return serve(args.model, engine_argv, gateway_argv, args.host, args.port,
                  args.scheduler_address, args.startup_timeout)
