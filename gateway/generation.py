@@ -114,7 +114,7 @@ class Generation:
         detok = IncrementalDetokenizer(self._tokenizer, p.skip_special_tokens, p.stop,
                                        p.include_stop_str_in_output, choice.prompt_token_ids)
         logprobs: list[TokenLogprob] = []
-        text, pending_tokens = "", 0
+        text, pending_tokens, sent = "", 0, False
         async with aclosing(self._engine.generate(choice.request_id, choice.prompt_token_ids, p,
                                                    self._trace_id)) as stream:
             async for response in stream:
@@ -130,9 +130,10 @@ class Generation:
                     return ChoiceEvent(choice.index, text, "stop", detok.stop_reason, logprobs)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     return self._finish(choice, response, text + detok.flush(), logprobs)
-                if text and pending_tokens >= self._stream_interval:
+                # The first text goes out at once: the interval must not delay the time to first token.
+                if text and (pending_tokens >= self._stream_interval or not sent):
                     queue.put_nowait(ChoiceEvent(choice.index, text, logprobs=logprobs))
-                    text, logprobs, pending_tokens = "", [], 0
+                    text, logprobs, pending_tokens, sent = "", [], 0, True
         raise internal("The scheduler ended a generation without a finish reason.")
 
     def _finish(self, choice: Choice, response: pb.GenerateResponse, text: str,

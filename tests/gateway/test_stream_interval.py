@@ -19,5 +19,7 @@ async def test_chunks_carry_the_interval_and_the_same_text(http, serve):
     every = await stream_texts(http, await serve())
     grouped = await stream_texts(http, await serve(stream_interval=5))
     assert "".join(grouped) == "".join(every)
-    # 23 tokens in groups of at least 5: at most 5 chunks (text held back only merges them further).
-    assert len(grouped) <= 5 < len(every)
+    # The first token at once, then 22 tokens in groups of at least 5: at most 1 + 5 chunks (text
+    # held back only merges them further).
+    assert grouped[0] == every[0]
+    assert len(grouped) <= 6 < len(every)
