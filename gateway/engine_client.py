@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.errors import APIError, bad_request, internal, overloaded, unavailable
+from pagedserve import service
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import engine_pb2 as pb
 from pagedserve.v1.engine_pb2_grpc import EngineStub
@@ -44,7 +45,7 @@ class EngineClient:
     """Calls Generate/Abort/GetModelInfo on `address` (host:port or unix:///path)."""
 
     def __init__(self, address: str) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = service.channel(address)
         self._stub = EngineStub(self._channel)
         self._spec: ModelSpec | None = None
 

@@ -10,7 +10,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+# A client started before its server (compose, restarts) retries at most a second apart, not the
+# default two minutes.
+OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000),
+           ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
            ("grpc.so_reuseport", 0)]
 
