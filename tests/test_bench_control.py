@@ -1,16 +1,9 @@
 """`pagedserve bench control-path`: the null model runner, and a small run in both modes."""
 import json
 
-from pagedserve import cli
 from pagedserve.bench_control import TOKEN, NullModelRunner, null_executor_info
 from pagedserve.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
-
-
-def run_cli(argv: list[str]) -> None:
-    # Not cli.main: its logging setup would bind structlog to this test's captured stderr, which
-    # pytest closes afterwards, failing every later test that logs.
-    args = cli.build_parser().parse_args(argv)
-    args.run(args)
+from tests.serving import run_cli
 
 
 def test_null_runner_samples_once_all_known_tokens_are_computed():

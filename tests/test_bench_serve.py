@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from pagedserve.bench_serve import (RequestResult, arrival_times, inter_token_latencies, mark_stable,
-                                    parse_metric, summarize, time_per_output_token)
-from tests.e2e.test_serve import free_port, wait_http
-from tests.test_bench_control import run_cli
+                                    parse_metric, step_stats, step_totals, summarize, time_per_output_token)
+from tests.serving import free_port, run_cli, wait_http
 
 
 def test_one_token_per_chunk_gives_the_chunk_gaps():
@@ -65,6 +64,33 @@ def test_metric_is_read_from_prometheus_text():
     assert parse_metric("other 1\n", "pagedserve:kv_cache_usage_perc") is None
 
 
+def step_scrape(counts: tuple[int, int, int], sums_s: tuple[float, float, float]) -> str:
+    """/metrics text with the schedule, forward and idle step histograms."""
+    lines = []
+    for part, count, total in zip(("schedule", "forward", "idle"), counts, sums_s):
+        name, labels = f"pagedserve:step_{part}_seconds", '{model_name="m"}'
+        lines += [f'{name}_bucket{{le="+Inf",model_name="m"}} {count}', f"{name}_count{labels} {count}",
+                  f"{name}_sum{labels} {total}"]
+    return "\n".join(lines) + "\n"
+
+
+def test_step_statistics_of_a_level_from_two_scrapes():
+    before = step_totals(step_scrape((10, 10, 8), (0.002, 0.5, 0.004)))
+    after = step_totals(step_scrape((110, 110, 98), (0.022, 5.5, 0.049)))
+    assert step_stats(before, after) == dict(steps=100, schedule_us_mean=200.0, forward_ms_mean=50.0,
+                                             idle_us_mean=500.0, idle_pct=1.0)
+    no_back_to_back = step_totals(step_scrape((12, 12, 8), (0.003, 0.6, 0.004)))
+    s = step_stats(before, no_back_to_back)
+    assert s["steps"] == 2 and s["idle_us_mean"] is None and s["idle_pct"] is None
+
+
+def test_step_statistics_without_the_histograms_are_absent():
+    full = step_totals(step_scrape((1, 1, 1), (0.1, 0.1, 0.1)))
+    assert step_totals(None) is None
+    assert step_totals(step_scrape((1, 1, 1), (0.1, 0.1, 0.1)).replace("idle", "other")) is None
+    assert step_stats(None, full) is None and step_stats(full, None) is None
+
+
 def test_poisson_arrivals():
     assert not arrival_times(4, math.inf, 0).any()
     times = arrival_times(20000, 50.0, 0)
@@ -99,5 +125,8 @@ def test_bench_serve_against_the_demo_model(server, tmp_path, capsys):
         assert 0 < lv["ttft_ms"]["mean"] <= lv["e2e_latency_ms"]["mean"]
         assert lv["tpot_ms"]["mean"] > 0 and lv["output_throughput"] > 0
         assert lv["kv_cache_usage_peak"] is None or 0 <= lv["kv_cache_usage_peak"] <= 1
+        step = lv["step"]
+        assert step["steps"] >= 8 and step["schedule_us_mean"] > 0 and step["forward_ms_mean"] > 0
+        assert step["idle_us_mean"] > 0 and 0 < step["idle_pct"] < 100
     table = capsys.readouterr().out
-    assert "concurrency" in table and "TTFT p99" in table and "stable" in table
+    assert "concurrency" in table and "TTFT p99" in table and "idle %" in table and "stable" in table

@@ -1,11 +1,9 @@
 """Starts `pagedserve serve` (demo model) as a subprocess and talks to it like a user would."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import grpc
 import openai
@@ -13,27 +11,9 @@ import psutil
 import pytest
 
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc
+from tests.serving import free_port, wait_http
 
 MODEL = "pagedserve-demo"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"pagedserve serve exited with {process.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=1) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(f"{url} not ready in {timeout} s")
 
 
 @pytest.fixture(scope="module")

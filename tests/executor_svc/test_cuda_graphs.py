@@ -5,7 +5,7 @@ import pytest
 from executor_svc import model_runner
 from executor_svc.attention import TritonAttentionBackend
 from executor_svc.cuda_graphs import bucket, capture_sizes
-from tests.executor_svc.test_model_runner import (NEW_TOKENS, MiniScheduler, Seq, make_runner,
+from tests.executor_svc.harness import (NEW_TOKENS, MiniScheduler, Seq, make_runner,
                                                   random_prompts)
 from tests.tiny_models import hf_greedy, make_tiny_model
 

@@ -8,7 +8,7 @@ import transformers
 
 from executor_svc.attention import TritonAttentionBackend
 from pagedserve import LLM, SamplingParams
-from tests.executor_svc.test_model import paged_prefill_logits
+from tests.executor_svc.harness import paged_prefill_logits
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -2,100 +2,12 @@
 
 The test plays the scheduler: it hands out shuffled, non-contiguous block ids, splits prompts into
 chunks under a token budget, shares blocks for prefix-cache hits, drops and re-admits requests."""
-import random
-from dataclasses import dataclass, field
-
 import pytest
 
-from executor_svc.model_runner import ModelRunner
-from pagedserve.config import EngineConfig
 from pagedserve.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
+from tests.executor_svc.harness import (GREEDY, NEW_TOKENS, NUM_BLOCKS, MiniScheduler, Seq, make_runner,
+                                        random_prompts)
 from tests.tiny_models import ARCHITECTURES, hf_greedy, make_tiny_model
-
-NUM_BLOCKS = 96
-NEW_TOKENS = 20
-GREEDY = SamplingOptions(temperature=0.0)
-
-
-@dataclass(slots=True)
-class Seq:
-    tokens: list[int]
-    max_new: int
-    computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-    output: list[int] = field(default_factory=list)
-    sent: bool = False
-    sampling: SamplingOptions = field(default_factory=lambda: GREEDY)
-
-
-class MiniScheduler:
-    """Just enough of a scheduler to build plans: first come first served under a token budget."""
-
-    def __init__(self, runner: ModelRunner, budget: int, seed: int = 0) -> None:
-        self.runner, self.budget = runner, budget
-        self.block_size = runner.describe().block_size
-        self.free = list(range(runner.describe().num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.seqs: dict[int, Seq] = {}
-        self.finished: dict[int, list[int]] = {}
-        self.to_drop: list[int] = []
-        self.step_id = 0
-
-    def add(self, seq_id: int, seq: Seq) -> None:
-        self.seqs[seq_id] = seq
-
-    def step(self) -> None:
-        plan = StepPlan(self.step_id, dropped=self.to_drop)
-        self.step_id, self.to_drop, left, scheduled = self.step_id + 1, [], self.budget, {}
-        for seq_id, seq in self.seqs.items():
-            n = min(len(seq.tokens) - seq.computed, left)
-            if n == 0:
-                continue
-            needed = -(-(seq.computed + n) // self.block_size) - len(seq.blocks)
-            new_blocks = [self.free.pop() for _ in range(max(needed, 0))]
-            seq.blocks += new_blocks
-            if seq.sent:
-                plan.continuing.append(ContinuingRequest(seq_id, n, new_blocks))
-            else:
-                plan.new_requests.append(NewRequest(seq_id, list(seq.tokens), seq.computed, n,
-                                                    list(seq.blocks), seq.sampling))
-                seq.sent = True
-            scheduled[seq_id], left = n, left - n
-        result = self.runner.run(plan)
-        assert result.step_id == plan.step_id
-        for seq_id, n in scheduled.items():
-            self.seqs[seq_id].computed += n
-        plan_order = [r.seq_id for r in plan.new_requests] + [r.seq_id for r in plan.continuing]
-        sampled = [s for s in plan_order if self.seqs[s].computed == len(self.seqs[s].tokens)]
-        assert result.seq_ids == sampled
-        for seq_id, token in zip(result.seq_ids, result.token_ids):
-            seq = self.seqs[seq_id]
-            seq.tokens.append(token)
-            seq.output.append(token)
-            if len(seq.output) == seq.max_new:
-                self.drop(seq_id)
-                self.finished[seq_id] = seq.output
-
-    def drop(self, seq_id: int) -> Seq:
-        self.to_drop.append(seq_id)
-        return self.seqs.pop(seq_id)
-
-    def run_to_completion(self) -> dict[int, list[int]]:
-        while self.seqs:
-            self.step()
-        return self.finished
-
-
-def make_runner(path, block_size: int = 8, **overrides) -> ModelRunner:
-    config = EngineConfig(model=str(path), block_size=block_size, num_gpu_blocks_override=NUM_BLOCKS,
-                          device="cpu", max_model_len=256, **overrides)
-    return ModelRunner(config)
-
-
-def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
-
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
