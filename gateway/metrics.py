@@ -2,11 +2,14 @@
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                            Metric)
+from prometheus_client.utils import floatToGoString
 
 from pagedserve.v1 import engine_pb2 as pb
 
@@ -20,6 +23,11 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length")
 REJECT_REASONS = ("queue_full", "too_long", "invalid")
+# ModelInfo field, metric name and help of the scheduler's per-step histograms.
+STEP_HISTOGRAMS = (
+    ("step_schedule", "step_schedule_seconds", "Scheduler CPU seconds per step (schedule and update)."),
+    ("step_forward", "step_forward_seconds", "Executor forward seconds per step."),
+    ("step_idle", "step_idle_seconds", "Executor idle seconds between consecutive steps."))
 
 # The *_created series double what a scrape carries and nothing reads them (vLLM turns them off too).
 prometheus_client.disable_created_metrics()
@@ -162,10 +170,21 @@ class _EngineCollector:
         family = GaugeMetricFamily("pagedserve:cache_config_info", "KV-cache configuration.",
                                    labels=["model_name", *config])
         yield _one(family, labels + [str(v) for v in config.values()], 1)
+        for field, name, doc in STEP_HISTOGRAMS:
+            # An Engine that does not time its steps leaves them out, and a histogram needs its buckets.
+            if info.HasField(field):
+                yield _histogram(f"pagedserve:{name}", doc, labels, getattr(info, field))
 
 
 def _one(family: GaugeMetricFamily | CounterMetricFamily, labels: list[str], value: float) -> Metric:
     family.add_metric(labels, value)
+    return family
+
+
+def _histogram(name: str, doc: str, labels: list[str], h: pb.StepHistogram) -> Metric:
+    family = HistogramMetricFamily(name, doc, labels=["model_name"])
+    bounds = [floatToGoString(b) for b in h.bucket_upper_bounds_s] + ["+Inf"]
+    family.add_metric(labels, list(zip(bounds, accumulate(h.bucket_counts))), h.sum_s)
     return family
 
 

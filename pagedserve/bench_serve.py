@@ -4,7 +4,9 @@ For each concurrency level, that many workers pull requests of a seeded workload
 waits for its Poisson arrival time when --request-rate is finite) and stream them from
 /v1/completions as token-id prompts. A level is *stable* when no request failed and its p99 TTFT
 is at most STABLE_TTFT_FACTOR times the lowest median TTFT of the sweep: queueing, not prefill,
-sets the tail once the server is past what it can sustain.
+sets the tail once the server is past what it can sustain. The server's step histograms, scraped
+from /metrics before and after each level, give that level's mean step parts and the share of the
+executor's time spent idle waiting for the next plan.
 """
 import argparse
 import asyncio
@@ -24,6 +26,8 @@ from pagedserve import workload
 STABLE_TTFT_FACTOR = 10.0
 KV_METRIC = "pagedserve:kv_cache_usage_perc"
 KV_POLL_S = 0.5
+STEP_METRICS = {"schedule": "pagedserve:step_schedule_seconds", "forward": "pagedserve:step_forward_seconds",
+                "idle": "pagedserve:step_idle_seconds"}
 
 
 @dataclass(slots=True)
@@ -137,6 +141,7 @@ async def run_level(session: aiohttp.ClientSession, target: Target, work: worklo
     results: list[RequestResult | None] = [None] * n
     pending = iter(range(n))
     bar = tqdm(total=n, desc=f"concurrency {concurrency}", unit="req")
+    steps_before = step_totals(await read_metrics(session, target))
     stop = asyncio.Event()
     watcher = asyncio.create_task(watch_kv_usage(session, target, stop))
     start = time.perf_counter()
@@ -153,9 +158,10 @@ async def run_level(session: aiohttp.ClientSession, target: Target, work: worklo
     duration = time.perf_counter() - start
     stop.set()
     kv_peak = await watcher
+    steps_after = step_totals(await read_metrics(session, target))
     bar.close()
     return dict(concurrency=concurrency, num_prompts=n, **summarize(results, duration),
-                kv_cache_usage_peak=kv_peak)
+                kv_cache_usage_peak=kv_peak, step=step_stats(steps_before, steps_after))
 
 
 def arrival_times(n: int, rate: float, seed: int) -> np.ndarray:
@@ -276,13 +282,46 @@ async def watch_kv_usage(session: aiohttp.ClientSession, target: Target, stop: a
 
 
 async def read_kv_usage(session: aiohttp.ClientSession, target: Target) -> float | None:
+    text = await read_metrics(session, target)
+    return None if text is None else parse_metric(text, KV_METRIC)
+
+
+async def read_metrics(session: aiohttp.ClientSession, target: Target) -> str | None:
     try:
         async with session.get(target.metrics_url, headers=target.headers) as reply:
-            if reply.status != 200:
-                return None
-            return parse_metric(await reply.text(), KV_METRIC)
+            return await reply.text() if reply.status == 200 else None
     except aiohttp.ClientError:
         return None
+
+
+def step_totals(text: str | None) -> dict[str, tuple[float, float]] | None:
+    """(count, sum in seconds) of each step histogram of a scrape; None if any is missing."""
+    if text is None:
+        return None
+    totals = {part: (parse_metric(text, f"{name}_count"), parse_metric(text, f"{name}_sum"))
+              for part, name in STEP_METRICS.items()}
+    return None if any(None in t for t in totals.values()) else totals
+
+
+def step_stats(before: dict | None, after: dict | None) -> dict | None:
+    """Steps and mean step parts between two step_totals; None when either scrape lacked them."""
+    if before is None or after is None:
+        return None
+    means = {}
+    for part in STEP_METRICS:
+        count = after[part][0] - before[part][0]
+        means[part] = (after[part][1] - before[part][1]) / count if count else None
+    schedule, forward, idle = means["schedule"], means["forward"], means["idle"]
+    # From the means, not the sums: a step after a pause for lack of work has a forward time but no
+    # idle time, and the share should describe back-to-back stepping.
+    idle_pct = None if forward is None or idle is None else round(100 * idle / (forward + idle), 1)
+    return dict(steps=int(after["schedule"][0] - before["schedule"][0]),
+                schedule_us_mean=scaled(schedule, 1e6), forward_ms_mean=scaled(forward, 1e3),
+                idle_us_mean=scaled(idle, 1e6), idle_pct=idle_pct)
+
+
+def scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else round(value * factor, 2)
 
 
 def parse_metric(text: str, name: str) -> float | None:
@@ -304,14 +343,17 @@ def print_table(result: dict) -> None:
     print(f"\nbench serve: {result['model']} at {result['base_url']}, dataset {result['dataset']}, "
           f"request rate {result['request_rate']}")
     header = (f"{'concurrency':>11} {'ok':>5} {'failed':>6} {'TTFT mean':>10} {'TTFT p99':>9} "
-              f"{'TPOT mean':>10} {'out tok/s':>10} {'req/s':>7} {'KV peak':>8} {'stable':>6}")
+              f"{'TPOT mean':>10} {'out tok/s':>10} {'req/s':>7} {'KV peak':>8} {'idle %':>7} "
+              f"{'stable':>6}")
     print(header)
     for lv in result["levels"]:
         kv = "n/a" if lv["kv_cache_usage_peak"] is None else f"{100 * lv['kv_cache_usage_peak']:.1f}%"
+        step = lv["step"]
+        idle = "n/a" if step is None or step["idle_pct"] is None else f"{step['idle_pct']:.1f}%"
         print(f"{lv['concurrency']:>11} {lv['completed']:>5} {lv['failed']:>6} "
               f"{fmt_ms(lv['ttft_ms']['mean']):>10} {fmt_ms(lv['ttft_ms']['p99']):>9} "
               f"{fmt_ms(lv['tpot_ms']['mean']):>10} {lv['output_throughput']:>10.1f} "
-              f"{lv['request_throughput']:>7.2f} {kv:>8} {'yes' if lv['stable'] else 'NO':>6}")
+              f"{lv['request_throughput']:>7.2f} {kv:>8} {idle:>7} {'yes' if lv['stable'] else 'NO':>6}")
     print(f"stable: {result['stable_rule']}")
     for lv in result["levels"]:
         for error in lv["errors"]:

@@ -16,9 +16,11 @@ from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb
 from scheduler_svc.engine_loop import EngineLoop, ExecutorLost
 from scheduler_svc.request import RequestOutput
 from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.step_stats import BUCKETS_US, Histogram
 
 log = get_logger(__name__)
 
+BUCKETS_S = [b / 1e6 for b in BUCKETS_US]
 FINISH_REASONS = {None: engine_pb2.FINISH_REASON_UNSPECIFIED, "stop": engine_pb2.FINISH_REASON_STOP,
                   "length": engine_pb2.FINISH_REASON_LENGTH, "abort": engine_pb2.FINISH_REASON_ABORT}
 
@@ -68,6 +70,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfo:
         s = self.loop.scheduler
+        stats = s.stats
         return engine_pb2.ModelInfo(
             served_model_name=self.config.name, max_model_len=self.info.max_model_len,
             vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids,
@@ -76,7 +79,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             num_waiting=s.num_waiting, num_preemptions=s.num_preemptions, kv_cache_usage=s.kv_usage,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             enable_prefix_caching=self.config.enable_prefix_caching,
-            gpu_memory_utilization=self.config.gpu_memory_utilization)
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            step_schedule=histogram_to_proto(stats.scheduler),
+            step_forward=histogram_to_proto(stats.forward), step_idle=histogram_to_proto(stats.idle))
+
+
+def histogram_to_proto(h: Histogram) -> engine_pb2.StepHistogram:
+    return engine_pb2.StepHistogram(bucket_upper_bounds_s=BUCKETS_S, bucket_counts=h.counts, count=h.count,
+                                    sum_s=h.sum_ns / 1e9)
 
 
 def params_from_proto(p: engine_pb2.SamplingParams) -> SamplingParams:

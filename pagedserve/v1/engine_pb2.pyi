@@ -104,8 +104,20 @@ class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class StepHistogram(_message.Message):
+    __slots__ = ("bucket_upper_bounds_s", "bucket_counts", "count", "sum_s")
+    BUCKET_UPPER_BOUNDS_S_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SUM_S_FIELD_NUMBER: _ClassVar[int]
+    bucket_upper_bounds_s: _containers.RepeatedScalarFieldContainer[float]
+    bucket_counts: _containers.RepeatedScalarFieldContainer[int]
+    count: int
+    sum_s: float
+    def __init__(self, bucket_upper_bounds_s: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., sum_s: _Optional[float] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching", "gpu_memory_utilization")
+    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching", "gpu_memory_utilization", "step_schedule", "step_forward", "step_idle")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +133,9 @@ class ModelInfo(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    STEP_IDLE_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
     vocab_size: int
@@ -136,4 +151,7 @@ class ModelInfo(_message.Message):
     prefix_cache_hits: int
     enable_prefix_caching: bool
     gpu_memory_utilization: float
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., gpu_memory_utilization: _Optional[float] = ...) -> None: ...
+    step_schedule: StepHistogram
+    step_forward: StepHistogram
+    step_idle: StepHistogram
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., gpu_memory_utilization: _Optional[float] = ..., step_schedule: _Optional[_Union[StepHistogram, _Mapping]] = ..., step_forward: _Optional[_Union[StepHistogram, _Mapping]] = ..., step_idle: _Optional[_Union[StepHistogram, _Mapping]] = ...) -> None: ...

@@ -33,6 +33,14 @@ LEAK = re.compile(r"Traceback|File \"|\.py\b|/(home|work|tmp|usr|opt|root|srv|va
 ENGINE_STATS = dict(block_size=16, num_blocks=100, num_free_blocks=75, num_running=2, num_waiting=1,
                     num_preemptions=4, kv_cache_usage=0.25, prefix_cache_queries=90, prefix_cache_hits=30,
                     enable_prefix_caching=True, gpu_memory_utilization=0.9)
+# Its step histograms: per-bucket counts, the last bucket being +Inf.
+ENGINE_STEPS = dict(
+    step_schedule=pb.StepHistogram(bucket_upper_bounds_s=[1e-4, 1e-3], bucket_counts=[3, 2, 0], count=5,
+                                   sum_s=0.0012),
+    step_forward=pb.StepHistogram(bucket_upper_bounds_s=[1e-3, 1e-2], bucket_counts=[0, 4, 1], count=5,
+                                  sum_s=0.05),
+    step_idle=pb.StepHistogram(bucket_upper_bounds_s=[1e-4, 1e-3], bucket_counts=[2, 1, 1], count=4,
+                               sum_s=0.0021))
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -98,6 +106,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.cancelled: dict[str, float] = {}
         self.aborted: list[str] = []
         self.address = ""
+        self.steps = ENGINE_STEPS
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -135,7 +144,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
     async def GetModelInfo(self, request, context):
         return pb.ModelInfo(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
-                            vocab_size=self.vocab_size, eos_token_ids=[self.eos], **ENGINE_STATS)
+                            vocab_size=self.vocab_size, eos_token_ids=[self.eos], **ENGINE_STATS,
+                            **self.steps)
 
     async def wait_cancelled(self, count: int = 1, timeout: float = 2.0) -> None:
         deadline = time.monotonic() + timeout

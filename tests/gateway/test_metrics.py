@@ -72,6 +72,23 @@ async def test_engine_series_come_from_the_scheduler(http, base_url):
     assert not any(name.endswith("_created") for name, _ in m)
 
 
+async def test_step_histograms_come_from_the_scheduler(http, base_url):
+    m = await scrape(http, base_url)
+    expected = {"step_schedule_seconds": ({"0.0001": 3, "0.001": 5, "+Inf": 5}, 0.0012),
+                "step_forward_seconds": ({"0.001": 0, "0.01": 4, "+Inf": 5}, 0.05),
+                "step_idle_seconds": ({"0.0001": 2, "0.001": 3, "+Inf": 4}, 0.0021)}
+    for name, (buckets, total) in expected.items():
+        assert {le: value(m, f"{name}_bucket", le=le) for le in buckets} == buckets, name
+        assert value(m, f"{name}_count") == buckets["+Inf"] and value(m, f"{name}_sum") == total, name
+
+
+async def test_an_engine_without_step_histograms_leaves_them_out(http, base_url, engine):
+    engine.steps = {}
+    m = await scrape(http, base_url)
+    assert value(m, "num_requests_running") == ENGINE_STATS["num_running"]
+    assert not any(name.startswith("pagedserve:step_") for name, _ in m)
+
+
 async def test_rejections_by_reason(http, base_url, engine):
     bad = [{"prompt": "x", "temperature": 5}, {"prompt": "x", "max_tokens": 1000},
            {"model": "other", "prompt": "x"}]

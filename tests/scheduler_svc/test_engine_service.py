@@ -1,8 +1,17 @@
+import asyncio
+from functools import partial
+
 import pytest
 
-from pagedserve.v1 import engine_pb2
+from executor_svc.server import ExecutorService
+from pagedserve import service
+from pagedserve.bench_control import NullModelRunner, null_executor_info
+from pagedserve.config import EngineConfig
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2_grpc
+from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.request import RequestOutput, TokenLogprobs
-from scheduler_svc.server import response_from_outputs
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.server import BUCKETS_S, EngineService, response_from_outputs
 
 
 def output(tokens: list[int], finished: bool = False, reason: str | None = None,
@@ -32,3 +41,37 @@ def test_merged_logprobs_stay_one_per_token(count):
     assert [list(lp.top_token_ids) for lp in response.logprobs] == [[10 + i] for i in range(count)]
     assert not response.HasField("stop_token_id")
     assert response.finish_reason == engine_pb2.FINISH_REASON_UNSPECIFIED
+
+
+async def test_model_info_carries_the_step_histograms(tmp_path):
+    """The real scheduler steps a null executor over gRPC; GetModelInfo then reports its stats."""
+    info = null_executor_info(num_blocks=64, block_size=16, max_model_len=128)
+    executor_address, engine_address = f"unix://{tmp_path}/executor.sock", f"unix://{tmp_path}/engine.sock"
+    executor = await service.start("executor", executor_address, partial(
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullModelRunner(info))))
+    config = EngineConfig()
+    scheduler = Scheduler(config, info.num_blocks, info.max_model_len, info.eos_token_ids)
+    async with service.channel(executor_address) as channel, service.channel(engine_address) as engine:
+        loop = EngineLoop(scheduler, executor_pb2_grpc.ExecutorStub(channel))
+        stepping = asyncio.create_task(loop.run())
+        server = await service.start("scheduler", engine_address, partial(
+            engine_pb2_grpc.add_EngineServicer_to_server, EngineService(loop, config, info)))
+        stub = engine_pb2_grpc.EngineStub(engine)
+        request = engine_pb2.GenerateRequest(request_id="r", prompt_token_ids=[5] * 20,
+                                             params=engine_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+        tokens = [t async for response in stub.Generate(request) for t in response.token_ids]
+        while scheduler.has_work():  # the step that drops the finished request
+            await asyncio.sleep(0.01)
+        reply = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+        stepping.cancel()
+        await server.stop()
+    await executor.stop()
+    assert len(tokens) == 4
+    stats = scheduler.stats
+    # A prefill, three decodes and the step that drops the request; all but the first back to back.
+    assert (stats.scheduler.count, stats.idle.count) == (5, 4)
+    for h, ours in ((reply.step_schedule, stats.scheduler), (reply.step_forward, stats.forward),
+                    (reply.step_idle, stats.idle)):
+        assert list(h.bucket_upper_bounds_s) == BUCKETS_S and list(h.bucket_counts) == ours.counts
+        assert h.count == ours.count == sum(h.bucket_counts)
+        assert h.sum_s == pytest.approx(ours.sum_ns / 1e9) and h.sum_s > 0
