@@ -5,32 +5,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.config import EngineConfig
 from pagedserve.plan import StepLogprobs, StepPlan, StepResult
 from pagedserve.sampling_params import SamplingParams
 from scheduler_svc.block_manager import NULL_BLOCK
 from scheduler_svc.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from scheduler_svc.scheduler import Scheduler
+from tests.scheduler_svc.helpers import EOS, add, make_scheduler
 
-EOS = 0
 VOCAB = 32
-
-
-def make_scheduler(num_blocks: int = 64, max_model_len: int = 256, block_size: int = 4,
-                   max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-                   enable_prefix_caching: bool = True) -> Scheduler:
-    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens,
-                          enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(config, num_blocks, max_model_len, [EOS])
-
-
-def add(s: Scheduler, seq_id: int, prompt_len: int, first_token: int = 1, **params) -> Request:
-    params.setdefault("max_tokens", 100)
-    request = Request(seq_id, f"r{seq_id}", list(range(first_token, first_token + prompt_len)),
-                      SamplingParams(**params))
-    s.add(request)
-    return request
 
 
 def step(s: Scheduler, tokens: dict[int, int] | None = None) -> tuple[StepPlan, list[RequestOutput]]:

@@ -1,6 +1,6 @@
 from pagedserve.plan import StepResult
 from scheduler_svc.step_stats import BUCKETS_US, Histogram
-from tests.scheduler_svc.test_scheduler import add, make_scheduler
+from tests.scheduler_svc.helpers import add, make_scheduler
 
 
 def test_histogram_buckets_are_upper_bounds():

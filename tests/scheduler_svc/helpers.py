@@ -1,0 +1,24 @@
+"""Builds small schedulers and requests for the scheduler tests."""
+from pagedserve.config import EngineConfig
+from pagedserve.sampling_params import SamplingParams
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler
+
+EOS = 0
+
+
+def make_scheduler(num_blocks: int = 64, max_model_len: int = 256, block_size: int = 4,
+                   max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
+                   enable_prefix_caching: bool = True) -> Scheduler:
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          enable_prefix_caching=enable_prefix_caching)
+    return Scheduler(config, num_blocks, max_model_len, [EOS])
+
+
+def add(s: Scheduler, seq_id: int, prompt_len: int, first_token: int = 1, **params) -> Request:
+    params.setdefault("max_tokens", 100)
+    request = Request(seq_id, f"r{seq_id}", list(range(first_token, first_token + prompt_len)),
+                      SamplingParams(**params))
+    s.add(request)
+    return request
