@@ -76,12 +76,8 @@ class EngineLoop:
 
     async def _step_forever(self, call) -> None:
         while True:
-            if not self.scheduler.has_work():
-                self.wakeup.clear()
-                await self.wakeup.wait()
-                continue
-            plan = self.scheduler.schedule()
-            if plan.num_tokens == 0 and not plan.dropped:
+            plan = self.scheduler.schedule() if self.scheduler.has_work() else None
+            if plan is None or not (plan.new_requests or plan.continuing or plan.dropped):
                 # Nothing can run until a request arrives or leaves.
                 self.wakeup.clear()
                 await self.wakeup.wait()
