@@ -20,6 +20,7 @@ class EngineConfig:
     load_format: str = "auto"
     device: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool = True
 
     @property
     def name(self) -> str:
@@ -48,6 +49,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "dummy"])
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=d.async_scheduling,
+                   help="plan the next step before the previous one's result arrives, so the GPU "
+                        "does not wait for the control path")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

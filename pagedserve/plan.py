@@ -5,6 +5,10 @@ import msgspec
 
 from pagedserve.v1 import executor_pb2 as pb
 
+# Steps planned ahead of results: with two, the executor prepares and launches the next step
+# while the device still runs the previous one.
+MAX_STEPS_IN_FLIGHT = 2
+
 
 @dataclass(slots=True)
 class SamplingOptions:
@@ -49,6 +53,13 @@ class StepPlan:
     new_requests: list[NewRequest] = field(default_factory=list)
     continuing: list[ContinuingRequest] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
+    # The scheduler's own bookkeeping, not sent: the CPU time spent planning, and whether the
+    # engine sat without work just before (so the executor's idle gap was not the control path's).
+    schedule_ns: int = 0
+    after_pause: bool = False
+
+    def is_empty(self) -> bool:
+        return not (self.new_requests or self.continuing or self.dropped)
 
     @property
     def num_tokens(self) -> int:

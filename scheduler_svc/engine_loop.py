@@ -1,11 +1,12 @@
 """Drives the scheduler core against the executor's Run stream and fans outputs out to callers."""
 import asyncio
 import itertools
+from collections import deque
 
 import grpc
 
 from pagedserve.log import get_logger
-from pagedserve.plan import plan_to_proto, result_from_proto
+from pagedserve.plan import MAX_STEPS_IN_FLIGHT, StepPlan, plan_to_proto, result_from_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import executor_pb2_grpc
 from scheduler_svc.request import Request, RequestOutput
@@ -21,8 +22,13 @@ class ExecutorLost(RuntimeError):
 class EngineLoop:
     """Owns the scheduler; every call runs on one asyncio loop, so no locks are needed."""
 
-    def __init__(self, scheduler: Scheduler, executor: executor_pb2_grpc.ExecutorStub) -> None:
+    def __init__(self, scheduler: Scheduler, executor: executor_pb2_grpc.ExecutorStub,
+                 async_scheduling: bool = True) -> None:
         self.scheduler = scheduler
+        self.max_in_flight = MAX_STEPS_IN_FLIGHT if async_scheduling else 1
+        # Plans sent whose results have not come back, oldest first. With two, the executor
+        # launches the next step while the device still runs the previous one.
+        self.in_flight: deque[StepPlan] = deque()
         self.executor = executor
         self.outputs: dict[int, asyncio.Queue] = {}
         self.seq_ids: dict[str, int] = {}
@@ -75,18 +81,23 @@ class EngineLoop:
             queue.put_nowait(self.error)
 
     async def _step_forever(self, call) -> None:
+        in_flight = self.in_flight
+        scheduler = self.scheduler
         while True:
-            plan = self.scheduler.schedule() if self.scheduler.has_work() else None
-            if plan is None or not (plan.new_requests or plan.continuing or plan.dropped):
+            plan = scheduler.schedule_ahead(len(in_flight), self.max_in_flight)
+            if plan is not None:
+                await call.write(plan_to_proto(plan))
+                in_flight.append(plan)
+                continue
+            if not in_flight:
                 # Nothing can run until a request arrives or leaves.
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
-            await call.write(plan_to_proto(plan))
             reply = await call.read()
             if reply is grpc.aio.EOF:
                 raise ExecutorLost("the executor closed the step stream")
-            self._deliver(self.scheduler.update(plan, result_from_proto(reply)))
+            self._deliver(scheduler.update(in_flight.popleft(), result_from_proto(reply)))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -1,7 +1,6 @@
 """Continuous batching: one token budget per step, chunked prefill, prefix caching, recompute preemption."""
 import time
 from collections import deque
-from itertools import chain
 
 from pagedserve.config import EngineConfig
 from pagedserve.log import get_logger
@@ -15,6 +14,12 @@ log = get_logger(__name__)
 
 class Scheduler:
     """Decides what the executor computes each step and turns its sampled tokens into request outputs.
+
+    Steps may be pipelined: `schedule` can plan step N+1 before step N's result reaches `update`.
+    Planning advances each request as if its step had run, and counts the token the step will
+    sample as pending; the executor fills that token in from its own copy. A request that turns
+    out to have stopped at step N was planned once more in N+1; that extra token is discarded.
+    Results must reach `update` in plan order.
 
     Not thread-safe: call add, abort, schedule and update from one thread (or one event loop).
     """
@@ -47,10 +52,9 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.stats = StepStats()
-        self._schedule_ns = 0
-        # Whether the step being applied followed the previous one without a pause for lack of work;
-        # only then is the executor's idle time the control path's cost.
-        self._back_to_back = False
+        # Whether the engine had nothing to do since the last plan: the executor's idle time
+        # before the next step is then the wait for requests, not the control path's cost.
+        self._paused = True
 
     @property
     def num_running(self) -> int:
@@ -112,21 +116,30 @@ class Scheduler:
             self.waiting.remove(request)
         self._finish(request, "abort")
         if not self.has_work():
-            self._back_to_back = False
+            self._paused = True
         return True
+
+    def schedule_ahead(self, num_in_flight: int, max_in_flight: int) -> StepPlan | None:
+        """The next plan to send while fewer than `max_in_flight` are in flight, or None when
+        nothing can be planned before a result (or, with none in flight, a request) arrives."""
+        if num_in_flight >= max_in_flight or not self.has_work():
+            return None
+        plan = self.schedule()
+        return None if plan.is_empty() else plan
 
     def schedule(self) -> StepPlan:
         """Plans the next step: running requests first, then waiting ones in arrival order."""
         start = time.perf_counter_ns()
         self.step_id += 1
-        plan = StepPlan(self.step_id)
+        plan = StepPlan(self.step_id, after_pause=self._paused)
+        self._paused = False
         num_preemptions = self.num_preemptions
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
         # After a preemption the pool is short: admitting would only cause more preemptions.
         if self.num_preemptions == num_preemptions:
             self._schedule_waiting(plan, budget)
         plan.dropped, self.dropped = self.dropped, []
-        self._schedule_ns = time.perf_counter_ns() - start
+        plan.schedule_ns = time.perf_counter_ns() - start
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
@@ -134,13 +147,18 @@ class Scheduler:
         block_manager = self.block_manager
         running = self.running
         append = plan.continuing.append
+        caching = block_manager.enable_prefix_caching
         # Preemption pops from the end of `running`, which this loop has not reached: the list
         # iterator checks the length on every turn, so iterating it while preempting is safe.
         for request in running:
             if not budget:
                 break
+            known = len(request.token_ids) + request.num_pending_tokens
             computed = request.num_computed_tokens
-            n = len(request.token_ids) - computed
+            # Waiting for the result of a step in flight: its last token, or all its tokens.
+            if known >= request.max_num_tokens or computed == known:
+                continue
+            n = known - computed
             if n > budget:
                 n = budget
             num_new = (computed + n + block_size - 1) // block_size - len(request.block_ids)
@@ -155,6 +173,11 @@ class Scheduler:
                 append(ContinuingRequest(request.seq_id, n, new_block_ids))
             else:
                 append(ContinuingRequest(request.seq_id, n, []))
+            request.num_computed_tokens = computed + n
+            if computed + n == known:
+                request.num_pending_tokens += 1
+            if caching:
+                self._cache_blocks(request)
             budget -= n
         return budget
 
@@ -174,7 +197,6 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.block_ids = block_manager.allocate(num_new, cached)
-            request.num_computed_tokens = num_cached
             if not request.num_preemptions:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
@@ -184,12 +206,30 @@ class Scheduler:
             plan.new_requests.append(NewRequest(request.seq_id, list(request.token_ids), num_cached, n,
                                                 list(request.block_ids), request.sampling_options(),
                                                 request.num_prompt_tokens))
+            request.num_computed_tokens = num_cached + n
+            request.num_cached_blocks = len(cached)
+            if num_cached + n == num_tokens:
+                request.num_pending_tokens = 1
+            if block_manager.enable_prefix_caching:
+                self._cache_blocks(request)
             budget -= n
+
+    def _cache_blocks(self, request: Request) -> None:
+        """Registers the request's blocks that are full of planned tokens whose ids are known. A
+        later step that reuses one runs after the step that writes it, so planned is enough."""
+        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        if end > request.num_cached_blocks:
+            cache = self.block_manager.cache
+            for i in range(request.num_cached_blocks, end):
+                cache(request.block_ids[i], request.block_hashes[i])
+            request.num_cached_blocks = end
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
+        request.num_pending_tokens = 0
+        request.num_cached_blocks = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -198,53 +238,39 @@ class Scheduler:
         log.debug("preempted", seq_id=request.seq_id, num_tokens=len(request.token_ids))
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Applies a step's result to the requests of `plan`; returns one output per request that
-        received a token or finished. Requests aborted since `plan` was made are skipped."""
+        """Applies a step's result; returns one output per request that received a token or
+        finished. Tokens of requests aborted, finished or preempted since the plan are dropped."""
         start = time.perf_counter_ns()
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} does not match plan {plan.step_id}")
-        self._advance(plan)
         outputs = self._append_tokens(result)
         if result.logprobs is not None:
             _attach_logprobs(outputs, result)
-        self.stats.observe(self._schedule_ns + time.perf_counter_ns() - start, result.forward_ns,
-                           result.idle_ns if self._back_to_back else 0)
-        self._back_to_back = self.has_work()
+        self.stats.observe(plan.schedule_ns + time.perf_counter_ns() - start, result.forward_ns,
+                           0 if plan.after_pause else result.idle_ns)
+        if not self.has_work():
+            self._paused = True
         return outputs
-
-    def _advance(self, plan: StepPlan) -> None:
-        block_size = self.block_size
-        requests = self.requests
-        caching = self.block_manager.enable_prefix_caching
-        cache = self.block_manager.cache
-        for scheduled in chain(plan.new_requests, plan.continuing):
-            request = requests.get(scheduled.seq_id)
-            if request is None:
-                continue
-            before = request.num_computed_tokens
-            after = before + scheduled.num_scheduled_tokens
-            request.num_computed_tokens = after
-            # Only the blocks filled by this step are new to the cache: O(new blocks) per step.
-            if caching and after // block_size > before // block_size:
-                for i in range(before // block_size, after // block_size):
-                    cache(request.block_ids[i], request.block_hashes[i])
 
     def _append_tokens(self, result: StepResult) -> list[RequestOutput]:
         block_size = self.block_size
         requests = self.requests
         caching = self.block_manager.enable_prefix_caching
+        running = RequestStatus.RUNNING
         outputs = []
         append = outputs.append
         num_finished = 0
         for seq_id, token_id in zip(result.seq_ids, result.token_ids):
             request = requests.get(seq_id)
-            if request is None:
+            if request is None or request.status is not running:
                 continue
+            request.num_pending_tokens -= 1
             token_ids = request.token_ids
             token_ids.append(token_id)
             num_tokens = len(token_ids)
             if caching and num_tokens % block_size == 0:
                 hash_blocks(request.block_hashes, token_ids, block_size)
+                self._cache_blocks(request)
             num_output_tokens = num_tokens - request.num_prompt_tokens
             if token_id in request.stop_ids and num_output_tokens >= request.sampling.min_tokens:
                 self._finish(request, "stop", token_id)
@@ -257,7 +283,7 @@ class Scheduler:
                                  request.stop_token_id, request.num_prompt_tokens, num_output_tokens,
                                  request.num_cached_tokens))
         if num_finished:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self.running = [r for r in self.running if r.status is running]
         return outputs
 
     def _finish(self, request: Request, reason: str, stop_token_id: int | None = None) -> None:

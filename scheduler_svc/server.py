@@ -127,7 +127,7 @@ async def serve(config: EngineConfig, address: str, executor_address: str,
         # The block pool and everything loaded so far live as long as the process: frozen, they
         # leave the collector's full passes, which took ~30 ms (a stalled step) at 18k blocks.
         gc.freeze()
-        loop = EngineLoop(scheduler, executor)
+        loop = EngineLoop(scheduler, executor, config.async_scheduling)
         running = await service.start("scheduler", address, partial(
             engine_pb2_grpc.add_EngineServicer_to_server, EngineService(loop, config, info)))
         log.info("scheduler_ready", address=address, num_blocks=info.num_blocks,

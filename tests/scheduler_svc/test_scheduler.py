@@ -1,4 +1,4 @@
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import pytest
@@ -18,11 +18,9 @@ VOCAB = 32
 def step(s: Scheduler, tokens: dict[int, int] | None = None) -> tuple[StepPlan, list[RequestOutput]]:
     """One step with an executor that samples tokens[seq_id] (default 7) for each completed request."""
     plan = s.schedule()
-    sampled = [r.seq_id for r in plan.new_requests if r.num_computed_tokens + r.num_scheduled_tokens
-               == len(r.token_ids)]
-    sampled += [r.seq_id for r in plan.continuing
-                if s.requests[r.seq_id].num_computed_tokens + r.num_scheduled_tokens
-                == len(s.requests[r.seq_id].token_ids)]
+    # Planning advanced each request: those now computed past their known tokens sample.
+    sampled = [r.seq_id for r in plan.new_requests + plan.continuing
+               if s.requests[r.seq_id].num_computed_tokens >= len(s.requests[r.seq_id].token_ids)]
     tokens = tokens or {}
     result = StepResult(plan.step_id, sampled, [tokens.get(seq_id, 7) for seq_id in sampled])
     return plan, s.update(plan, result)
@@ -35,7 +33,7 @@ def scheduled(plan: StepPlan) -> dict[int, int]:
 def test_token_budget_is_respected():
     s = make_scheduler(max_num_batched_tokens=10)
     for seq_id in range(1, 5):
-        add(s, seq_id, 6)
+        add(s, seq_id, 6, first_token=10 * seq_id)
     plan, _ = step(s)
     assert scheduled(plan) == {1: 6, 2: 4}
     for _ in range(20):
@@ -83,8 +81,8 @@ def test_running_requests_are_scheduled_before_waiting_ones():
 def test_waiting_head_that_does_not_fit_blocks_the_queue():
     s = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
     add(s, 1, 12)
-    add(s, 2, 12)
-    add(s, 3, 2)
+    add(s, 2, 12, first_token=50)
+    add(s, 3, 2, first_token=90)
     plan, _ = step(s)
     assert scheduled(plan) == {1: 12}
     assert [r.seq_id for r in s.waiting] == [2, 3]
@@ -392,20 +390,14 @@ class FakeExecutor:
         work = []
         for r in plan.new_requests:
             assert r.seq_id not in self.seqs, f"seq {r.seq_id} sent twice"
-            seq = self.seqs[r.seq_id] = SeqState(list(r.token_ids), r.num_computed_tokens, list(r.block_ids))
-            assert self.read(seq, seq.num_computed) == seq.token_ids[:seq.num_computed], "bad cache hit"
+            self.seqs[r.seq_id] = SeqState(list(r.token_ids), r.num_computed_tokens, list(r.block_ids))
             work.append((r.seq_id, r.num_scheduled_tokens))
         for r in plan.continuing:
             assert r.seq_id in self.seqs, f"continuing unknown seq {r.seq_id}"
             self.seqs[r.seq_id].block_ids += r.new_block_ids
             work.append((r.seq_id, r.num_scheduled_tokens))
-        holders = Counter(b for seq in self.seqs.values() for b in seq.block_ids)
-        assert NULL_BLOCK not in holders
-        for seq in self.seqs.values():
-            for i, b in enumerate(seq.block_ids):
-                # A block may be shared only through the prefix cache: full of computed tokens.
-                assert holders[b] == 1 or (i + 1) * bs <= seq.num_computed, f"block {b} shared"
-        result = StepResult(plan.step_id)
+        # Like the model: every scheduled token's KV is written before any attention reads the
+        # cache, so a prefix hit on a block another request fills in this same step is valid.
         for seq_id, n in work:
             seq = self.seqs[seq_id]
             end = seq.num_computed + n
@@ -413,7 +405,21 @@ class FakeExecutor:
             assert len(seq.block_ids) == -(-end // bs), "blocks must cover exactly the scheduled tokens"
             for p in range(seq.num_computed, end):
                 self.kv[seq.block_ids[p // bs]][p % bs] = seq.token_ids[p]
-            seq.num_computed = end
+        for r in plan.new_requests:
+            seq = self.seqs[r.seq_id]
+            assert self.read(seq, seq.num_computed) == seq.token_ids[:seq.num_computed], "bad cache hit"
+        for seq_id, n in work:
+            self.seqs[seq_id].num_computed += n
+        holders = Counter(b for seq in self.seqs.values() for b in seq.block_ids)
+        assert NULL_BLOCK not in holders
+        for seq in self.seqs.values():
+            for i, b in enumerate(seq.block_ids):
+                # A block may be shared only through the prefix cache: full of computed tokens.
+                assert holders[b] == 1 or (i + 1) * bs <= seq.num_computed, f"block {b} shared"
+        result = StepResult(plan.step_id)
+        for seq_id, _ in work:
+            seq = self.seqs[seq_id]
+            end = seq.num_computed
             if end == len(seq.token_ids):
                 token = next_token(self.read(seq, end))
                 seq.token_ids.append(token)
@@ -481,9 +487,12 @@ def abort_due(s: Scheduler, accepted: dict[str, Spec], when: tuple[int, bool]) -
 MAX_STEPS = 5000
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_random_workloads_match_the_unpreempted_reference(workload):
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=workloads())
+def test_random_workloads_match_the_unpreempted_reference(max_in_flight, workload):
+    """With max_in_flight 2, each plan is made before the previous step's result is applied, and
+    the fake executor feeds each step the tokens it sampled itself, as the pipelined engine does."""
     engine, requests = workload
     s = make_scheduler(**engine)
     executor = FakeExecutor(engine["num_blocks"], engine["block_size"])
@@ -491,8 +500,20 @@ def test_random_workloads_match_the_unpreempted_reference(workload):
     finish: dict[str, str] = {}
     aborted: set[str] = set()
     accepted: dict[str, Spec] = {}
+    in_flight: deque[tuple[StepPlan, StepResult]] = deque()
+
+    def apply_oldest() -> None:
+        plan, result = in_flight.popleft()
+        for out in s.update(plan, result):
+            assert out.request_id not in finish
+            outputs[out.request_id] += out.new_token_ids
+            assert out.num_output_tokens == len(outputs[out.request_id])
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+        check_pool(s)
+
     for step_id in range(MAX_STEPS):
-        if step_id > max(r.arrival for r in requests) and not s.has_work():
+        if step_id > max(r.arrival for r in requests) and not s.has_work() and not in_flight:
             break
         for i, spec in enumerate(requests):
             if spec.arrival == step_id:
@@ -510,17 +531,12 @@ def test_random_workloads_match_the_unpreempted_reference(workload):
         assert plan.num_tokens <= engine["max_num_batched_tokens"]
         assert len(plan.new_requests) + len(plan.continuing) <= engine["max_num_seqs"]
         aborted |= abort_due(s, accepted, (step_id, True))
-        result = executor.run(plan)
+        in_flight.append((plan, executor.run(plan)))
         assert set(executor.seqs) == {r.seq_id for r in s.running} | set(s.dropped)
         for r in s.running:
             assert executor.seqs[r.seq_id].block_ids == r.block_ids
-        for out in s.update(plan, result):
-            assert out.request_id not in finish
-            outputs[out.request_id] += out.new_token_ids
-            assert out.num_output_tokens == len(outputs[out.request_id])
-            if out.finished:
-                finish[out.request_id] = out.finish_reason
-        check_pool(s)
+        while len(in_flight) >= max_in_flight or (in_flight and not s.has_work()):
+            apply_oldest()
     else:
         pytest.fail(f"requests still unfinished after {MAX_STEPS} steps")
 
