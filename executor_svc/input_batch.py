@@ -6,6 +6,8 @@ import torch
 
 from pagedserve.plan import NewRequest, SamplingOptions
 
+FREE_ROW = np.iinfo(np.int64).min
+
 
 class InputBatch:
     """Rows of per-request state, one row per running request, reused after a request leaves.
@@ -21,6 +23,12 @@ class InputBatch:
         self.device = device
         self.rows: dict[int, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # Row -> seq_id (FREE_ROW when unused): tells a launched step's late tokens whether their
+        # request still holds the row.
+        self.seq_ids = np.full(max_num_seqs, FREE_ROW, dtype=np.int64)
+        # Tokens sampled by launched steps and not yet appended to token_ids: the next step reads
+        # them from the executor's device copy (ModelRunner.last_sampled).
+        self.num_pending = np.zeros(max_num_seqs, dtype=np.int64)
         # One column past max_model_len: the token sampled at the last position lands there.
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
@@ -68,6 +76,8 @@ class InputBatch:
             raise ValueError(f"step plan adds seq_id {request.seq_id}, which is already running")
         row = self.free_rows.pop()
         self.rows[request.seq_id] = row
+        self.seq_ids[row] = request.seq_id
+        self.num_pending[row] = 0
         n = len(request.token_ids)
         self.token_ids[row, :n] = request.token_ids
         self.num_tokens[row] = n
@@ -99,6 +109,7 @@ class InputBatch:
     def remove(self, seq_id: int) -> None:
         row = self.row(seq_id)
         del self.rows[seq_id]
+        self.seq_ids[row] = FREE_ROW
         self.generators.pop(row, None)
         self.stop_ids.pop(row, None)
         self.penalised.discard(row)
@@ -146,6 +157,15 @@ class InputBatch:
         ids[np.arange(width)[None, :] >= lengths[:, None]] = pad
         return ids
 
-    def append_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+    def known_tokens(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's token count, counting tokens that launched steps sample."""
+        return self.num_tokens[rows] + self.num_pending[rows]
+
+    def append_sampled(self, rows: np.ndarray, seq_ids: np.ndarray, tokens: np.ndarray) -> None:
+        """Appends the tokens a step sampled, skipping rows whose request has left since."""
+        held = self.seq_ids[rows] == seq_ids
+        if not held.all():
+            rows, tokens = rows[held], tokens[held]
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1
+        self.num_pending[rows] -= 1

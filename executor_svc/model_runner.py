@@ -1,6 +1,7 @@
 """The executor core: holds the model, the paged KV cache and each running request's state, and
 turns a step plan (a delta) into one forward pass and one sampled token per finished prefill or decode."""
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -16,10 +17,12 @@ from executor_svc.model_config import ModelConfig, load_model_config, resolve_ma
 from executor_svc.models.llama import KVCache, LlamaForCausalLM
 from executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
 from executor_svc.step_buffers import StepBuffers, Staging, upload_pinned
+from executor_svc.step_clock import StepClock
 from executor_svc.weight_loader import load_weights
 from pagedserve.config import EngineConfig
 from pagedserve.log import get_logger
-from pagedserve.plan import ExecutorInfo, NewRequest, SamplingOptions, StepLogprobs, StepPlan, StepResult
+from pagedserve.plan import (MAX_STEPS_IN_FLIGHT, ExecutorInfo, NewRequest, SamplingOptions,
+                             StepLogprobs, StepPlan, StepResult)
 from pagedserve.sampling_params import MAX_LOGPROBS
 
 log = get_logger(__name__)
@@ -37,11 +40,46 @@ class Step:
 
 
 @dataclass(slots=True)
-class StepStats:
-    """Running totals of `run`'s time, and of the part spent blocked on the device."""
+class Launched:
+    """A step whose work is queued on the device; `collect` turns it into its StepResult."""
+    step_id: int
+    rows: np.ndarray     # batch rows of the sequences that sample, in plan order
+    seq_ids: np.ndarray
+    # On the host once the device passes `end` (device tensors on the CPU).
+    tokens: torch.Tensor
+    logprobs: SampledLogprobs | None
+    asked: LogprobRows | None
+    # Device marks around the step (None for a plan with nothing to compute), and the end mark
+    # of the step before, for the idle gap.
+    start: object = None
+    end: object = None
+    after: object = None
+    # Whether its tokens are in the batch already (see ModelRunner._settle).
+    applied: bool = False
+
+
+@dataclass(slots=True)
+class HostSlot:
+    """The pinned host memory one launched step uses: its uploads and its sampled outputs.
+    Steps alternate between MAX_STEPS_IN_FLIGHT slots, so a launch never overwrites what a step still
+    in flight reads or writes."""
+    staging: Staging
+    sampled: torch.Tensor
+    # Where logprobs land, as gather_logprobs packs them ([rows, 1 + k], flat).
+    logprob_values: torch.Tensor
+    logprob_ids: torch.Tensor
+
+
+@dataclass(slots=True)
+class RunnerStats:
+    """Running totals over steps: host time in launch and collect, time blocked on the device,
+    and the device's own time per step and idle time between steps."""
     steps: int = 0
-    total_ns: int = 0
+    host_ns: int = 0
     wait_ns: int = 0
+    device_ns: int = 0
+    idle_ns: int = 0
+
 
 
 class ModelRunner:
@@ -60,7 +98,11 @@ class ModelRunner:
                                           self.max_model_len)
         load_weights(self.model, config.model, config.load_format, config.seed)
         self.sampler = Sampler()
-        self.stats = StepStats()
+        self.stats = RunnerStats()
+        self.clock = StepClock(self.device)
+        self.launched: deque[Launched] = deque()
+        self.num_launched = 0
+        self.last_end = None
         # Padded decode steps run through CUDA graphs on a GPU and eagerly, same shapes, elsewhere.
         self.graph_sizes = [] if config.enforce_eager else capture_sizes(config.max_num_seqs)
         # The profiling step packs max_num_batched_tokens into sequences of max_model_len.
@@ -70,18 +112,21 @@ class ModelRunner:
         self.batch = InputBatch(self.max_seqs, self.max_model_len, self.block_size, self.device)
         max_blocks = self.batch.max_blocks
         self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
-        self.staging = Staging(8 * (4 * max_tokens + 3 * self.max_seqs * max_blocks
-                                    + 16 * self.max_seqs) + 4096, self.device)
+        pinned = self.device.type == "cuda"
+        staging_bytes = 8 * (4 * max_tokens + 3 * self.max_seqs * max_blocks
+                             + 18 * self.max_seqs) + 4096
+        num_logprobs = self.max_seqs * (1 + MAX_LOGPROBS)
+        self.slots = [HostSlot(Staging(staging_bytes, self.device),
+                               torch.empty(self.max_seqs, dtype=torch.int64, pin_memory=pinned),
+                               torch.empty(num_logprobs, dtype=torch.float32, pin_memory=pinned),
+                               torch.empty(num_logprobs, dtype=torch.int64, pin_memory=pinned))
+                      for _ in range(MAX_STEPS_IN_FLIGHT)]
+        self.slot = self.slots[0]
         # The device copy of the batch's block table, updated from each plan's new block ids.
         self.block_table = torch.zeros(self.max_seqs, max_blocks, dtype=torch.int32,
                                        device=self.device)
-        pinned = self.device.type == "cuda"
-        self.sampled = torch.empty(self.max_seqs, dtype=torch.int64, pin_memory=pinned)
-        # Where logprobs land on the host, as gather_logprobs packs them ([rows, 1 + k], flat).
-        self.logprob_values = torch.empty(self.max_seqs * (1 + MAX_LOGPROBS), dtype=torch.float32,
-                                          pin_memory=pinned)
-        self.logprob_ids = torch.empty(self.max_seqs * (1 + MAX_LOGPROBS), dtype=torch.int64,
-                                       pin_memory=pinned)
+        # Each row's most recently sampled token, which the next step reads before the host has it.
+        self.last_sampled = torch.zeros(self.max_seqs, dtype=torch.int64, device=self.device)
         mc = self.model_config
         self.graph_metas = {size: decode_metadata(self.buffers, size, self.max_model_len,
                                                   mc.num_attention_heads, mc.num_key_value_heads,
@@ -109,30 +154,98 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forgets every request (the scheduler that sent them is gone)."""
+        self._settle()
+        self.launched.clear()
+        self.last_end = None
         for seq_id in list(self.batch.rows):
             self.batch.remove(seq_id)
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
-        """Applies the plan's delta, computes each scheduled request's tokens, and samples the next
-        token of every request whose known tokens are now all computed, in plan order."""
-        start = time.perf_counter_ns()
+        """Launches the plan's step and returns its result: one step at a time."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched:
+        """Applies the plan's delta and queues the step's work on the device: each scheduled
+        request's tokens, then the next token of every request whose known tokens (counting those
+        that launched steps sample) are now all computed. Returns without waiting for the device,
+        so the next plan can be launched while this step runs; at most MAX_STEPS_IN_FLIGHT at once."""
+        if len(self.launched) == MAX_STEPS_IN_FLIGHT:
+            raise ValueError(f"{MAX_STEPS_IN_FLIGHT} steps are in flight already: collect the oldest "
+                             "result before launching another step")
+        host_start = time.perf_counter_ns()
         rows, query_lens, seq_ids = self._apply(plan)
+        batch = self.batch
+        if batch.stop_ids or batch.penalised:
+            # Stop masks and penalties read each request's outputs on the host.
+            self._settle()
+        self.slot = self.slots[self.num_launched % MAX_STEPS_IN_FLIGHT]
+        self.num_launched += 1
+        empty = np.zeros(0, dtype=np.int64)
         if not len(rows):
-            return StepResult(plan.step_id)
-        step = self._prepare(rows, query_lens)
-        hidden = self._forward(step, self.kv_caches)
-        sample_rows = rows[step.sample_rows]
-        # Built while the device runs the forward.
-        sampling = self._sampling(sample_rows)
-        tokens, logprobs = self._sample(step, hidden, sampling)
-        self.batch.num_computed[rows] += query_lens
-        self.batch.append_sampled(sample_rows, tokens)
-        forward_ns = time.perf_counter_ns() - start
-        self.stats.steps += 1
-        self.stats.total_ns += forward_ns
-        return StepResult(plan.step_id, seq_ids[step.sample_rows].tolist(), tokens.tolist(),
-                          forward_ns, logprobs=logprobs)
+            launched = Launched(plan.step_id, empty, empty, torch.from_numpy(empty), None, None)
+        else:
+            start = self.clock.mark()
+            step = self._prepare(rows, query_lens)
+            hidden = self._forward(step, self.kv_caches)
+            sample_rows = rows[step.sample_rows]
+            # Built while the device runs the forward.
+            sampling = self._sampling(sample_rows)
+            tokens, logprobs = self._sample(step, hidden, sampling, sample_rows)
+            launched = Launched(plan.step_id, sample_rows, seq_ids[step.sample_rows], tokens,
+                                logprobs, sampling.logprobs, start, self.clock.mark(), self.last_end)
+            self.last_end = launched.end
+            batch.num_computed[rows] += query_lens
+            batch.num_pending[sample_rows] += 1
+        self.launched.append(launched)
+        self.stats.host_ns += time.perf_counter_ns() - host_start
+        return launched
+
+    def wait(self, step: Launched) -> None:
+        """Blocks until the device has finished `step`. Touches no host state, so it may run on
+        another thread than launch and collect (which must share one)."""
+        if step.end is not None:
+            self.clock.wait(step.end)
+
+    def collect(self, step: Launched) -> StepResult:
+        """The result of the oldest launched step, waiting for the device if it is not done."""
+        if not self.launched or self.launched[0] is not step:
+            raise ValueError("steps are collected in the order they were launched")
+        self.launched.popleft()
+        self._apply_sampled(step)
+        host_start = time.perf_counter_ns()
+        forward_ns = idle_ns = 0
+        if step.end is not None:
+            clock = self.clock
+            forward_ns = clock.elapsed_ns(step.start, step.end)
+            idle_ns = 0 if step.after is None else max(0, clock.elapsed_ns(step.after, step.start))
+            self.stats.steps += 1
+            self.stats.device_ns += forward_ns
+            self.stats.idle_ns += idle_ns
+        logprobs = None
+        if step.logprobs is not None:
+            asked = step.asked
+            logprobs = step_logprobs(asked.index, asked.num_top, step.logprobs.values.numpy(),
+                                     step.logprobs.ids.numpy())
+        result = StepResult(step.step_id, step.seq_ids.tolist(), step.tokens.tolist(), forward_ns,
+                            idle_ns, logprobs)
+        self.stats.host_ns += time.perf_counter_ns() - host_start
+        return result
+
+    def _apply_sampled(self, step: Launched) -> None:
+        """Waits for the step, then appends its sampled tokens to the batch (once)."""
+        if step.applied:
+            return
+        wait = time.perf_counter_ns()
+        self.wait(step)
+        self.stats.wait_ns += time.perf_counter_ns() - wait
+        self.batch.append_sampled(step.rows, step.seq_ids, step.tokens.numpy())
+        step.applied = True
+
+    def _settle(self) -> None:
+        """Brings the batch's tokens up to date with every launched step."""
+        for step in self.launched:
+            self._apply_sampled(step)
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, num_sample_rows: int) -> None:
@@ -156,8 +269,8 @@ class ModelRunner:
             step.logits_indices = torch.arange(n, device=self.device) % num_tokens
             sampling = make_sampling_batch(np.ones(n, np.float32), np.full(n, 0.9, np.float32),
                                            np.zeros(n, np.int64), np.zeros(n, np.float32), {},
-                                           self.staging.upload)
-            self._sample(step, hidden, sampling)
+                                           self.slot.staging.upload)
+            self._sample(step, hidden, sampling, np.arange(n))
         finally:
             for i in range(len(lens)):
                 self.batch.remove(-1 - i)
@@ -193,7 +306,8 @@ class ModelRunner:
         batch, block_size = self.batch, self.block_size
         computed = batch.num_computed[rows]
         seq_lens = computed + query_lens
-        self._check_lengths(rows, seq_lens)
+        known = batch.known_tokens(rows)
+        self._check_lengths(rows, seq_lens, known)
         num_seqs, num_tokens = len(rows), int(query_lens.sum())
         graph_size = bucket(self.graph_sizes, num_seqs) if num_tokens == num_seqs else None
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -205,9 +319,12 @@ class ModelRunner:
         else:
             token_rows, positions = rows, computed
         input_ids = batch.token_ids[token_rows, positions]
+        # Tokens sampled by steps still in flight: the device fills them in from last_sampled.
+        late = np.flatnonzero(positions >= batch.num_tokens[token_rows])
+        late = np.stack((late, token_rows[late])) if len(late) else None
         slot_mapping = (batch.block_table[token_rows, positions // block_size] * block_size
                         + positions % block_size)
-        sample_rows = np.flatnonzero(seq_lens == batch.num_tokens[rows])
+        sample_rows = np.flatnonzero(seq_lens == known)
         # One token per sequence, all sampling: the logits rows are the first hidden-state rows.
         logits_indices = (None if num_tokens == num_seqs == len(sample_rows)
                           else query_start_loc[1:][sample_rows] - 1)
@@ -220,21 +337,25 @@ class ModelRunner:
             raise ValueError(f"step plan schedules {num_tokens} tokens of {num_seqs} sequences, "
                              f"more than max_num_batched_tokens "
                              f"({self.config.max_num_batched_tokens}) or max_num_seqs allow")
-        return self._upload(rows, input_ids, positions, slot_mapping, seq_lens, query_start_loc,
+        return self._upload(rows, input_ids, late, positions, slot_mapping, seq_lens, query_start_loc,
                             logits_indices, sample_rows, graph_size, int(query_lens.max()))
 
-    def _upload(self, rows: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,
-                slot_mapping: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
-                logits_indices: np.ndarray | None, sample_rows: np.ndarray, graph_size: int | None,
-                max_query_len: int) -> Step:
-        buf, upload = self.buffers, self.staging.upload
+    def _upload(self, rows: np.ndarray, input_ids: np.ndarray, late: np.ndarray | None,
+                positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
+                query_start_loc: np.ndarray, logits_indices: np.ndarray | None,
+                sample_rows: np.ndarray, graph_size: int | None, max_query_len: int) -> Step:
+        buf, staging = self.buffers, self.slot.staging
+        upload = staging.upload
         num_tokens, num_seqs = len(input_ids), len(rows)
-        self.staging.reset()
+        staging.reset()
         updates = self.batch.take_block_updates()
         if updates is not None:
             updates = upload(updates)
             self.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
         upload(input_ids, buf.input_ids[:num_tokens])
+        if late is not None:
+            late = upload(late)
+            buf.input_ids.index_copy_(0, late[0], self.last_sampled.index_select(0, late[1]))
         upload(positions, buf.positions[:num_tokens])
         upload(slot_mapping, buf.slot_mapping[:num_tokens])
         upload(rows, buf.rows[:num_seqs])
@@ -257,7 +378,7 @@ class ModelRunner:
             generators = {i: b.generators[row] for i, row in enumerate(rows.tolist())
                           if row in b.generators}
         sampling = make_sampling_batch(b.temperature[rows], b.top_p[rows], b.top_k[rows],
-                                       b.min_p[rows], generators, self.staging.upload)
+                                       b.min_p[rows], generators, self.slot.staging.upload)
         if b.stop_ids:
             mask = b.stop_mask(rows)
             # Unbounded (a request may name many stop ids), so not through the staging buffer.
@@ -268,11 +389,11 @@ class ModelRunner:
             num_top = b.num_logprobs[rows]
             index = np.flatnonzero(num_top >= 0)
             if len(index):
-                sampling.logprobs = LogprobRows(index, self.staging.upload(index), num_top[index])
+                sampling.logprobs = LogprobRows(index, self.slot.staging.upload(index), num_top[index])
         return sampling
 
     def _penalties(self, rows: np.ndarray) -> Penalties | None:
-        b, upload = self.batch, self.staging.upload
+        b, upload = self.batch, self.slot.staging.upload
         repetition, frequency, presence = b.repetition[rows], b.frequency[rows], b.presence[rows]
         index = np.flatnonzero((repetition != 1) | (frequency != 0) | (presence != 0))
         if not len(index):
@@ -286,8 +407,7 @@ class ModelRunner:
                          columns[1] if frequency.any() else None,
                          columns[2] if presence.any() else None)
 
-    def _check_lengths(self, rows: np.ndarray, seq_lens: np.ndarray) -> None:
-        known = self.batch.num_tokens[rows]
+    def _check_lengths(self, rows: np.ndarray, seq_lens: np.ndarray, known: np.ndarray) -> None:
         blocks = self.batch.num_blocks[rows]
         if (seq_lens > known).any():
             raise ValueError("step plan schedules tokens past a request's known tokens: "
@@ -306,32 +426,31 @@ class ModelRunner:
         return self.model(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
                           kv_caches, step.meta)
 
-    def _sample(self, step: Step, hidden: torch.Tensor,
-                sampling: SamplingBatch) -> tuple[np.ndarray, StepLogprobs | None]:
-        """Returns the sampled tokens, and the logprobs of the rows that asked, on the host after
-        one device sync (none when nothing samples, so that the next plan is prepared while the
-        device still works)."""
+    def _sample(self, step: Step, hidden: torch.Tensor, sampling: SamplingBatch,
+                sample_rows: np.ndarray) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """Queues logits and sampling, keeps the sampled tokens on the device for the next step,
+        and queues their copy (and the logprobs') to the host; returns the host tensors, which
+        hold the values once the device has passed the step's end."""
+        staging = self.slot.staging
         num_samples = len(step.sample_rows)
         if not num_samples:
-            self.staging.uploaded()
-            return np.zeros(0, dtype=np.int64), None
-        rows = hidden[:num_samples] if step.logits_indices is None else hidden[step.logits_indices]
+            staging.uploaded()
+            return torch.zeros(0, dtype=torch.int64), None
+        if step.logits_indices is None:
+            rows, device_rows = hidden[:num_samples], self.buffers.rows[:num_samples]
+        else:
+            rows, device_rows = hidden[step.logits_indices], staging.upload(sample_rows)
         out = self.sampler(self.model.compute_logits(rows), sampling)
-        self.staging.uploaded()
+        staging.uploaded()
+        self.last_sampled.index_copy_(0, device_rows, out.tokens)
         tokens, logprobs = out.tokens, out.logprobs
         if self.device.type == "cuda":
-            tokens = _copy_to_host(tokens, self.sampled)
+            slot = self.slot
+            tokens = _copy_to_host(tokens, slot.sampled)
             if logprobs is not None:
-                logprobs = SampledLogprobs(_copy_to_host(logprobs.values, self.logprob_values),
-                                           _copy_to_host(logprobs.ids, self.logprob_ids))
-            wait = time.perf_counter_ns()
-            torch.cuda.current_stream(self.device).synchronize()
-            self.stats.wait_ns += time.perf_counter_ns() - wait
-        if logprobs is None:
-            return tokens.numpy(), None
-        asked = sampling.logprobs
-        return tokens.numpy(), step_logprobs(asked.index, asked.num_top, logprobs.values.numpy(),
-                                             logprobs.ids.numpy())
+                logprobs = SampledLogprobs(_copy_to_host(logprobs.values, slot.logprob_values),
+                                           _copy_to_host(logprobs.ids, slot.logprob_ids))
+        return tokens, logprobs
 
     def _scratch_cache(self, num_blocks: int) -> list[KVCache]:
         return allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,

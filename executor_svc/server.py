@@ -1,6 +1,5 @@
 """gRPC server around the model runner: Describe, and a Run stream of step plans."""
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -19,8 +18,11 @@ log = get_logger(__name__)
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        # One thread: the model must run steps in order, off the event loop so health checks answer.
+        # Launch and collect share one thread: they change the runner's host state, in order, off
+        # the event loop so health checks answer. Waiting for the device takes another, so that a
+        # plan that arrives meanwhile is launched behind the running step.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-wait")
         self.busy = False
 
     async def Describe(self, request: executor_pb2.DescribeRequest,
@@ -34,22 +36,32 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.busy = True
         loop = asyncio.get_running_loop()
         log.info("scheduler_attached")
-        # Between one step's end and the next one's start the model has nothing to do: that gap
-        # is what the control path (result and plan encoding, RPC, scheduling) costs the GPU.
-        done = 0
+        launched: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(self._launch_all(request_iterator, launched))
         try:
-            async for message in request_iterator:
-                plan = plan_from_proto(message)
-                start = time.perf_counter_ns()
-                result = await loop.run_in_executor(self.pool, self.runner.run, plan)
-                if done:
-                    result.idle_ns = start - done
-                done = time.perf_counter_ns()
+            while (step := await launched.get()) is not None:
+                if isinstance(step, Exception):
+                    raise step
+                await loop.run_in_executor(self.waiter, self.runner.wait, step)
+                result = await loop.run_in_executor(self.pool, self.runner.collect, step)
                 yield result_to_proto(result)
         finally:
+            reader.cancel()
             self.busy = False
             await loop.run_in_executor(self.pool, self.runner.reset)
             log.info("scheduler_detached")
+
+    async def _launch_all(self, request_iterator, launched: asyncio.Queue) -> None:
+        """Launches each plan as it arrives, queueing the step for the result writer; then None."""
+        loop = asyncio.get_running_loop()
+        try:
+            async for message in request_iterator:
+                plan = plan_from_proto(message)
+                launched.put_nowait(await loop.run_in_executor(self.pool, self.runner.launch, plan))
+        except Exception as e:  # noqa: BLE001 - handed to the writer, which fails the RPC with it
+            launched.put_nowait(e)
+        else:
+            launched.put_nowait(None)
 
 
 async def serve(config: EngineConfig, address: str) -> None:

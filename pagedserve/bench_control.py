@@ -43,15 +43,28 @@ class NullModelRunner:
     def __init__(self, info: ExecutorInfo) -> None:
         self.info = info
         self.requests: dict[int, NullState] = {}
+        self.last_end = 0
 
     def describe(self) -> ExecutorInfo:
         return self.info
 
     def reset(self) -> None:
         self.requests.clear()
+        self.last_end = 0
+
+    # The executor server's pipelined interface: a null step is done as soon as it is launched.
+    def launch(self, plan: StepPlan) -> StepResult:
+        return self.run(plan)
+
+    def wait(self, step: StepResult) -> None:
+        pass
+
+    def collect(self, step: StepResult) -> StepResult:
+        return step
 
     def run(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter_ns()
+        idle_ns = start - self.last_end if self.last_end else 0
         requests = self.requests
         for seq_id in plan.dropped:
             del requests[seq_id]
@@ -66,7 +79,8 @@ class NullModelRunner:
             if state.num_computed_tokens == state.num_tokens:
                 state.num_tokens += 1
                 sampled.append(r.seq_id)
-        return StepResult(plan.step_id, sampled, [TOKEN] * len(sampled), time.perf_counter_ns() - start)
+        self.last_end = time.perf_counter_ns()
+        return StepResult(plan.step_id, sampled, [TOKEN] * len(sampled), self.last_end - start, idle_ns)
 
 
 @dataclass(slots=True)

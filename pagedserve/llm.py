@@ -1,17 +1,19 @@
 """Offline batch inference: the scheduler and executor cores in one process, no gRPC."""
 import itertools
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 from tqdm import tqdm
 
-from executor_svc.model_runner import ModelRunner
+from executor_svc.model_runner import Launched, ModelRunner
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.tokenizer import Tokenizer
 from pagedserve.config import EngineConfig
 from pagedserve.demo_model import ensure_demo_model
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.plan import MAX_STEPS_IN_FLIGHT, StepPlan
 from pagedserve.sampling_params import SamplingParams
 from scheduler_svc.request import Request, TokenLogprobs
 from scheduler_svc.scheduler import Scheduler
@@ -95,9 +97,16 @@ class LLM:
 
     def _run(self, children: dict[int, _Child], use_tqdm: bool) -> None:
         bar = tqdm(total=len(children), desc="Processed prompts", disable=not use_tqdm)
-        while self.scheduler.has_work():
-            plan = self.scheduler.schedule()
-            for out in self.scheduler.update(plan, self.runner.run(plan)):
+        scheduler, runner = self.scheduler, self.runner
+        max_in_flight = MAX_STEPS_IN_FLIGHT if self.config.async_scheduling else 1
+        in_flight: deque[tuple[StepPlan, Launched]] = deque()
+        while in_flight or scheduler.has_work():
+            plan = scheduler.schedule_ahead(len(in_flight), max_in_flight)
+            if plan is not None:
+                in_flight.append((plan, runner.launch(plan)))
+                continue
+            plan, launched = in_flight.popleft()
+            for out in scheduler.update(plan, runner.collect(launched)):
                 child = children[out.seq_id]
                 child.completion.token_ids += out.new_token_ids
                 if out.logprobs:

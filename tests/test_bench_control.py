@@ -32,7 +32,7 @@ def test_control_path_in_process_and_over_grpc(tmp_path, capsys):
         assert (m["steps"], m["full_batch_steps"]) == (33, 31)
         assert m["scheduler_stats"]["steps"] == 33 and m["steps_per_s"] > 0
         assert 0 < m["us_per_step"]["schedule"]["mean"] < m["us_per_step"]["step"]["mean"]
-    assert result["in_process"]["scheduler_stats"]["idle_steps"] == 0
-    assert result["grpc"]["scheduler_stats"]["idle_steps"] == 32
+        # The null runner times the gap between its steps; every step but the first follows one.
+        assert m["scheduler_stats"]["idle_steps"] == 32
     assert result["grpc"]["us_per_step"]["round_trip"]["mean"] > 0
     assert "gRPC round trip" in capsys.readouterr().out

@@ -45,3 +45,35 @@ def test_stop_string_truncates_the_text(llm):
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == free.text[:free.text.index(stop)]
     assert llm.scheduler.num_running == 0 and not llm.scheduler.has_work()
+
+
+@pytest.fixture(scope="module")
+def llm_one_step_at_a_time(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield LLM(max_model_len=256, async_scheduling=False)
+    mp.undo()
+
+
+def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(llm, llm_one_step_at_a_time):
+    """Two steps in flight (the default) against one: every sampling feature, including the ones
+    that make the executor settle the steps in flight first (penalties, min_tokens)."""
+    prompts = ["Hello, how are you?", "The quick brown fox", "Once upon a time", "1, 2, 3,"] * 2
+    eos = llm.runner.describe().eos_token_ids[0]
+    params = [SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, stop=[" the"]),
+              SamplingParams(temperature=0, max_tokens=15, repetition_penalty=1.3,
+                             frequency_penalty=0.5, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=5, seed=11, max_tokens=10, min_tokens=6,
+                             stop_token_ids=[eos]),
+              SamplingParams(temperature=0, max_tokens=1),
+              SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, presence_penalty=0.7)]
+
+    def run(engine: LLM) -> list:
+        return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in out.outputs]
+                for out in engine.generate(prompts, params, use_tqdm=False)]
+
+    assert run(llm) == run(llm_one_step_at_a_time)
+    assert llm.config.async_scheduling and not llm.scheduler.has_work()

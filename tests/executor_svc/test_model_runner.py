@@ -102,3 +102,33 @@ def test_dummy_run_covers_a_full_token_budget(llama):
     runner.dummy_run(num_tokens=300, num_sample_rows=8)
     result = runner.run(StepPlan(0, new_requests=[NewRequest(1, [1, 2, 3], 0, 3, [4], GREEDY)]))
     assert result.seq_ids == [1] and 0 <= result.token_ids[0] < 512
+
+
+def test_a_step_launched_before_the_previous_result_reads_its_sampled_token(llama):
+    prompt = random_prompts([10], seed=5)[0]
+    expected = hf_greedy(llama, [prompt], 3)[0]
+    runner = make_runner(llama)
+    prefill = runner.launch(StepPlan(0, new_requests=[NewRequest(1, list(prompt), 0, 10, [4, 9], GREEDY)]))
+    # Position 10 holds the token the prefill samples: only the executor's device copy has it yet.
+    decode = runner.launch(StepPlan(1, continuing=[ContinuingRequest(1, 1, [])]))
+    with pytest.raises(ValueError, match="in flight already"):
+        runner.launch(StepPlan(2, continuing=[ContinuingRequest(1, 1, [])]))
+    with pytest.raises(ValueError, match="order they were launched"):
+        runner.collect(decode)
+    first, second = runner.collect(prefill), runner.collect(decode)
+    third = runner.run(StepPlan(3, continuing=[ContinuingRequest(1, 1, [])]))
+    assert [first.token_ids, second.token_ids, third.token_ids] == [[t] for t in expected]
+    assert runner.batch.token_ids[runner.batch.row(1), :13].tolist() == list(prompt) + expected
+
+
+def test_tokens_of_a_request_dropped_while_its_step_was_in_flight_are_not_kept(llama):
+    runner = make_runner(llama)
+    first = runner.launch(StepPlan(0, new_requests=[NewRequest(1, [5, 6, 7], 0, 3, [3], GREEDY)]))
+    # The scheduler dropped seq 1 and gave its row to seq 2 before the first result arrived.
+    second = runner.launch(StepPlan(1, dropped=[1], new_requests=[NewRequest(2, [8, 9], 0, 2, [5], GREEDY)]))
+    assert runner.collect(first).seq_ids == [1]
+    result = runner.collect(second)
+    row = runner.batch.row(2)
+    assert result.seq_ids == [2]
+    assert runner.batch.token_ids[row, :3].tolist() == [8, 9, result.token_ids[0]]
+    assert runner.batch.num_tokens[row] == 3 and runner.batch.num_pending[row] == 0
