@@ -17,29 +17,26 @@ from pagedserve.model_shapes import SHAPES, write_shape
 
 @dataclass(slots=True)
 class StepTimes:
-    """Wall time of each engine step's parts, recorded by wrapping the cores' methods."""
+    """Host wall time of the engine's calls in each step, recorded by wrapping the cores' methods."""
     schedule_ns: list[int] = field(default_factory=list)
-    run_ns: list[int] = field(default_factory=list)
     update_ns: list[int] = field(default_factory=list)
-    run_start_ns: list[int] = field(default_factory=list)
+    launch_ns: list[int] = field(default_factory=list)
+    collect_ns: list[int] = field(default_factory=list)
+    launch_start_ns: list[int] = field(default_factory=list)
     is_decode: list[bool] = field(default_factory=list)
 
     def attach(self, llm) -> None:
         llm.scheduler.schedule = self._timed(llm.scheduler.schedule, self.schedule_ns)
         llm.scheduler.update = self._timed(llm.scheduler.update, self.update_ns)
-        run = self._timed(llm.runner.run, self.run_ns)
+        llm.runner.collect = self._timed(llm.runner.collect, self.collect_ns)
+        launch = self._timed(llm.runner.launch, self.launch_ns)
 
-        def run_step(plan):
-            self.run_start_ns.append(time.perf_counter_ns())
+        def launch_step(plan):
+            self.launch_start_ns.append(time.perf_counter_ns())
             self.is_decode.append(not plan.new_requests and all(
                 r.num_scheduled_tokens == 1 for r in plan.continuing))
-            return run(plan)
-        llm.runner.run = run_step
-
-    def clear(self) -> None:
-        for times in (self.schedule_ns, self.run_ns, self.update_ns, self.run_start_ns,
-                      self.is_decode):
-            times.clear()
+            return launch(plan)
+        llm.runner.launch = launch_step
 
     @staticmethod
     def _timed(fn: Callable, into: list[int]) -> Callable:
@@ -50,14 +47,15 @@ class StepTimes:
             return out
         return timed
 
-    def decode_run_ms(self) -> np.ndarray:
-        return np.array(self.run_ns)[np.array(self.is_decode, dtype=bool)] / 1e6
-
     def decode_interval_ms(self) -> np.ndarray:
-        """Start-to-start time of consecutive decode steps: the step with scheduling included."""
-        starts, decode = np.array(self.run_start_ns), np.array(self.is_decode, dtype=bool)
+        """Launch-to-launch time of consecutive decode steps: what a decode step costs in all."""
+        starts, decode = np.array(self.launch_start_ns), np.array(self.is_decode, dtype=bool)
         both = decode[1:] & decode[:-1]
         return np.diff(starts)[both] / 1e6
+
+    def seconds(self) -> dict:
+        return {f"{name}_s": round(sum(getattr(self, f"{name}_ns")) / 1e9, 3)
+                for name in ("schedule", "update", "launch", "collect")}
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -113,37 +111,43 @@ def run_throughput(args: argparse.Namespace) -> None:
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work.output_lens]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # compile kernels, warm the allocator
-    times = StepTimes()
-    times.attach(llm)
-    stats = llm.runner.stats
-    stats.steps = stats.total_ns = stats.wait_ns = 0
+    times, stats = _attach_timers(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     if generated != work.output_tokens:
         raise SystemExit(f"bench: generated {generated} tokens, expected {work.output_tokens}")
-    steps = len(times.run_ns)
-    decode = times.decode_run_ms()
+    steps = len(times.launch_ns)
     result = dict(bench="throughput", dataset=args.dataset, num_prompts=len(prompts),
                   prompt_tokens=work.prompt_tokens, output_tokens=work.output_tokens,
                   seconds=round(seconds, 3),
                   output_tokens_per_s=round(work.output_tokens / seconds, 1),
                   total_tokens_per_s=round((work.prompt_tokens + work.output_tokens) / seconds, 1),
-                  steps=steps, decode_steps=len(decode),
-                  schedule_s=round(sum(times.schedule_ns) / 1e9, 3),
-                  update_s=round(sum(times.update_ns) / 1e9, 3),
-                  run_s=round(sum(times.run_ns) / 1e9, 3),
-                  run_device_wait_s=round(stats.wait_ns / 1e9, 3),
-                  decode_run_s=round(decode.sum() / 1e3, 3),
+                  steps=steps, decode_steps=int(sum(times.is_decode)), **times.seconds(),
+                  device_wait_s=round(stats.wait_ns / 1e9, 3),
+                  device_step_s=round(stats.device_ns / 1e9, 3),
+                  device_idle_s=round(stats.idle_ns / 1e9, 3),
+                  async_scheduling=llm.config.async_scheduling,
                   model=args.model_config or args.model, **environment())
     print(f"useful output tokens/s: {result['output_tokens_per_s']:.1f}")
     print(f"total tokens/s:         {result['total_tokens_per_s']:.1f}")
     print(f"seconds:                {result['seconds']:.2f}")
-    print(f"steps: {steps} ({len(decode)} pure decode); host time: schedule "
-          f"{result['schedule_s']} s, update {result['update_s']} s, runner.run {result['run_s']} s "
-          f"of which blocked on the device {result['run_device_wait_s']} s")
+    print(f"steps: {steps} ({result['decode_steps']} pure decode); host time: schedule "
+          f"{result['schedule_s']} s, update {result['update_s']} s, launch {result['launch_s']} s, "
+          f"collect {result['collect_s']} s of which blocked on the device {result['device_wait_s']} s; "
+          f"device time: steps {result['device_step_s']} s, idle between steps "
+          f"{result['device_idle_s']} s")
     _emit(result, args.output_json)
+
+
+def _attach_timers(llm) -> tuple[StepTimes, "RunnerStats"]:
+    """Times the engine's calls from here on; returns the timings and the runner's zeroed totals."""
+    from executor_svc.model_runner import RunnerStats
+    times = StepTimes()
+    times.attach(llm)
+    llm.runner.stats = RunnerStats()
+    return times, llm.runner.stats
 
 
 def run_latency(args: argparse.Namespace) -> None:
@@ -156,30 +160,28 @@ def run_latency(args: argparse.Namespace) -> None:
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
-    times = StepTimes()
-    times.attach(llm)
-    stats = llm.runner.stats
-    stats.steps = stats.total_ns = stats.wait_ns = 0
+    times, stats = _attach_timers(llm)
     for _ in range(args.num_iters):
         llm.generate(prompts, params, use_tqdm=False)
-    run_ms, interval_ms = times.decode_run_ms(), times.decode_interval_ms()
-    host_ms = (stats.total_ns - stats.wait_ns) / stats.steps / 1e6
+    interval_ms = times.decode_interval_ms()
+    steps = stats.steps
     result = dict(bench="latency", batch_size=args.batch_size, input_len=args.input_len,
-                  output_len=args.output_len, decode_steps=len(run_ms),
-                  decode_step_ms_mean=round(float(run_ms.mean()), 3),
-                  decode_step_ms_median=round(float(np.median(run_ms)), 3),
-                  decode_interval_ms_mean=round(float(interval_ms.mean()), 3),
-                  step_host_ms=round(host_ms, 3),
-                  step_device_wait_ms=round(stats.wait_ns / stats.steps / 1e6, 3),
+                  output_len=args.output_len, decode_steps=len(interval_ms),
+                  decode_step_ms_mean=round(float(interval_ms.mean()), 3),
+                  decode_step_ms_median=round(float(np.median(interval_ms)), 3),
+                  device_step_ms=round(stats.device_ns / steps / 1e6, 3),
+                  device_idle_ms=round(stats.idle_ns / steps / 1e6, 3),
+                  host_step_ms=round(stats.host_ns / steps / 1e6, 3),
                   cuda_graphs=bool(llm.runner.graphs.graphs),
+                  async_scheduling=llm.config.async_scheduling,
                   model=args.model_config or args.model, **environment())
-    print(f"mean decode step:   {result['decode_step_ms_mean']:.3f} ms "
-          f"(median {result['decode_step_ms_median']:.3f} ms; prepare + forward + sample + sync, "
-          f"{len(run_ms)} steps, CUDA graphs {'on' if result['cuda_graphs'] else 'off'})")
-    print(f"mean step interval: {result['decode_interval_ms_mean']:.3f} ms (with scheduling)")
-    print(f"per step (all steps): {result['step_host_ms']:.3f} ms on the host in runner.run "
-          f"(device idle unless the previous step's work is still queued), "
-          f"{result['step_device_wait_ms']:.3f} ms blocked on the device")
+    print(f"mean decode step:  {result['decode_step_ms_mean']:.3f} ms (median "
+          f"{result['decode_step_ms_median']:.3f} ms; launch to launch of consecutive decode steps, "
+          f"CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, async scheduling "
+          f"{'on' if result['async_scheduling'] else 'off'})")
+    print(f"per step (all steps): {result['device_step_ms']:.3f} ms of device work, "
+          f"{result['device_idle_ms']:.3f} ms device idle before it, "
+          f"{result['host_step_ms']:.3f} ms host time in launch and collect")
     _emit(result, args.output_json)
 
 
