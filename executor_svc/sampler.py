@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from executor_svc.logits import LogprobRows, Penalties, SampledLogprobs, gather_logprobs, mask_tokens
+from kernels.argmax import argmax
 
 GREEDY_TEMPERATURE = 1e-5
 
@@ -82,8 +83,8 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy = logits.argmax(dim=-1) if batch.greedy is not None else None
+            return row_argmax(logits)
+        greedy = row_argmax(logits) if batch.greedy is not None else None
         logits = logits / batch.temperature[:, None]
         if batch.min_p is not None:
             logits = apply_min_p(logits, batch.min_p)
@@ -91,7 +92,7 @@ class Sampler:
             logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         elif batch.top_k is not None:
             logits = apply_top_k(logits, batch.top_k, batch.max_top_k)
-        sampled = sample_exponential(logits.softmax(dim=-1), batch.generators)
+        sampled = sample_exponential(logits, batch.generators)
         if greedy is None:
             return sampled
         return torch.where(batch.greedy, greedy, sampled)
@@ -127,10 +128,19 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def sample_exponential(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """argmax(probs / E) with E ~ Exponential(1) draws one token from probs (the Gumbel-max
-    trick in another form) without torch.multinomial's host sync."""
-    noise = torch.empty_like(probs).exponential_()
+def sample_exponential(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(logits - log E) with E ~ Exponential(1) draws one token from softmax(logits) (the
+    Gumbel-max trick, as argmax(probs / E) in log space) without a softmax or torch.multinomial's
+    host sync."""
+    noise = torch.empty_like(logits).exponential_()
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)
-    return probs.div_(noise).argmax(dim=-1)
+    return row_argmax(logits, noise)
+
+
+def row_argmax(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax(x - log(noise)) per row (of x alone without noise): the Triton kernel on a GPU,
+    where torch's argmax is slow on long rows, and torch on the CPU."""
+    if x.is_cuda:
+        return argmax(x, noise)
+    return (x if noise is None else x - noise.log()).argmax(dim=-1)
