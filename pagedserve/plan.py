@@ -84,9 +84,9 @@ class StepResult:
     step_id: int
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    # The step's time on the device, and how long the device sat idle between the previous
+    # step's end and this one's start (CUDA events on a GPU): what the control path costs it.
     forward_ns: int = 0
-    # From the previous step's end to this one's start, as the executor server saw it: what the
-    # control path (encoding, RPC, scheduling) costs the GPU.
     idle_ns: int = 0
     logprobs: StepLogprobs | None = None
 

@@ -1,5 +1,5 @@
 """Running aggregates of the step loop: the scheduler's CPU time, the executor's forward time and the
-time the executor sat idle waiting for a plan. Counts, sums and fixed-bucket histograms, so that a
+time the device sat idle between steps. Counts, sums and fixed-bucket histograms, so that a
 metrics endpoint can export them as they are."""
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -28,7 +28,7 @@ class Histogram:
 @dataclass(slots=True)
 class StepStats:
     """One observation per applied step. `idle` leaves out steps that follow a pause for lack of
-    work, and in-process steps (no executor server measures idle time there)."""
+    work (the device then waited for requests, not for the control path)."""
     scheduler: Histogram = field(default_factory=Histogram)
     forward: Histogram = field(default_factory=Histogram)
     idle: Histogram = field(default_factory=Histogram)
