@@ -1,8 +1,9 @@
 """The attention backend: the kernels the model runs, behind one object a Triton backend can replace.
 
-The model calls `backend.forward` for paged attention and `backend.rms_norm`, `backend.rotary`,
-`backend.silu_and_mul` for the elementwise kernels. TorchAttentionBackend (the CPU backend) runs the
-pure-torch references; TritonAttentionBackend (CUDA) runs the kernels of `kernels/`.
+The model calls `backend.forward` once per layer for rotary embedding, KV-cache write and paged
+attention, and `backend.rms_norm`, `backend.silu_and_mul` for the other elementwise kernels.
+TorchAttentionBackend (the CPU backend) runs the pure-torch references; TritonAttentionBackend
+(CUDA) runs the kernels of `kernels/`.
 """
 from dataclasses import dataclass
 
@@ -10,11 +11,10 @@ import torch
 
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention
-from kernels.kv_cache import write_kv
 from kernels.norm import rms_norm
 from kernels.reference import (paged_attention_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref,
                                write_kv_ref)
-from kernels.rotary import rotary
+from kernels.rotary import rotary_write_kv
 
 
 @dataclass(slots=True)
@@ -35,14 +35,17 @@ class AttentionMetadata:
 class TorchAttentionBackend:
     """Pure-torch kernels: the CPU backend and the ground truth for the faster ones."""
     rms_norm = staticmethod(rms_norm_ref)
-    rotary = staticmethod(rotary_ref)
     silu_and_mul = staticmethod(silu_and_mul_ref)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Writes this step's k, v into the paged cache, then attends q over each whole context.
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Rotates q and k by their positions [T], writes this step's k, v into the paged cache,
+        then attends q over each whole context.
 
-        q [T, heads, head_dim], k and v [T, kv_heads, head_dim]; returns [T, heads, head_dim]."""
+        q [T, heads, head_dim], k and v [T, kv_heads, head_dim]; returns [T, heads, head_dim].
+        q may be left rotated in place (the Triton backend does)."""
+        q, k = rotary_ref(positions, q, k, cos_sin_cache)
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, scale)
@@ -51,12 +54,14 @@ class TorchAttentionBackend:
 class TritonAttentionBackend(TorchAttentionBackend):
     """The Triton kernels: rotary works in place, and no kernel reads a device value on the host."""
     rms_norm = staticmethod(rms_norm)
-    rotary = staticmethod(rotary)
     silu_and_mul = staticmethod(silu_and_mul)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # One launch for rotary and the cache write: a decode step is bound by small launches.
+        q = rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                            meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                meta.query_start_loc, scale, max_query_len=meta.max_query_len,
                                max_seq_len=meta.max_seq_len, num_splits=meta.num_splits)

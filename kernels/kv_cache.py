@@ -5,6 +5,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _cache_entry(cache, slot, stride_block, stride_slot, BLOCK_SIZE: tl.constexpr):
+    """Pointer to the [num_kv_heads, head_dim] entry of `slot` in a paged cache."""
+    return cache + (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
+
+
+@triton.jit
+def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, HEADS_PAD: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """Copies one token's heads from src to dst, converted to dst's dtype."""
+    offs_h = tl.arange(0, HEADS_PAD)[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    mask = offs_h < num_heads
+    x = tl.load(src + offs_h * stride_sh + offs_d, mask=mask)
+    tl.store(dst + offs_h * stride_dh + offs_d, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _write_kv_kernel(key, value, k_cache, v_cache, slot_mapping, stride_kt, stride_kh, stride_vt,
                      stride_vh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
                      stride_vch, num_kv_heads, BLOCK_SIZE: tl.constexpr,
@@ -14,17 +31,12 @@ def _write_kv_kernel(key, value, k_cache, v_cache, slot_mapping, stride_kt, stri
     # Slot -1 marks a CUDA-graph padding token: it owns no cache slot.
     if slot < 0:
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    offs_h = tl.arange(0, HEADS_PAD)[:, None]
-    offs_d = tl.arange(0, HEAD_DIM)[None, :]
-    mask = offs_h < num_kv_heads
-    k = tl.load(key + token * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
-    v = tl.load(value + token * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
-    k_dst = k_cache + block * stride_kcb + offset * stride_kcs + offs_h * stride_kch + offs_d
-    v_dst = v_cache + block * stride_vcb + offset * stride_vcs + offs_h * stride_vch + offs_d
-    tl.store(k_dst, k.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache.dtype.element_ty), mask=mask)
+    _copy_heads(key + token * stride_kt, stride_kh,
+                _cache_entry(k_cache, slot, stride_kcb, stride_kcs, BLOCK_SIZE), stride_kch,
+                num_kv_heads, HEADS_PAD, HEAD_DIM)
+    _copy_heads(value + token * stride_vt, stride_vh,
+                _cache_entry(v_cache, slot, stride_vcb, stride_vcs, BLOCK_SIZE), stride_vch,
+                num_kv_heads, HEADS_PAD, HEAD_DIM)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

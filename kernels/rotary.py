@@ -1,20 +1,34 @@
-"""Neox-style (rotate-half) rotary position embedding."""
+"""Neox-style (rotate-half) rotary position embedding, alone or fused with the KV-cache write."""
 import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_cache import _cache_entry, _copy_heads
+
 
 @triton.jit
-def _rotate_heads(x, token, stride_t, stride_h, num_heads, cos, sin,
+def _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF: tl.constexpr):
+    pos = tl.load(positions + token).to(tl.int64)
+    offs_d = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_sin_cache + pos * stride_cache + offs_d).to(tl.float32)
+    sin = tl.load(cos_sin_cache + pos * stride_cache + HALF + offs_d).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rotate_heads(src, stride_sh, dst, stride_dh, num_heads, cos, sin,
                   HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+    """Rotates one token's heads read from src and stores them, in dst's dtype, at dst (which may
+    be src itself)."""
     offs_h = tl.arange(0, HEADS_PAD)[:, None]
     offs_d = tl.arange(0, HALF)[None, :]
     mask = offs_h < num_heads
-    lo_ptrs = x + token * stride_t + offs_h * stride_h + offs_d
-    x1 = tl.load(lo_ptrs, mask=mask).to(tl.float32)
-    x2 = tl.load(lo_ptrs + HALF, mask=mask).to(tl.float32)
-    tl.store(lo_ptrs, (x1 * cos - x2 * sin).to(x.dtype.element_ty), mask=mask)
-    tl.store(lo_ptrs + HALF, (x2 * cos + x1 * sin).to(x.dtype.element_ty), mask=mask)
+    src_lo = src + offs_h * stride_sh + offs_d
+    dst_lo = dst + offs_h * stride_dh + offs_d
+    x1 = tl.load(src_lo, mask=mask).to(tl.float32)
+    x2 = tl.load(src_lo + HALF, mask=mask).to(tl.float32)
+    tl.store(dst_lo, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst_lo + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -22,12 +36,36 @@ def _rotary_kernel(positions, q, k, cos_sin_cache, stride_qt, stride_qh, stride_
                    stride_cache, num_heads, num_kv_heads, Q_HEADS_PAD: tl.constexpr,
                    K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions + token).to(tl.int64)
-    offs_d = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_sin_cache + pos * stride_cache + offs_d).to(tl.float32)
-    sin = tl.load(cos_sin_cache + pos * stride_cache + HALF + offs_d).to(tl.float32)
-    _rotate_heads(q, token, stride_qt, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF)
-    _rotate_heads(k, token, stride_kt, stride_kh, num_kv_heads, cos, sin, K_HEADS_PAD, HALF)
+    cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF)
+    q_token = q + token * stride_qt
+    k_token = k + token * stride_kt
+    _rotate_heads(q_token, stride_qh, q_token, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF)
+    _rotate_heads(k_token, stride_kh, k_token, stride_kh, num_kv_heads, cos, sin, K_HEADS_PAD,
+                  HALF)
+
+
+@triton.jit
+def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_cache, stride_kcb, stride_kcs, stride_kch, stride_vcb,
+                            stride_vcs, stride_vch, num_heads, num_kv_heads,
+                            BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
+                            K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF)
+    q_token = q + token * stride_qt
+    _rotate_heads(q_token, stride_qh, q_token, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF)
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    # Slot -1 marks a CUDA-graph padding token: it owns no cache slot.
+    if slot < 0:
+        return
+    # The rotated k goes from registers straight to the cache: nothing reads it from k again.
+    _rotate_heads(k + token * stride_kt, stride_kh,
+                  _cache_entry(k_cache, slot, stride_kcb, stride_kcs, BLOCK_SIZE), stride_kch,
+                  num_kv_heads, cos, sin, K_HEADS_PAD, HALF)
+    _copy_heads(v + token * stride_vt, stride_vh,
+                _cache_entry(v_cache, slot, stride_vcb, stride_vcs, BLOCK_SIZE), stride_vch,
+                num_kv_heads, K_HEADS_PAD, 2 * HALF)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -47,3 +85,26 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             Q_HEADS_PAD=triton.next_power_of_2(num_heads),
             K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2)
     return q, k
+
+
+def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`rotary` then `write_kv` in one kernel launch: rotates q IN PLACE, and writes the rotated k
+    and v [T, num_kv_heads, head_dim] to their slots of the paged caches
+    [num_blocks, block_size, num_kv_heads, head_dim], skipping tokens with slot -1.
+
+    Returns q. k and v are only read: the rotated k exists only in k_cache. Layouts as in
+    `rotary` and `write_kv`: strided views whose last dim is contiguous, head_dim a power of two.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_tokens > 0:
+        _rotary_write_kv_kernel[(num_tokens,)](
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q.stride(0),
+            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_heads, num_kv_heads,
+            BLOCK_SIZE=k_cache.shape[1], Q_HEADS_PAD=triton.next_power_of_2(num_heads),
+            K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2)
+    return q

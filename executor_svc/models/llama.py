@@ -64,8 +64,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
-        q, k = self.backend.rotary(positions, q, k, cos_sin_cache)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.backend.forward(positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1],
+                                   meta, self.scale)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
 
