@@ -26,11 +26,10 @@ class Request:
     # The prompt, then every sampled token.
     token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
-    # Advanced when a step is planned, not when its result arrives.
+    # Advanced when a step is planned, not when its result arrives: at len(token_ids) + k while k
+    # planned steps that sample have not reported their token (the executor feeds each to the
+    # next step from its own copy).
     num_computed_tokens: int = 0
-    # Tokens that planned steps will sample but whose results have not been applied yet; the
-    # executor feeds each to the next step from its own copy.
-    num_pending_tokens: int = 0
     # How many leading blocks are registered in the prefix cache.
     num_cached_blocks: int = 0
     block_ids: list[int] = field(default_factory=list)

@@ -16,10 +16,11 @@ class Scheduler:
     """Decides what the executor computes each step and turns its sampled tokens into request outputs.
 
     Steps may be pipelined: `schedule` can plan step N+1 before step N's result reaches `update`.
-    Planning advances each request as if its step had run, and counts the token the step will
-    sample as pending; the executor fills that token in from its own copy. A request that turns
-    out to have stopped at step N was planned once more in N+1; that extra token is discarded.
-    Results must reach `update` in plan order.
+    Planning advances each request's computed count as if its step had run; a request computed
+    up to its known tokens then decodes the token that the step in flight samples, which the
+    executor fills in from its own copy. A request that turns out to have stopped at step N was
+    planned once more in N+1; that extra token is discarded. Results must reach `update` in plan
+    order.
 
     Not thread-safe: call add, abort, schedule and update from one thread (or one event loop).
     """
@@ -153,13 +154,15 @@ class Scheduler:
         for request in running:
             if not budget:
                 break
-            known = len(request.token_ids) + request.num_pending_tokens
             computed = request.num_computed_tokens
-            # Waiting for the result of a step in flight: its last token, or all its tokens.
-            if known >= request.max_num_tokens or computed == known:
-                continue
-            n = known - computed
-            if n > budget:
+            n = len(request.token_ids) - computed
+            if n <= 0:
+                # Ahead of its results: the next token is the one a step in flight samples,
+                # unless that one is the last.
+                if computed + 1 >= request.max_num_tokens:
+                    continue
+                n = 1
+            elif n > budget:
                 n = budget
             num_new = (computed + n + block_size - 1) // block_size - len(request.block_ids)
             if num_new:
@@ -173,10 +176,10 @@ class Scheduler:
                 append(ContinuingRequest(request.seq_id, n, new_block_ids))
             else:
                 append(ContinuingRequest(request.seq_id, n, []))
-            request.num_computed_tokens = computed + n
-            if computed + n == known:
-                request.num_pending_tokens += 1
-            if caching:
+            computed += n
+            request.num_computed_tokens = computed
+            # Checked inline: a decode step fills a block only once every block_size steps.
+            if caching and computed // block_size > request.num_cached_blocks:
                 self._cache_blocks(request)
             budget -= n
         return budget
@@ -208,8 +211,6 @@ class Scheduler:
                                                 request.num_prompt_tokens))
             request.num_computed_tokens = num_cached + n
             request.num_cached_blocks = len(cached)
-            if num_cached + n == num_tokens:
-                request.num_pending_tokens = 1
             if block_manager.enable_prefix_caching:
                 self._cache_blocks(request)
             budget -= n
@@ -228,7 +229,6 @@ class Scheduler:
         self.block_manager.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
-        request.num_pending_tokens = 0
         request.num_cached_blocks = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -264,7 +264,6 @@ class Scheduler:
             request = requests.get(seq_id)
             if request is None or request.status is not running:
                 continue
-            request.num_pending_tokens -= 1
             token_ids = request.token_ids
             token_ids.append(token_id)
             num_tokens = len(token_ids)
