@@ -1,9 +1,8 @@
-"""Neox-style (rotate-half) rotary position embedding, alone or fused with the KV-cache write."""
+"""Neox-style (rotate-half) rotary position embedding fused with the write of new keys and values
+into the paged KV cache: one launch per layer instead of two."""
 import torch
 import triton
 import triton.language as tl
-
-from kernels.kv_cache import _cache_entry, _copy_heads
 
 
 @triton.jit
@@ -32,16 +31,20 @@ def _rotate_heads(src, stride_sh, dst, stride_dh, num_heads, cos, sin,
 
 
 @triton.jit
-def _rotary_kernel(positions, q, k, cos_sin_cache, stride_qt, stride_qh, stride_kt, stride_kh,
-                   stride_cache, num_heads, num_kv_heads, Q_HEADS_PAD: tl.constexpr,
-                   K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF)
-    q_token = q + token * stride_qt
-    k_token = k + token * stride_kt
-    _rotate_heads(q_token, stride_qh, q_token, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF)
-    _rotate_heads(k_token, stride_kh, k_token, stride_kh, num_kv_heads, cos, sin, K_HEADS_PAD,
-                  HALF)
+def _cache_entry(cache, slot, stride_block, stride_slot, BLOCK_SIZE: tl.constexpr):
+    """Pointer to the [num_kv_heads, head_dim] entry of `slot` in a paged cache."""
+    return cache + (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
+
+
+@triton.jit
+def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, HEADS_PAD: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """Copies one token's heads from src to dst, converted to dst's dtype."""
+    offs_h = tl.arange(0, HEADS_PAD)[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    mask = offs_h < num_heads
+    x = tl.load(src + offs_h * stride_sh + offs_d, mask=mask)
+    tl.store(dst + offs_h * stride_dh + offs_d, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -68,34 +71,17 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                 num_kv_heads, K_HEADS_PAD, 2 * HALF)
 
 
-def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] IN PLACE by their
-    positions [T]; cos_sin_cache [max_positions, head_dim] holds cos then sin halves.
-
-    Returns (q, k), the same tensors, with the values of `rotary_ref`. q and k may be strided
-    views (e.g. of a fused qkv output) whose last dim is contiguous; head_dim a power of two.
-    """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    if num_tokens > 0:
-        _rotary_kernel[(num_tokens,)](
-            positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            cos_sin_cache.stride(0), num_heads, num_kv_heads,
-            Q_HEADS_PAD=triton.next_power_of_2(num_heads),
-            K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2)
-    return q, k
-
-
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> torch.Tensor:
-    """`rotary` then `write_kv` in one kernel launch: rotates q IN PLACE, and writes the rotated k
-    and v [T, num_kv_heads, head_dim] to their slots of the paged caches
-    [num_blocks, block_size, num_kv_heads, head_dim], skipping tokens with slot -1.
+    """`rotary_ref` then `write_kv_ref` in one kernel launch: rotates q [T, num_heads, head_dim]
+    IN PLACE by positions [T] (cos_sin_cache [max_positions, head_dim] holds cos then sin
+    halves), and writes the rotated k and v [T, num_kv_heads, head_dim] to their slots of the
+    paged caches [num_blocks, block_size, num_kv_heads, head_dim], skipping tokens with slot -1
+    (CUDA-graph padding).
 
-    Returns q. k and v are only read: the rotated k exists only in k_cache. Layouts as in
-    `rotary` and `write_kv`: strided views whose last dim is contiguous, head_dim a power of two.
+    Returns q. k and v are only read: the rotated k exists only in k_cache. q, k and v may be
+    strided views (of the fused qkv output) whose last dim is contiguous; head_dim a power of two.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
