@@ -22,7 +22,7 @@ from executor_svc.weight_loader import load_weights
 from pagedserve.config import EngineConfig
 from pagedserve.log import get_logger
 from pagedserve.plan import (MAX_STEPS_IN_FLIGHT, ExecutorInfo, NewRequest, SamplingOptions,
-                             StepLogprobs, StepPlan, StepResult)
+                             StepPlan, StepResult)
 from pagedserve.sampling_params import MAX_LOGPROBS
 
 log = get_logger(__name__)

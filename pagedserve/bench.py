@@ -141,8 +141,9 @@ def run_throughput(args: argparse.Namespace) -> None:
     _emit(result, args.output_json)
 
 
-def _attach_timers(llm) -> tuple[StepTimes, "RunnerStats"]:
-    """Times the engine's calls from here on; returns the timings and the runner's zeroed totals."""
+def _attach_timers(llm):
+    """Times the engine's calls from here on; returns the timings (StepTimes) and the runner's
+    zeroed RunnerStats (imported here: the CLI must not pull in torch to parse arguments)."""
     from executor_svc.model_runner import RunnerStats
     times = StepTimes()
     times.attach(llm)
