@@ -52,7 +52,8 @@ def make_sampling_batch(temperature: np.ndarray, top_p: np.ndarray, top_k: np.nd
     use_top_k = bool((top_k[sampled] > 0).any())
     return SamplingBatch(
         all_greedy=False, greedy=greedy_t.bool() if greedy.any() else None,
-        temperature=temperature_t, top_p=top_p_t if use_top_p else None,
+        temperature=temperature_t if (temperature[sampled] != 1.0).any() else None,
+        top_p=top_p_t if use_top_p else None,
         top_k=top_k_t.long() if use_top_k or use_top_p else None,
         min_p=min_p_t if (min_p[sampled] > 0).any() else None,
         max_top_k=int(top_k[sampled].max()),
@@ -85,7 +86,8 @@ class Sampler:
         if batch.all_greedy:
             return row_argmax(logits)
         greedy = row_argmax(logits) if batch.greedy is not None else None
-        logits = logits / batch.temperature[:, None]
+        if batch.temperature is not None:
+            logits = logits / batch.temperature[:, None]
         if batch.min_p is not None:
             logits = apply_min_p(logits, batch.min_p)
         if batch.top_p is not None:

@@ -152,3 +152,12 @@ def test_stop_mask_and_penalties_steer_the_sample_but_logprobs_stay_raw():
 
 def test_without_logprobs_asked_none_come_back(logits):
     assert sampler(logits, SamplingBatch(all_greedy=True)).logprobs is None
+
+
+@pytest.mark.parametrize("temperatures, divides", [([1.0, 0.0, 1.0], False), ([1.0, 0.7, 0.0], True)])
+def test_the_temperature_pass_runs_only_when_a_sampled_row_needs_it(temperatures, divides):
+    n = len(temperatures)
+    batch = make_sampling_batch(np.array(temperatures, np.float32), np.ones(n, np.float32),
+                                np.zeros(n, np.int64), np.zeros(n, np.float32), {},
+                                lambda a: torch.from_numpy(a))
+    assert (batch.temperature is not None) == divides
