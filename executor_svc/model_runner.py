@@ -181,8 +181,8 @@ class ModelRunner:
             self._settle()
         self.slot = self.slots[self.num_launched % MAX_STEPS_IN_FLIGHT]
         self.num_launched += 1
-        empty = np.zeros(0, dtype=np.int64)
         if not len(rows):
+            empty = np.zeros(0, dtype=np.int64)
             launched = Launched(plan.step_id, empty, empty, torch.from_numpy(empty), None, None)
         else:
             start = self.clock.mark()
