@@ -26,9 +26,6 @@ class InputBatch:
         # Row -> seq_id (FREE_ROW when unused): tells a launched step's late tokens whether their
         # request still holds the row.
         self.seq_ids = np.full(max_num_seqs, FREE_ROW, dtype=np.int64)
-        # Tokens sampled by launched steps and not yet appended to token_ids: the next step reads
-        # them from the executor's device copy (ModelRunner.last_sampled).
-        self.num_pending = np.zeros(max_num_seqs, dtype=np.int64)
         # One column past max_model_len: the token sampled at the last position lands there.
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
@@ -77,7 +74,6 @@ class InputBatch:
         row = self.free_rows.pop()
         self.rows[request.seq_id] = row
         self.seq_ids[row] = request.seq_id
-        self.num_pending[row] = 0
         n = len(request.token_ids)
         self.token_ids[row, :n] = request.token_ids
         self.num_tokens[row] = n
@@ -158,8 +154,11 @@ class InputBatch:
         return ids
 
     def known_tokens(self, rows: np.ndarray) -> np.ndarray:
-        """Each row's token count, counting tokens that launched steps sample."""
-        return self.num_tokens[rows] + self.num_pending[rows]
+        """Each row's token count, counting tokens that launched steps sample but whose values
+        are not in token_ids yet (the next step reads them from ModelRunner.last_sampled): a row
+        computed up to its known tokens has exactly one token more than it has computed."""
+        computed, num_tokens = self.num_computed[rows], self.num_tokens[rows]
+        return np.where(computed >= num_tokens, computed + 1, num_tokens)
 
     def append_sampled(self, rows: np.ndarray, seq_ids: np.ndarray, tokens: np.ndarray) -> None:
         """Appends the tokens a step sampled, skipping rows whose request has left since."""
@@ -168,4 +167,3 @@ class InputBatch:
             rows, tokens = rows[held], tokens[held]
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1
-        self.num_pending[rows] -= 1

@@ -196,7 +196,6 @@ class ModelRunner:
                                 logprobs, sampling.logprobs, start, self.clock.mark(), self.last_end)
             self.last_end = launched.end
             batch.num_computed[rows] += query_lens
-            batch.num_pending[sample_rows] += 1
         self.launched.append(launched)
         self.stats.host_ns += time.perf_counter_ns() - host_start
         return launched
@@ -352,21 +351,20 @@ class ModelRunner:
         if updates is not None:
             updates = upload(updates)
             self.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
-        # The pipelined steady state: a decode step whose every token is one that a step in
-        # flight samples. One gather fills them all (padding rows too: their ids go unused).
-        every_row_late = (late is not None and graph_size is not None
-                          and late.shape[1] == len(sample_rows))
-        if not every_row_late:
-            upload(input_ids, buf.input_ids[:num_tokens])
-        if late is not None and not every_row_late:
-            late = upload(late)
-            buf.input_ids.index_copy_(0, late[0], self.last_sampled.index_select(0, late[1]))
         upload(positions, buf.positions[:num_tokens])
         upload(slot_mapping, buf.slot_mapping[:num_tokens])
         upload(rows, buf.rows[:num_seqs])
-        if every_row_late:
+        if late is None:
+            upload(input_ids, buf.input_ids[:num_tokens])
+        elif graph_size is not None and late.shape[1] == len(sample_rows):
+            # The pipelined steady state: a decode step whose every token is one that a step in
+            # flight samples. One gather fills them all (padding rows too: their ids go unused).
             torch.index_select(self.last_sampled, 0, buf.rows[:num_seqs],
                                out=buf.input_ids[:num_tokens])
+        else:
+            upload(input_ids, buf.input_ids[:num_tokens])
+            late = upload(late)
+            buf.input_ids.index_copy_(0, late[0], self.last_sampled.index_select(0, late[1]))
         upload(seq_lens.astype(np.int32), buf.seq_lens[:num_seqs])
         torch.index_select(self.block_table, 0, buf.rows[:num_seqs],
                            out=buf.block_tables[:num_seqs])
