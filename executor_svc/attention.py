@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.activation import silu_and_mul
-from kernels.attention import paged_attention
-from kernels.norm import rms_norm
-from kernels.reference import (paged_attention_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref,
+from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.attention import paged_attention
+from pagedserve.kernels.norm import rms_norm
+from pagedserve.kernels.reference import (paged_attention_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref,
                                write_kv_ref)
-from kernels.rotary import rotary_write_kv
+from pagedserve.kernels.rotary import rotary_write_kv
 
 
 @dataclass(slots=True)

@@ -10,11 +10,11 @@ import time
 
 import torch
 
-from executor_svc.attention import AttentionMetadata
-from executor_svc.models.llama import KVCache, LlamaForCausalLM
-from executor_svc.step_buffers import StepBuffers
-from kernels.attention import default_num_splits
-from pagedserve.log import get_logger
+from pagedserve.executor_svc.attention import AttentionMetadata
+from pagedserve.executor_svc.models.llama import KVCache, LlamaForCausalLM
+from pagedserve.executor_svc.step_buffers import StepBuffers
+from pagedserve.kernels.attention import default_num_splits
+from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
 

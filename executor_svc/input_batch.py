@@ -4,7 +4,7 @@ Python work (vLLM's InputBatch)."""
 import numpy as np
 import torch
 
-from pagedserve.plan import NewRequest, SamplingOptions
+from pagedserve.common.plan import NewRequest, SamplingOptions
 
 FREE_ROW = np.iinfo(np.int64).min
 

@@ -3,9 +3,9 @@ from collections.abc import Callable
 
 import torch
 
-from executor_svc.model_config import ModelConfig
-from pagedserve.config import EngineConfig
-from pagedserve.log import get_logger
+from pagedserve.executor_svc.model_config import ModelConfig
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
 

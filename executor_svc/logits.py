@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.plan import StepLogprobs
+from pagedserve.common.plan import StepLogprobs
 
 
 def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:

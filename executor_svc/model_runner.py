@@ -8,22 +8,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor_svc.attention import AttentionMetadata, get_backend
-from executor_svc.cuda_graphs import CudaGraphs, bucket, capture_sizes, decode_metadata
-from executor_svc.input_batch import InputBatch
-from executor_svc.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
-from executor_svc.logits import LogprobRows, Penalties, SampledLogprobs, step_logprobs
-from executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
-from executor_svc.models.llama import KVCache, LlamaForCausalLM
-from executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
-from executor_svc.step_buffers import StepBuffers, Staging, upload_pinned
-from executor_svc.step_clock import StepClock
-from executor_svc.weight_loader import load_weights
-from pagedserve.config import EngineConfig
-from pagedserve.log import get_logger
-from pagedserve.plan import (MAX_STEPS_IN_FLIGHT, ExecutorInfo, NewRequest, SamplingOptions,
+from pagedserve.executor_svc.attention import AttentionMetadata, get_backend
+from pagedserve.executor_svc.cuda_graphs import CudaGraphs, bucket, capture_sizes, decode_metadata
+from pagedserve.executor_svc.input_batch import InputBatch
+from pagedserve.executor_svc.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
+from pagedserve.executor_svc.logits import LogprobRows, Penalties, SampledLogprobs, step_logprobs
+from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
+from pagedserve.executor_svc.models.llama import KVCache, LlamaForCausalLM
+from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
+from pagedserve.executor_svc.step_buffers import StepBuffers, Staging, upload_pinned
+from pagedserve.executor_svc.step_clock import StepClock
+from pagedserve.executor_svc.weight_loader import load_weights
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.log import get_logger
+from pagedserve.common.plan import (MAX_STEPS_IN_FLIGHT, ExecutorInfo, NewRequest, SamplingOptions,
                              StepPlan, StepResult)
-from pagedserve.sampling_params import MAX_LOGPROBS
+from pagedserve.common.sampling_params import MAX_LOGPROBS
 
 log = get_logger(__name__)
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from executor_svc.logits import LogprobRows, Penalties, SampledLogprobs, gather_logprobs, mask_tokens
-from kernels.argmax import argmax
+from pagedserve.executor_svc.logits import LogprobRows, Penalties, SampledLogprobs, gather_logprobs, mask_tokens
+from pagedserve.kernels.argmax import argmax
 
 GREEDY_TEMPERATURE = 1e-5
 

@@ -5,11 +5,11 @@ from functools import partial
 
 import grpc
 
-from executor_svc.model_runner import ModelRunner
-from pagedserve import service
-from pagedserve.config import EngineConfig
-from pagedserve.log import get_logger
-from pagedserve.plan import info_to_proto, plan_from_proto, result_to_proto
+from pagedserve.executor_svc.model_runner import ModelRunner
+from pagedserve.common import service
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.log import get_logger
+from pagedserve.common.plan import info_to_proto, plan_from_proto, result_to_proto
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 
 log = get_logger(__name__)

@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagedserve.log import get_logger
+from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
 

@@ -1,14 +1,14 @@
 """The aiohttp application: routes and middlewares."""
 from aiohttp import web
 
-from gateway import ops_routes, routes, tokenize_routes
-from gateway.auth import auth_middleware
-from gateway.cors import CORS
-from gateway.engine_client import EngineClient
-from gateway.errors import MAX_BODY_BYTES, error_middleware
-from gateway.request_id import request_id_middleware
-from gateway.state import GATEWAY, Gateway
-from gateway.tokenizer import Tokenizer
+from pagedserve.gateway import ops_routes, routes, tokenize_routes
+from pagedserve.gateway.auth import auth_middleware
+from pagedserve.gateway.cors import CORS
+from pagedserve.gateway.engine_client import EngineClient
+from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
+from pagedserve.gateway.request_id import request_id_middleware
+from pagedserve.gateway.state import GATEWAY, Gateway
+from pagedserve.common.tokenizer import Tokenizer
 
 
 async def _close_engine(app: web.Application) -> None:

@@ -4,7 +4,7 @@ import hmac
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from gateway.errors import unauthorized
+from pagedserve.gateway.errors import unauthorized
 
 
 def auth_middleware(api_key: str, open_paths: frozenset[str]) -> Middleware:

@@ -1,8 +1,8 @@
 """CORS for browser clients: preflights answered before authentication; allowed origins echoed."""
 from aiohttp import web
 
-from gateway.errors import APIError
-from gateway.request_id import HEADER
+from pagedserve.gateway.errors import APIError
+from pagedserve.gateway.request_id import HEADER
 
 _ALLOW_METHODS = "GET, POST, OPTIONS"
 

@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.errors import APIError, bad_request, internal, overloaded, unavailable
-from pagedserve import service
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.gateway.errors import APIError, bad_request, internal, overloaded, unavailable
+from pagedserve.common import service
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import engine_pb2 as pb
 from pagedserve.v1.engine_pb2_grpc import EngineStub
 

@@ -4,7 +4,7 @@ import asyncio
 import msgspec
 from aiohttp import web
 
-from pagedserve.log import get_logger
+from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
 

@@ -4,14 +4,14 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.engine_client import EngineClient
-from gateway.errors import internal, unavailable
-from gateway.logprobs import TokenLogprob, decode_logprobs
-from gateway.metrics import ChoiceStats, ModelMetrics
-from gateway.schemas import PromptTokensDetails, Usage
-from gateway.tokenizer import Tokenizer
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.detokenizer import IncrementalDetokenizer
+from pagedserve.gateway.engine_client import EngineClient
+from pagedserve.gateway.errors import internal, unavailable
+from pagedserve.gateway.logprobs import TokenLogprob, decode_logprobs
+from pagedserve.gateway.metrics import ChoiceStats, ModelMetrics
+from pagedserve.gateway.schemas import PromptTokensDetails, Usage
+from pagedserve.common.tokenizer import Tokenizer
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import engine_pb2 as pb
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}

@@ -2,8 +2,8 @@
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-from gateway.tokenizer import Tokenizer
+from pagedserve.gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.v1 import engine_pb2 as pb
 
 # OpenAI's stand-in for a logprob too small to report (JSON has no -Infinity).

@@ -2,10 +2,10 @@
 import msgspec
 from aiohttp import web
 
-from gateway.errors import APIError
-from gateway.state import GATEWAY
+from pagedserve.gateway.errors import APIError
+from pagedserve.gateway.state import GATEWAY
 from pagedserve import __version__
-from pagedserve.log import get_logger
+from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
 _VERSION = msgspec.json.encode({"version": __version__})

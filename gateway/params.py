@@ -1,8 +1,8 @@
 """Turns a decoded OpenAI request into prompt token ids and SamplingParams, rejecting what cannot run."""
-from gateway.errors import bad_request, model_not_found, unsupported
-from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
-from gateway.tokenizer import ChatTemplateError, Tokenizer
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.gateway.errors import bad_request, model_not_found, unsupported
+from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from pagedserve.common.tokenizer import ChatTemplateError, Tokenizer
+from pagedserve.common.sampling_params import SamplingParams
 
 
 def resolve_model(requested: str | None, served: str) -> str:

@@ -4,9 +4,9 @@ from abc import ABC, abstractmethod
 
 from msgspec import UNSET, Struct
 
-from gateway.generation import ChoiceEvent
-from gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
-from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+from pagedserve.gateway.generation import ChoiceEvent
+from pagedserve.gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from pagedserve.gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                              ChatLogprobs, ChatMessageOut, Completion, CompletionChoice,
                              CompletionLogprobs, Delta, Usage)
 

@@ -9,18 +9,18 @@ from contextlib import aclosing, suppress
 import msgspec
 from aiohttp import web
 
-from gateway import params
-from gateway.errors import APIError, bad_request, internal, model_not_found
-from gateway.generation import Choice, ChoiceEvent, Generation, fan_out
-from gateway.logprobs import TokenLogprob
-from gateway.metrics import rejection_reason
-from gateway.request_id import current_request_id
-from gateway.responses import ChatResponses, CompletionResponses, ResponseBuilder
-from gateway.schemas import (ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields,
+from pagedserve.gateway import params
+from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found
+from pagedserve.gateway.generation import Choice, ChoiceEvent, Generation, fan_out
+from pagedserve.gateway.logprobs import TokenLogprob
+from pagedserve.gateway.metrics import rejection_reason
+from pagedserve.gateway.request_id import current_request_id
+from pagedserve.gateway.responses import ChatResponses, CompletionResponses, ResponseBuilder
+from pagedserve.gateway.schemas import (ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields,
                              decode_request)
-from gateway.sse import SSEWriter
-from gateway.state import GATEWAY, Gateway, ServedModel
-from pagedserve.log import get_logger
+from pagedserve.gateway.sse import SSEWriter
+from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
+from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
 _encoder = msgspec.json.Encoder()

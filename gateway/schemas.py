@@ -5,7 +5,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from gateway.errors import bad_request
+from pagedserve.gateway.errors import bad_request
 
 Int32 = Annotated[int, Meta(ge=-2**31, le=2**31 - 1)]
 Positive = Annotated[int, Meta(ge=1, le=2**31 - 1)]

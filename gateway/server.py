@@ -7,9 +7,9 @@ import signal
 
 from aiohttp import web
 
-from gateway.app import build_app
-from gateway.tokenizer import Tokenizer
-from pagedserve.log import configure, get_logger
+from pagedserve.gateway.app import build_app
+from pagedserve.common.tokenizer import Tokenizer
+from pagedserve.common.log import configure, get_logger
 
 log = get_logger(__name__)
 

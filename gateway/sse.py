@@ -2,8 +2,8 @@
 import msgspec
 from aiohttp import web
 
-from gateway.errors import APIError, encode_error
-from gateway.request_id import HEADER, current_request_id
+from pagedserve.gateway.errors import APIError, encode_error
+from pagedserve.gateway.request_id import HEADER, current_request_id
 
 _encoder = msgspec.json.Encoder()
 _PREFIX = b"data: "

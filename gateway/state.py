@@ -4,9 +4,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from gateway.engine_client import EngineClient, ModelSpec
-from gateway.metrics import Metrics, ModelMetrics
-from gateway.tokenizer import Tokenizer
+from pagedserve.gateway.engine_client import EngineClient, ModelSpec
+from pagedserve.gateway.metrics import Metrics, ModelMetrics
+from pagedserve.common.tokenizer import Tokenizer
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,11 +1,11 @@
 """vLLM's /tokenize and /detokenize: the served model's tokenizer and chat template, no generation."""
 from aiohttp import web
 
-from gateway import params
-from gateway.errors import bad_request
-from gateway.routes import json_response, read_json
-from gateway.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from gateway.state import GATEWAY
+from pagedserve.gateway import params
+from pagedserve.gateway.errors import bad_request
+from pagedserve.gateway.routes import json_response, read_json
+from pagedserve.gateway.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from pagedserve.gateway.state import GATEWAY
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -5,11 +5,11 @@ __all__ = ["LLM", "SamplingParams"]
 
 
 def __getattr__(name: str):
-    # Lazy, so that the gateway can import pagedserve.config without pulling in torch.
+    # Lazy, so that the gateway can import pagedserve.common.config without pulling in torch.
     if name == "LLM":
-        from pagedserve.llm import LLM
+        from pagedserve.entrypoints.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from pagedserve.sampling_params import SamplingParams
+        from pagedserve.common.sampling_params import SamplingParams
         return SamplingParams
     raise AttributeError(name)

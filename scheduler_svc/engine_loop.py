@@ -5,12 +5,12 @@ from collections import deque
 
 import grpc
 
-from pagedserve.log import get_logger
-from pagedserve.plan import MAX_STEPS_IN_FLIGHT, StepPlan, plan_to_proto, result_from_proto
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.log import get_logger
+from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, StepPlan, plan_to_proto, result_from_proto
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import executor_pb2_grpc
-from scheduler_svc.request import Request, RequestOutput
-from scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.request import Request, RequestOutput
+from pagedserve.scheduler_svc.scheduler import Scheduler
 
 log = get_logger(__name__)
 

@@ -5,8 +5,8 @@ from enum import Enum
 
 import msgspec
 
-from pagedserve.plan import SamplingOptions
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.plan import SamplingOptions
+from pagedserve.common.sampling_params import SamplingParams
 
 
 class RequestStatus(Enum):

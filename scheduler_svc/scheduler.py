@@ -2,12 +2,12 @@
 import time
 from collections import deque
 
-from pagedserve.config import EngineConfig
-from pagedserve.log import get_logger
-from pagedserve.plan import ContinuingRequest, NewRequest, StepPlan, StepResult
-from scheduler_svc.block_manager import BlockManager, hash_blocks
-from scheduler_svc.request import Request, RequestOutput, RequestStatus, TokenLogprobs
-from scheduler_svc.step_stats import StepStats
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.log import get_logger
+from pagedserve.common.plan import ContinuingRequest, NewRequest, StepPlan, StepResult
+from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
+from pagedserve.scheduler_svc.request import Request, RequestOutput, RequestStatus, TokenLogprobs
+from pagedserve.scheduler_svc.step_stats import StepStats
 
 log = get_logger(__name__)
 

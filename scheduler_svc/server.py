@@ -7,16 +7,16 @@ from functools import partial
 import grpc
 import structlog
 
-from pagedserve import service
-from pagedserve.config import EngineConfig
-from pagedserve.log import get_logger
-from pagedserve.plan import ExecutorInfo, info_from_proto
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common import service
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.log import get_logger
+from pagedserve.common.plan import ExecutorInfo, info_from_proto
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb2_grpc
-from scheduler_svc.engine_loop import EngineLoop, ExecutorLost
-from scheduler_svc.request import RequestOutput
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.step_stats import BUCKETS_US, Histogram
+from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
+from pagedserve.scheduler_svc.request import RequestOutput
+from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.step_stats import BUCKETS_US, Histogram
 
 log = get_logger(__name__)
 

@@ -4,7 +4,7 @@ import subprocess
 import time
 import urllib.request
 
-from pagedserve import cli
+from pagedserve.entrypoints import cli
 
 
 def free_port() -> int:

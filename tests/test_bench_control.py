@@ -1,8 +1,8 @@
 """`pagedserve bench control-path`: the null model runner, and a small run in both modes."""
 import json
 
-from pagedserve.bench_control import TOKEN, NullModelRunner, null_executor_info
-from pagedserve.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
+from pagedserve.bench.control import TOKEN, NullModelRunner, null_executor_info
+from pagedserve.common.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
 from tests.serving import run_cli
 
 

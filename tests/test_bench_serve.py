@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from pagedserve.bench_serve import (RequestResult, arrival_times, inter_token_latencies, mark_stable,
+from pagedserve.bench.serve import (RequestResult, arrival_times, inter_token_latencies, mark_stable,
                                     parse_metric, step_stats, step_totals, summarize, time_per_output_token)
 from tests.serving import free_port, run_cli, wait_http
 
@@ -101,7 +101,7 @@ def test_poisson_arrivals():
 def server(tmp_path_factory):
     port = free_port()
     env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path_factory.mktemp("cache")))
-    process = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port),
+    process = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
                                 "--num-gpu-blocks-override", "256", "--max-model-len", "256"], env=env)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", process, timeout=180)

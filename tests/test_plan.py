@@ -1,4 +1,4 @@
-from pagedserve.plan import (ContinuingRequest, NewRequest, SamplingOptions, StepLogprobs, StepPlan,
+from pagedserve.common.plan import (ContinuingRequest, NewRequest, SamplingOptions, StepLogprobs, StepPlan,
                              StepResult, plan_from_proto, plan_to_proto, result_from_proto, result_to_proto)
 from pagedserve.v1 import executor_pb2 as pb
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve import workload
+from pagedserve.bench import workload
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workload.py"
 

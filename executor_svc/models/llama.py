@@ -9,9 +9,9 @@ import itertools
 import torch
 from torch import nn
 
-from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
-from executor_svc.model_config import ModelConfig
-from executor_svc.models.rope import build_cos_sin_cache
+from pagedserve.executor_svc.attention import AttentionMetadata, TorchAttentionBackend
+from pagedserve.executor_svc.model_config import ModelConfig
+from pagedserve.executor_svc.models.rope import build_cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

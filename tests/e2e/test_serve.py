@@ -21,7 +21,7 @@ def server(tmp_path_factory):
     port, grpc_port = free_port(), free_port()
     env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path_factory.mktemp("cache")))
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port),
+        [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
          "--scheduler-address", f"127.0.0.1:{grpc_port}", "--num-gpu-blocks-override", "256",
          "--max-model-len", "1024"], env=env)
     try:

@@ -5,14 +5,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
-from executor_svc.kv_cache import allocate_kv_cache
-from executor_svc.model_config import load_model_config
-from executor_svc.model_runner import ModelRunner, default_dtype
-from executor_svc.models.llama import LlamaForCausalLM
-from executor_svc.weight_loader import load_weights
-from pagedserve.config import EngineConfig
-from pagedserve.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
+from pagedserve.executor_svc.attention import AttentionMetadata, TorchAttentionBackend
+from pagedserve.executor_svc.kv_cache import allocate_kv_cache
+from pagedserve.executor_svc.model_config import load_model_config
+from pagedserve.executor_svc.model_runner import ModelRunner, default_dtype
+from pagedserve.executor_svc.models.llama import LlamaForCausalLM
+from pagedserve.executor_svc.weight_loader import load_weights
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 96

@@ -3,9 +3,9 @@ Triton kernels (under the interpreter on a CPU) giving transformers' greedy toke
 import pytest
 import torch
 
-from executor_svc import model_runner
-from executor_svc.attention import TritonAttentionBackend
-from executor_svc.cuda_graphs import bucket, capture_sizes
+from pagedserve.executor_svc import model_runner
+from pagedserve.executor_svc.attention import TritonAttentionBackend
+from pagedserve.executor_svc.cuda_graphs import bucket, capture_sizes
 from tests.executor_svc.harness import (NEW_TOKENS, MiniScheduler, Seq, make_runner,
                                                   random_prompts)
 from tests.tiny_models import hf_greedy, make_tiny_model

@@ -4,10 +4,10 @@ from functools import partial
 import grpc
 import pytest
 
-from executor_svc.server import ExecutorService
-from pagedserve import service
-from pagedserve.bench_control import TOKEN, NullModelRunner, null_executor_info
-from pagedserve.plan import (ContinuingRequest, NewRequest, SamplingOptions, StepPlan, plan_to_proto,
+from pagedserve.executor_svc.server import ExecutorService
+from pagedserve.common import service
+from pagedserve.bench.control import TOKEN, NullModelRunner, null_executor_info
+from pagedserve.common.plan import (ContinuingRequest, NewRequest, SamplingOptions, StepPlan, plan_to_proto,
                              result_from_proto)
 from pagedserve.v1 import executor_pb2_grpc
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from executor_svc.logits import apply_penalties, gather_logprobs, mask_tokens, step_logprobs
+from pagedserve.executor_svc.logits import apply_penalties, gather_logprobs, mask_tokens, step_logprobs
 
 VOCAB = 50
 

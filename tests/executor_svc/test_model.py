@@ -4,9 +4,9 @@ import pytest
 import torch
 import transformers
 
-from executor_svc.attention import TorchAttentionBackend
-from executor_svc.model_config import load_model_config
-from executor_svc.models.llama import LlamaForCausalLM
+from pagedserve.executor_svc.attention import TorchAttentionBackend
+from pagedserve.executor_svc.model_config import load_model_config
+from pagedserve.executor_svc.models.llama import LlamaForCausalLM
 from tests.executor_svc.harness import paged_prefill_logits
 from tests.tiny_models import ARCHITECTURES, make_tiny_model
 

@@ -5,7 +5,7 @@ chunks under a token budget, shares blocks for prefix-cache hits, drops and re-a
 import numpy as np
 import pytest
 
-from pagedserve.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
+from pagedserve.common.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
 from tests.executor_svc.harness import (GREEDY, NEW_TOKENS, NUM_BLOCKS, MiniScheduler, Seq, make_runner,
                                         random_prompts)
 from tests.tiny_models import ARCHITECTURES, hf_greedy, make_tiny_model

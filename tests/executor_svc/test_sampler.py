@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.logits import LogprobRows, Penalties
-from executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
-from pagedserve.plan import SamplingOptions
+from pagedserve.executor_svc.logits import LogprobRows, Penalties
+from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
+from pagedserve.common.plan import SamplingOptions
 
 sampler = Sampler()
 

@@ -5,10 +5,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from executor_svc.attention import TorchAttentionBackend
-from executor_svc.model_config import load_model_config
-from executor_svc.models.llama import LlamaForCausalLM
-from executor_svc.weight_loader import checkpoint_targets, load_weights
+from pagedserve.executor_svc.attention import TorchAttentionBackend
+from pagedserve.executor_svc.model_config import load_model_config
+from pagedserve.executor_svc.models.llama import LlamaForCausalLM
+from pagedserve.executor_svc.weight_loader import checkpoint_targets, load_weights
 from tests.tiny_models import make_tiny_model
 
 

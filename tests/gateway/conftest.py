@@ -13,9 +13,9 @@ import yaml
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from gateway.app import build_app
-from gateway.server import start
-from gateway.tokenizer import Tokenizer
+from pagedserve.gateway.app import build_app
+from pagedserve.gateway.server import start
+from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.v1 import engine_pb2 as pb
 from pagedserve.v1 import engine_pb2_grpc
 

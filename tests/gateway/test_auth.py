@@ -3,9 +3,9 @@ import argparse
 
 import pytest
 
-from gateway.app import build_app
-from gateway.server import add_gateway_args, parse_origins
-from gateway.state import GATEWAY
+from pagedserve.gateway.app import build_app
+from pagedserve.gateway.server import add_gateway_args, parse_origins
+from pagedserve.gateway.state import GATEWAY
 
 KEY = "sk-test-123"
 OPEN = {"/health", "/metrics"}

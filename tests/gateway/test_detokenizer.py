@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.detokenizer import IncrementalDetokenizer
+from pagedserve.common.detokenizer import IncrementalDetokenizer
 
 TEXT = "Hi 😀 wörld 🎉 日本語 done"
 

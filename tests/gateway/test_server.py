@@ -9,8 +9,8 @@ import time
 
 import aiohttp
 
-from gateway.server import add_gateway_args
-from pagedserve.config import add_engine_args
+from pagedserve.gateway.server import add_gateway_args
+from pagedserve.common.config import add_engine_args
 
 
 def test_flags_and_defaults():
@@ -45,7 +45,7 @@ async def _wait_healthy(http: aiohttp.ClientSession, url: str, process) -> None:
 async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
     port = _free_port()
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.server", str(tokenizer_dir), "--port", str(port),
+        sys.executable, "-m", "pagedserve.gateway.server", str(tokenizer_dir), "--port", str(port),
         "--scheduler-address", engine.address, "--served-model-name", "served", "--log-level", "warning")
     try:
         url = f"http://127.0.0.1:{port}"
@@ -65,7 +65,7 @@ async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
 
 
 def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch):
-    from pagedserve import cli, launcher
+    from pagedserve.entrypoints import cli, launcher
 
     calls = []
     monkeypatch.setattr(launcher, "serve", lambda *a: calls.append(a) or 0)

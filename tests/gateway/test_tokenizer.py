@@ -5,7 +5,7 @@ import sys
 import pytest
 from tokenizers import Tokenizer as RustTokenizer
 
-from gateway.tokenizer import ChatTemplateError, Tokenizer
+from pagedserve.common.tokenizer import ChatTemplateError, Tokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -81,7 +81,7 @@ def test_add_bos_token_without_post_processor(tokenizer_dir, tmp_path):
 
 
 def test_gateway_does_not_import_torch():
-    code = "import sys, gateway.server; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
+    code = "import sys, pagedserve.gateway.server; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -114,9 +114,9 @@ async def test_body_too_large(http, base_url):
 async def test_missing_chat_template(http, engine, tokenizer_dir, tmp_path):
     import json
 
-    from gateway.app import build_app
-    from gateway.server import start
-    from gateway.tokenizer import Tokenizer
+    from pagedserve.gateway.app import build_app
+    from pagedserve.gateway.server import start
+    from pagedserve.common.tokenizer import Tokenizer
 
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     del config["chat_template"]

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kernel_testing import DEVICE
-from kernels.argmax import CHUNK, argmax
+from pagedserve.kernels.argmax import CHUNK, argmax
 
 
 @pytest.mark.parametrize("num_rows, vocab", [(1, 3 * CHUNK + 77), (5, 1000), (3, 2 * CHUNK)])

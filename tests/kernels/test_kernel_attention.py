@@ -3,9 +3,9 @@ import torch
 
 from kernel_testing import (DEVICE, assert_close, poison_next_alloc, random_paged_kv,
                             skip_bf16_dot_on_cpu)
-from kernels import attention
-from kernels.attention import MAX_SPLITS, choose_num_splits, paged_attention
-from kernels.reference import paged_attention_ref
+from pagedserve.kernels import attention
+from pagedserve.kernels.attention import MAX_SPLITS, choose_num_splits, paged_attention
+from pagedserve.kernels.reference import paged_attention_ref
 
 NUM_KV_HEADS = 2
 # (cached prefix, new queries): decodes, a short prompt, a long prompt, chunks continuing over a

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from kernel_testing import DEVICE, assert_close, poison_next_alloc
-from kernels.activation import silu_and_mul
-from kernels.norm import rms_norm
-from kernels.reference import rms_norm_ref, silu_and_mul_ref
+from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.norm import rms_norm
+from pagedserve.kernels.reference import rms_norm_ref, silu_and_mul_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 

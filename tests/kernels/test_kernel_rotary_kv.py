@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from kernel_testing import DEVICE, assert_close
-from kernels.reference import rotary_ref, write_kv_ref
-from kernels.rotary import rotary_write_kv
+from pagedserve.kernels.reference import rotary_ref, write_kv_ref
+from pagedserve.kernels.rotary import rotary_write_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

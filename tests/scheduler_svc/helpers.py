@@ -1,8 +1,8 @@
 """Builds small schedulers and requests for the scheduler tests."""
-from pagedserve.config import EngineConfig
-from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.scheduler_svc.request import Request
+from pagedserve.scheduler_svc.scheduler import Scheduler
 
 EOS = 0
 

@@ -1,6 +1,6 @@
 import pytest
 
-from scheduler_svc.block_manager import NULL_BLOCK, BlockManager, hash_blocks
+from pagedserve.scheduler_svc.block_manager import NULL_BLOCK, BlockManager, hash_blocks
 
 
 def hashes_of(token_ids: list[int], block_size: int = 4) -> list[int]:

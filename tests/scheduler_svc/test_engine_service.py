@@ -3,15 +3,15 @@ from functools import partial
 
 import pytest
 
-from executor_svc.server import ExecutorService
-from pagedserve import service
-from pagedserve.bench_control import NullModelRunner, null_executor_info
-from pagedserve.config import EngineConfig
+from pagedserve.executor_svc.server import ExecutorService
+from pagedserve.common import service
+from pagedserve.bench.control import NullModelRunner, null_executor_info
+from pagedserve.common.config import EngineConfig
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2_grpc
-from scheduler_svc.engine_loop import EngineLoop
-from scheduler_svc.request import RequestOutput, TokenLogprobs
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.server import BUCKETS_S, EngineService, response_from_outputs
+from pagedserve.scheduler_svc.engine_loop import EngineLoop
+from pagedserve.scheduler_svc.request import RequestOutput, TokenLogprobs
+from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.server import BUCKETS_S, EngineService, response_from_outputs
 
 
 def output(tokens: list[int], finished: bool = False, reason: str | None = None,

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.plan import StepLogprobs, StepPlan, StepResult
-from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.block_manager import NULL_BLOCK
-from scheduler_svc.request import Request, RequestOutput, RequestStatus, TokenLogprobs
-from scheduler_svc.scheduler import Scheduler
+from pagedserve.common.plan import StepLogprobs, StepPlan, StepResult
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.scheduler_svc.block_manager import NULL_BLOCK
+from pagedserve.scheduler_svc.request import Request, RequestOutput, RequestStatus, TokenLogprobs
+from pagedserve.scheduler_svc.scheduler import Scheduler
 from tests.scheduler_svc.helpers import EOS, add, make_scheduler
 
 VOCAB = 32

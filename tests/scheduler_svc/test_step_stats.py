@@ -1,5 +1,5 @@
-from pagedserve.plan import StepResult
-from scheduler_svc.step_stats import BUCKETS_US, Histogram
+from pagedserve.common.plan import StepResult
+from pagedserve.scheduler_svc.step_stats import BUCKETS_US, Histogram
 from tests.scheduler_svc.helpers import add, make_scheduler
 
 

@@ -17,13 +17,14 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from itertools import chain
 
-from pagedserve import service, workload
-from pagedserve.config import EngineConfig
-from pagedserve.plan import ExecutorInfo, StepPlan, StepResult, plan_to_proto, result_from_proto
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.bench import workload
+from pagedserve.common import service
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.plan import ExecutorInfo, StepPlan, StepResult, plan_to_proto, result_from_proto
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import executor_pb2_grpc
-from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.request import Request
+from pagedserve.scheduler_svc.scheduler import Scheduler
 
 VOCAB = 32000
 TOKEN = 1  # what the null model samples; never EOS (0)
@@ -250,7 +251,7 @@ def serve_null_executor(address: str, info: ExecutorInfo) -> None:
 
 async def _serve_null_executor(address: str, runner: NullModelRunner) -> None:
     # Imported here: the executor server pulls in torch, which only the child needs.
-    from executor_svc.server import ExecutorService
+    from pagedserve.executor_svc.server import ExecutorService
     running = await service.start("null executor", address, partial(
         executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(runner)))
     await service.wait_for_signal()

@@ -7,16 +7,16 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from executor_svc.model_runner import Launched, ModelRunner
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.tokenizer import Tokenizer
-from pagedserve.config import EngineConfig
-from pagedserve.demo_model import ensure_demo_model
-from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.plan import MAX_STEPS_IN_FLIGHT, StepPlan
-from pagedserve.sampling_params import SamplingParams
-from scheduler_svc.request import Request, TokenLogprobs
-from scheduler_svc.scheduler import Scheduler
+from pagedserve.executor_svc.model_runner import Launched, ModelRunner
+from pagedserve.common.detokenizer import IncrementalDetokenizer
+from pagedserve.common.tokenizer import Tokenizer
+from pagedserve.common.config import EngineConfig
+from pagedserve.entrypoints.demo_model import ensure_demo_model
+from pagedserve.common.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, StepPlan
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.scheduler_svc.request import Request, TokenLogprobs
+from pagedserve.scheduler_svc.scheduler import Scheduler
 
 Prompt = str | dict
 

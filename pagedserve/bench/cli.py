@@ -10,9 +10,9 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from pagedserve import bench_control, bench_serve, workload
-from pagedserve.config import add_engine_args, config_from_args
-from pagedserve.model_shapes import SHAPES, write_shape
+from pagedserve.bench import control as bench_control, serve as bench_serve, workload
+from pagedserve.common.config import add_engine_args, config_from_args
+from pagedserve.bench.model_shapes import SHAPES, write_shape
 
 
 @dataclass(slots=True)
@@ -92,14 +92,14 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _make_llm(args: argparse.Namespace):
-    from pagedserve.llm import LLM
+    from pagedserve.entrypoints.llm import LLM
     args.model = args.model or write_shape(args.model_config)
     config = config_from_args(args)
     return LLM(**{k: getattr(config, k) for k in config.__slots__})
 
 
 def run_throughput(args: argparse.Namespace) -> None:
-    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.common.sampling_params import SamplingParams
 
     llm = _make_llm(args)
     vocab = min(32000, llm.runner.describe().vocab_size)
@@ -144,7 +144,7 @@ def run_throughput(args: argparse.Namespace) -> None:
 def _attach_timers(llm):
     """Times the engine's calls from here on; returns the timings (StepTimes) and the runner's
     zeroed RunnerStats (imported here: the CLI must not pull in torch to parse arguments)."""
-    from executor_svc.model_runner import RunnerStats
+    from pagedserve.executor_svc.model_runner import RunnerStats
     times = StepTimes()
     times.attach(llm)
     llm.runner.stats = RunnerStats()
@@ -152,7 +152,7 @@ def _attach_timers(llm):
 
 
 def run_latency(args: argparse.Namespace) -> None:
-    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.common.sampling_params import SamplingParams
 
     llm = _make_llm(args)
     vocab = min(32000, llm.runner.describe().vocab_size)

@@ -5,9 +5,9 @@ import json
 import os
 import sys
 
-from pagedserve.config import add_engine_args, config_from_args, config_to_argv
-from pagedserve.log import configure
-from pagedserve.model_shapes import SHAPES, write_shape
+from pagedserve.common.config import add_engine_args, config_from_args, config_to_argv
+from pagedserve.common.log import configure
+from pagedserve.bench.model_shapes import SHAPES, write_shape
 
 DEMO_NAME = "pagedserve-demo"
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--scheduler-address", default=None,
                        help="also expose the scheduler's gRPC Engine service here (e.g. 127.0.0.1:50051)")
     serve.add_argument("--startup-timeout", type=float, default=900.0)
-    from gateway.server import add_gateway_args, add_serving_args
+    from pagedserve.gateway.server import add_gateway_args, add_serving_args
     add_serving_args(serve)
     add_engine_args(serve)
     serve.set_defaults(run=run_serve)
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.set_defaults(run=run_gateway)
 
     scheduler = sub.add_parser("scheduler", parents=[common, model], help="run the gRPC scheduler")
-    from scheduler_svc.server import add_scheduler_args
+    from pagedserve.scheduler_svc.server import add_scheduler_args
     add_scheduler_args(scheduler)
     add_engine_args(scheduler)
     scheduler.set_defaults(run=run_scheduler)
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(run=run_probe)
 
     bench = sub.add_parser("bench", parents=[common], help="benchmarks")
-    from pagedserve.bench import add_bench_args
+    from pagedserve.bench.cli import add_bench_args
     add_bench_args(bench)
 
     shape = sub.add_parser("make-shape-model", parents=[common],
@@ -82,14 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_dir(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
-    from pagedserve.demo_model import ensure_demo_model
+    from pagedserve.entrypoints.demo_model import ensure_demo_model
     if getattr(args, "served_model_name", None) is None:
         args.served_model_name = DEMO_NAME
     return str(ensure_demo_model())
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pagedserve.launcher import serve
+    from pagedserve.entrypoints.launcher import serve
     args.model = _model_dir(args)
     config = config_from_args(args)
     gateway_argv = ["--served-model-name", config.name, "--log-level", args.log_level]
@@ -108,25 +108,25 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_gateway(args: argparse.Namespace) -> None:
-    from gateway.server import run
+    from pagedserve.gateway.server import run
     args.model = _model_dir(args)
     run(args)
 
 
 def run_scheduler(args: argparse.Namespace) -> None:
-    from scheduler_svc.server import serve
+    from pagedserve.scheduler_svc.server import serve
     args.model = args.model or DEMO_NAME
     _run_async(serve(config_from_args(args), args.address, args.executor_address))
 
 
 def run_executor(args: argparse.Namespace) -> None:
-    from executor_svc.server import serve
+    from pagedserve.executor_svc.server import serve
     args.model = _model_dir(args)
     _run_async(serve(config_from_args(args), args.address))
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    from pagedserve.launcher import grpc_ready, http_ready
+    from pagedserve.entrypoints.launcher import grpc_ready, http_ready
     probe = grpc_ready(args.grpc) if args.grpc else http_ready(args.http)
     return 0 if probe() else 1
 
@@ -136,7 +136,7 @@ def run_make_shape_model(args: argparse.Namespace) -> None:
 
 
 def run_make_demo_model(args: argparse.Namespace) -> None:
-    from pagedserve.demo_model import ensure_demo_model
+    from pagedserve.entrypoints.demo_model import ensure_demo_model
     print(ensure_demo_model(args.dir))
 
 

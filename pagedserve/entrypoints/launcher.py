@@ -15,7 +15,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.log import get_logger
+from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
 STOP_TIMEOUT_S = 5.0
@@ -38,7 +38,7 @@ class Launcher:
 
     def start(self, name: str, argv: list[str], ready: Callable[[], bool], timeout: float) -> None:
         """Starts `pagedserve <argv>` and waits until `ready()` holds or the child dies."""
-        command = [sys.executable, "-m", "pagedserve.cli", *argv]
+        command = [sys.executable, "-m", "pagedserve.entrypoints.cli", *argv]
         process = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
         self.children.append(Child(name, process))
         deadline = time.monotonic() + timeout

@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
-from pagedserve import workload
+from pagedserve.bench import workload
 
 STABLE_TTFT_FACTOR = 10.0
 KV_METRIC = "pagedserve:kv_cache_usage_perc"

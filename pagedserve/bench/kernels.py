@@ -1,6 +1,6 @@
 """Kernel benchmark on one GPU: copy bandwidth, decode-attention bandwidth, prefill TFLOP/s.
 
-Run as `python -m pagedserve.bench_kernels`; prints a table, then one JSON line with every number.
+Run as `python -m pagedserve.bench.kernels`; prints a table, then one JSON line with every number.
 Shapes are Llama-3.1-8B attention: 32 query heads, 8 KV heads, head_dim 128, bf16, block size 16.
 """
 import json
@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.testing
 
-from kernels.attention import paged_attention
-from kernels.reference import paged_attention_ref
+from pagedserve.kernels.attention import paged_attention
+from pagedserve.kernels.reference import paged_attention_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

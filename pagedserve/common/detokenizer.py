@@ -1,5 +1,5 @@
 """Incremental detokenization with stop strings, safe to stream: no partial characters, no stop prefixes."""
-from gateway.tokenizer import Tokenizer
+from pagedserve.common.tokenizer import Tokenizer
 
 # Prompt tokens kept as decoding context so that the first output token gets its leading space
 # (SentencePiece-style decoders strip it at the start of a sequence).

@@ -1,0 +1,5 @@
+import sys
+
+from pagedserve.entrypoints.cli import main
+
+sys.exit(main())

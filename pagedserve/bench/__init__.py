@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput and latency, online serving, the control path, kernels."""

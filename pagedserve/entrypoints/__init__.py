@@ -1,0 +1,1 @@
+"""Entry points: the CLI, the process launcher and the offline LLM API."""
