@@ -150,7 +150,8 @@ class ModelRunner:
                             dtype=dtype_name(self.dtype), device=self.device.type,
                             vocab_size=self.model_config.vocab_size,
                             max_model_len=self.max_model_len,
-                            eos_token_ids=list(self.model_config.eos_token_ids))
+                            eos_token_ids=list(self.model_config.eos_token_ids),
+                            gpu_memory_utilization=self.config.gpu_memory_utilization)
 
     def reset(self) -> None:
         """Forgets every request (the scheduler that sent them is gone)."""

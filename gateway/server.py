@@ -1,15 +1,15 @@
 """Gateway entry point: flags, startup and graceful shutdown."""
 import argparse
-import asyncio
 import json
 import os
-import signal
 
 from aiohttp import web
 
+from pagedserve.common import aio, service
+from pagedserve.common.config import add_engine_args
 from pagedserve.gateway.app import build_app
 from pagedserve.common.tokenizer import Tokenizer
-from pagedserve.common.log import configure, get_logger
+from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
 
@@ -17,30 +17,21 @@ log = get_logger(__name__)
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
-def _add_once(group: argparse._ArgumentGroup, flag: str, **kwargs) -> None:
-    # The CLI may already have added a shared flag (--served-model-name via add_engine_args).
-    try:
-        group.add_argument(flag, **kwargs)
-    except argparse.ArgumentError:
-        pass
-
-
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     """Adds the gateway's flags; the model directory stays the caller's positional argument."""
     g = parser.add_argument_group("gateway")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
     g.add_argument("--scheduler-address", default="127.0.0.1:50051",
                    help="the scheduler's Engine gRPC address: host:port or unix:///path")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory; defaults to the model directory")
-    _add_once(g, "--served-model-name", default=None,
-              help="the model name clients send; defaults to the scheduler's")
-    _add_once(g, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # The scheduler reports its served name; the gateway's flag, when given, overrides it.
+    add_engine_args(parser, ("served_model_name",))
     add_serving_args(g)
 
 
 def add_serving_args(group: argparse._ActionsContainer) -> None:
-    """API key, CORS and streaming flags, shared with `pagedserve serve`."""
+    """Listening, API key, CORS and streaming flags, shared with `pagedserve serve`."""
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                        help="require `Authorization: Bearer KEY` on every route but /health (and "
                             "/metrics); defaults to $PAGEDSERVE_API_KEY, which, unlike a flag, process "
@@ -75,13 +66,9 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
                     stream_interval=args.stream_interval)
     runner = await start(app, args.host, args.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     log.info("gateway_listening", host=args.host, port=args.port, scheduler=args.scheduler_address,
              api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins)
-    await stop.wait()
+    await service.wait_for_signal()
     log.info("gateway_stopping")
     await runner.cleanup()
     log.info("gateway_stopped")
@@ -92,23 +79,5 @@ def run(args: argparse.Namespace) -> None:
     path = args.tokenizer or args.model
     if not path:
         raise SystemExit("gateway: pass the model directory or --tokenizer")
-    tokenizer = Tokenizer.from_dir(path)
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(tokenizer, args))
-    else:
-        uvloop.run(serve(tokenizer, args))
+    aio.run(serve(Tokenizer.from_dir(path), args))
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="pagedserve gateway: OpenAI REST in front of a scheduler")
-    parser.add_argument("model", nargs="?", help="model directory (for the tokenizer)")
-    add_gateway_args(parser)
-    args = parser.parse_args()
-    configure(args.log_level, service="gateway")
-    run(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@ from collections import deque
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
-from pagedserve.common.plan import ContinuingRequest, NewRequest, StepPlan, StepResult
+from pagedserve.common.plan import ContinuingRequest, ExecutorInfo, NewRequest, StepPlan, StepResult
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
 from pagedserve.scheduler_svc.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from pagedserve.scheduler_svc.step_stats import StepStats
@@ -25,24 +25,24 @@ class Scheduler:
     Not thread-safe: call add, abort, schedule and update from one thread (or one event loop).
     """
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
-                 eos_token_ids: list[int]) -> None:
+    def __init__(self, config: EngineConfig, info: ExecutorInfo) -> None:
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs ({config.max_num_seqs}) and max_num_batched_tokens "
                              f"({config.max_num_batched_tokens}) must be at least 1")
-        self.block_size = config.block_size
+        # The KV cache's geometry is the executor's (its Describe), never a flag of the scheduler's.
+        self.block_size = info.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_model_len = info.max_model_len
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.block_manager = BlockManager(info.num_blocks, info.block_size, config.enable_prefix_caching)
         self.kv_capacity = self.block_manager.num_usable_blocks * self.block_size
         # A sequence of n tokens needs KV for its first n - 1 only, so a pool smaller than the
         # context caps lengths like max_model_len does; such requests finish with "length".
-        self.max_len = min(max_model_len, self.kv_capacity + 1)
-        if self.max_len < max_model_len:
+        self.max_len = min(self.max_model_len, self.kv_capacity + 1)
+        if self.max_len < self.max_model_len:
             log.warning("kv_cache_smaller_than_context", kv_capacity_tokens=self.kv_capacity,
-                        max_model_len=max_model_len)
+                        max_model_len=self.max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}

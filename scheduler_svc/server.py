@@ -79,7 +79,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             num_waiting=s.num_waiting, num_preemptions=s.num_preemptions, kv_cache_usage=s.kv_usage,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             enable_prefix_caching=self.config.enable_prefix_caching,
-            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            gpu_memory_utilization=self.info.gpu_memory_utilization,
             step_schedule=histogram_to_proto(stats.scheduler),
             step_forward=histogram_to_proto(stats.forward), step_idle=histogram_to_proto(stats.idle))
 
@@ -115,15 +115,16 @@ def response_from_outputs(outs: list[RequestOutput]) -> engine_pb2.GenerateRespo
 
 
 async def serve(config: EngineConfig, address: str, executor_address: str,
-                executor_timeout: float = 600.0) -> None:
+                expected: dict[str, int | str] | None = None, executor_timeout: float = 600.0) -> None:
     """Attaches to the executor, then serves the Engine service at `address` until a signal or
-    until the executor is lost (then it raises, and the launcher stops the whole stack)."""
+    until the executor is lost (then it raises, and the launcher stops the whole stack).
+    `expected` holds geometry flags the scheduler was given; each must match the executor's."""
     async with service.channel(executor_address) as channel:
         await service.wait_serving(executor_address, executor_timeout)
         executor = executor_pb2_grpc.ExecutorStub(channel)
         info = info_from_proto(await executor.Describe(executor_pb2.DescribeRequest()))
-        scheduler = Scheduler(config, num_blocks=info.num_blocks, max_model_len=info.max_model_len,
-                              eos_token_ids=info.eos_token_ids)
+        check_geometry(expected or {}, info, executor_address)
+        scheduler = Scheduler(config, info)
         # The block pool and everything loaded so far live as long as the process: frozen, they
         # leave the collector's full passes, which took ~30 ms (a stalled step) at 18k blocks.
         gc.freeze()
@@ -140,6 +141,19 @@ async def serve(config: EngineConfig, address: str, executor_address: str,
         signalled.cancel()
         if stepping in done:
             stepping.result()
+
+
+def check_geometry(expected: dict[str, int | str], info: ExecutorInfo, executor_address: str) -> None:
+    """Refuses to start on a geometry flag that disagrees with the executor's KV cache: planning
+    with another block size corrupts the slot mapping and, with prefix caching, shared blocks."""
+    reported = {"block_size": info.block_size, "max_model_len": info.max_model_len,
+                "num_gpu_blocks_override": info.num_blocks, "dtype": info.dtype}
+    for name, value in expected.items():
+        if value != reported[name] and not (name == "dtype" and value == "auto"):
+            flag = "--" + name.replace("_", "-")
+            raise SystemExit(f"scheduler: {flag} {value} disagrees with the executor at {executor_address}, "
+                             f"which reports {reported[name]}; drop {flag} (the scheduler takes the "
+                             f"executor's) or start the executor with {flag} {value}")
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:

@@ -140,7 +140,7 @@ def build_scheduler(args: argparse.Namespace) -> tuple[Scheduler, ExecutorInfo]:
     config = EngineConfig(max_num_seqs=args.num_requests, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=args.enable_prefix_caching)
-    scheduler = Scheduler(config, info.num_blocks, info.max_model_len, info.eos_token_ids)
+    scheduler = Scheduler(config, info)
     work = workload.random(n=args.num_requests, input_len=args.input_len, output_len=args.output_len,
                            vocab=VOCAB)
     for i, (prompt, output_len) in enumerate(zip(work.prompts, work.output_lens)):

@@ -100,6 +100,7 @@ class ExecutorInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int]
+    gpu_memory_utilization: float = 0.0
 
 
 def sampling_to_proto(s: SamplingOptions) -> pb.SamplingOptions:
@@ -171,9 +172,9 @@ def logprobs_from_proto(m: pb.StepLogprobs) -> StepLogprobs:
 def info_to_proto(i: ExecutorInfo) -> pb.ExecutorInfo:
     return pb.ExecutorInfo(num_blocks=i.num_blocks, block_size=i.block_size, dtype=i.dtype,
                            device=i.device, vocab_size=i.vocab_size, max_model_len=i.max_model_len,
-                           eos_token_ids=i.eos_token_ids)
+                           eos_token_ids=i.eos_token_ids, gpu_memory_utilization=i.gpu_memory_utilization)
 
 
 def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
     return ExecutorInfo(m.num_blocks, m.block_size, m.dtype, m.device, m.vocab_size,
-                        m.max_model_len, list(m.eos_token_ids))
+                        m.max_model_len, list(m.eos_token_ids), m.gpu_memory_utilization)

@@ -1,11 +1,12 @@
 """The `pagedserve` command: serve the whole stack, run one service, build the demo model."""
 import argparse
-import asyncio
 import json
 import os
 import sys
 
-from pagedserve.common.config import add_engine_args, config_from_args, config_to_argv
+from pagedserve.common import aio
+from pagedserve.common.config import (EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_FLAGS, add_engine_args,
+                                      add_geometry_checks, config_from_args, config_to_argv)
 from pagedserve.common.log import configure
 from pagedserve.bench.model_shapes import SHAPES, write_shape
 
@@ -29,8 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", parents=[common, model], help="run gateway, scheduler and executor")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--scheduler-address", default=None,
                        help="also expose the scheduler's gRPC Engine service here (e.g. 127.0.0.1:50051)")
     serve.add_argument("--startup-timeout", type=float, default=900.0)
@@ -46,13 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler = sub.add_parser("scheduler", parents=[common, model], help="run the gRPC scheduler")
     from pagedserve.scheduler_svc.server import add_scheduler_args
     add_scheduler_args(scheduler)
-    add_engine_args(scheduler)
+    add_engine_args(scheduler, SCHEDULER_FLAGS)
+    add_geometry_checks(scheduler)
     scheduler.set_defaults(run=run_scheduler)
 
     executor = sub.add_parser("executor", parents=[common, model], help="run the GPU executor")
     executor.add_argument("--address", default="127.0.0.1:50052",
                           help="where the executor listens (host:port or unix:///path)")
-    add_engine_args(executor)
+    add_engine_args(executor, EXECUTOR_FLAGS)
     executor.set_defaults(run=run_executor)
 
     probe = sub.add_parser("probe", parents=[common], help="exit 0 if a service is healthy (compose)")
@@ -102,9 +102,10 @@ def run_serve(args: argparse.Namespace) -> int:
         gateway_argv += ["--allowed-origins", json.dumps(args.allowed_origins)]
     if args.stream_interval != 1:
         gateway_argv += ["--stream-interval", str(args.stream_interval)]
-    engine_argv = config_to_argv(config) + ["--log-level", args.log_level]
-    return serve(args.model, engine_argv, gateway_argv, args.host, args.port,
-                 args.scheduler_address, args.startup_timeout)
+    log_level = ["--log-level", args.log_level]
+    argv = {"executor": config_to_argv(config, EXECUTOR_FLAGS) + log_level,
+            "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + log_level, "gateway": gateway_argv}
+    return serve(args.model, argv, args.host, args.port, args.scheduler_address, args.startup_timeout)
 
 
 def run_gateway(args: argparse.Namespace) -> None:
@@ -116,13 +117,14 @@ def run_gateway(args: argparse.Namespace) -> None:
 def run_scheduler(args: argparse.Namespace) -> None:
     from pagedserve.scheduler_svc.server import serve
     args.model = args.model or DEMO_NAME
-    _run_async(serve(config_from_args(args), args.address, args.executor_address))
+    expected = {name: getattr(args, name) for name in GEOMETRY_FLAGS if getattr(args, name) is not None}
+    aio.run(serve(config_from_args(args), args.address, args.executor_address, expected))
 
 
 def run_executor(args: argparse.Namespace) -> None:
     from pagedserve.executor_svc.server import serve
     args.model = _model_dir(args)
-    _run_async(serve(config_from_args(args), args.address))
+    aio.run(serve(config_from_args(args), args.address))
 
 
 def run_probe(args: argparse.Namespace) -> int:
@@ -138,14 +140,6 @@ def run_make_shape_model(args: argparse.Namespace) -> None:
 def run_make_demo_model(args: argparse.Namespace) -> None:
     from pagedserve.entrypoints.demo_model import ensure_demo_model
     print(ensure_demo_model(args.dir))
-
-
-def _run_async(coro) -> None:
-    try:
-        import uvloop
-        uvloop.run(coro)
-    except ImportError:
-        asyncio.run(coro)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ class Launcher:
 
     def start(self, name: str, argv: list[str], ready: Callable[[], bool], timeout: float) -> None:
         """Starts `pagedserve <argv>` and waits until `ready()` holds or the child dies."""
-        command = [sys.executable, "-m", "pagedserve.entrypoints.cli", *argv]
+        command = [sys.executable, "-m", "pagedserve", *argv]
         process = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
         self.children.append(Child(name, process))
         deadline = time.monotonic() + timeout
@@ -107,22 +107,23 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def serve(model: str, engine_argv: list[str], gateway_argv: list[str], host: str, port: int,
-          scheduler_address: str | None, startup_timeout: float) -> int:
-    """Runs the whole stack on this machine until a signal; returns the exit code."""
+def serve(model: str, argv: dict[str, list[str]], host: str, port: int, scheduler_address: str | None,
+          startup_timeout: float) -> int:
+    """Runs the whole stack on this machine until a signal; returns the exit code. `argv` holds each
+    child's own flags, by child ("executor", "scheduler", "gateway")."""
     launcher = Launcher()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, launcher.request_stop)
     executor_address = launcher.socket("executor")
     scheduler_address = scheduler_address or launcher.socket("scheduler")
     try:
-        launcher.start("executor", ["executor", model, "--address", executor_address, *engine_argv],
+        launcher.start("executor", ["executor", model, "--address", executor_address, *argv["executor"]],
                        grpc_ready(executor_address), startup_timeout)
         launcher.start("scheduler", ["scheduler", model, "--address", scheduler_address,
-                                     "--executor-address", executor_address, *engine_argv],
+                                     "--executor-address", executor_address, *argv["scheduler"]],
                        grpc_ready(scheduler_address), startup_timeout)
         launcher.start("gateway", ["gateway", model, "--host", host, "--port", str(port),
-                                   "--scheduler-address", scheduler_address, *gateway_argv],
+                                   "--scheduler-address", scheduler_address, *argv["gateway"]],
                        http_ready(f"http://{_connect_host(host)}:{port}/health"), startup_timeout)
         if not launcher.stopping:
             log.info("pagedserve_ready", url=f"http://{host}:{port}/v1")

@@ -40,8 +40,7 @@ class LLM:
         self.runner = ModelRunner(self.config)
         info = self.runner.describe()
         self.max_model_len = info.max_model_len
-        self.scheduler = Scheduler(self.config, num_blocks=info.num_blocks,
-                                   max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids)
+        self.scheduler = Scheduler(self.config, info)
         has_tokenizer = (Path(model) / "tokenizer.json").exists()
         self.tokenizer = Tokenizer.from_dir(model) if has_tokenizer else None
         self._request_ids = itertools.count()

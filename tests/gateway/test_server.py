@@ -10,16 +10,14 @@ import time
 import aiohttp
 
 from pagedserve.gateway.server import add_gateway_args
-from pagedserve.common.config import add_engine_args
 
 
 def test_flags_and_defaults():
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
     add_gateway_args(parser)
     args = parser.parse_args([])
     assert (args.host, args.port, args.scheduler_address) == ("127.0.0.1", 8000, "127.0.0.1:50051")
-    assert args.tokenizer is None and args.served_model_name is None and args.log_level == "info"
+    assert args.tokenizer is None and args.served_model_name is None
 
 
 def _free_port() -> int:
@@ -45,7 +43,7 @@ async def _wait_healthy(http: aiohttp.ClientSession, url: str, process) -> None:
 async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
     port = _free_port()
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pagedserve.gateway.server", str(tokenizer_dir), "--port", str(port),
+        sys.executable, "-m", "pagedserve", "gateway", str(tokenizer_dir), "--port", str(port),
         "--scheduler-address", engine.address, "--served-model-name", "served", "--log-level", "warning")
     try:
         url = f"http://127.0.0.1:{port}"
@@ -73,10 +71,8 @@ def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "")
     assert cli.main(["serve", "/models/m", "--api-key", "sk-secret", "--protect-metrics",
                      "--allowed-origins", "https://a.example,https://b.example"]) == 0
-    gateway_argv = calls[0][2]
+    gateway_argv = calls[0][1]["gateway"]
     assert "sk-secret" not in " ".join(gateway_argv) and os.environ["PAGEDSERVE_API_KEY"] == "sk-secret"
-    args = argparse.ArgumentParser()
-    add_gateway_args(args)
-    parsed = args.parse_args(gateway_argv)
+    parsed = cli.build_parser().parse_args(["gateway", "/models/m", *gateway_argv])
     assert parsed.api_key == "sk-secret" and parsed.protect_metrics
     assert parsed.allowed_origins == ["https://a.example", "https://b.example"]

@@ -1,5 +1,6 @@
 """Builds small schedulers and requests for the scheduler tests."""
 from pagedserve.common.config import EngineConfig
+from pagedserve.common.plan import ExecutorInfo
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.scheduler import Scheduler
@@ -10,10 +11,11 @@ EOS = 0
 def make_scheduler(num_blocks: int = 64, max_model_len: int = 256, block_size: int = 4,
                    max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                    enable_prefix_caching: bool = True) -> Scheduler:
-    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens,
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(config, num_blocks, max_model_len, [EOS])
+    info = ExecutorInfo(num_blocks=num_blocks, block_size=block_size, dtype="none", device="none",
+                        vocab_size=1000, max_model_len=max_model_len, eos_token_ids=[EOS])
+    return Scheduler(config, info)
 
 
 def add(s: Scheduler, seq_id: int, prompt_len: int, first_token: int = 1, **params) -> Request:

@@ -11,7 +11,8 @@ from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import EngineLoop
 from pagedserve.scheduler_svc.request import RequestOutput, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import Scheduler
-from pagedserve.scheduler_svc.server import BUCKETS_S, EngineService, response_from_outputs
+from pagedserve.scheduler_svc.server import (BUCKETS_S, EngineService, check_geometry, response_from_outputs,
+                                             serve)
 
 
 def output(tokens: list[int], finished: bool = False, reason: str | None = None,
@@ -50,7 +51,7 @@ async def test_model_info_carries_the_step_histograms(tmp_path):
     executor = await service.start("executor", executor_address, partial(
         executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullModelRunner(info))))
     config = EngineConfig()
-    scheduler = Scheduler(config, info.num_blocks, info.max_model_len, info.eos_token_ids)
+    scheduler = Scheduler(config, info)
     async with service.channel(executor_address) as channel, service.channel(engine_address) as engine:
         loop = EngineLoop(scheduler, executor_pb2_grpc.ExecutorStub(channel))
         stepping = asyncio.create_task(loop.run())
@@ -75,3 +76,27 @@ async def test_model_info_carries_the_step_histograms(tmp_path):
         assert list(h.bucket_upper_bounds_s) == BUCKETS_S and list(h.bucket_counts) == ours.counts
         assert h.count == ours.count == sum(h.bucket_counts)
         assert h.sum_s == pytest.approx(ours.sum_ns / 1e9) and h.sum_s > 0
+
+
+@pytest.mark.parametrize("flag, value", [("block_size", 32), ("max_model_len", 64),
+                                         ("num_gpu_blocks_override", 10), ("dtype", "float16")])
+async def test_scheduler_refuses_geometry_that_disagrees_with_the_executor(tmp_path, flag, value):
+    info = null_executor_info(num_blocks=64, block_size=16, max_model_len=128)
+    executor_address = f"unix://{tmp_path}/executor.sock"
+    executor = await service.start("executor", executor_address, partial(
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullModelRunner(info))))
+    try:
+        with pytest.raises(SystemExit) as refused:
+            await serve(EngineConfig(), f"unix://{tmp_path}/engine.sock", executor_address, {flag: value})
+    finally:
+        await executor.stop()
+    message = str(refused.value)
+    dashed = "--" + flag.replace("_", "-")
+    assert "\n" not in message and message.startswith(f"scheduler: {dashed} {value} disagrees")
+    assert f"start the executor with {dashed} {value}" in message
+
+
+def test_matching_or_auto_geometry_is_accepted():
+    info = null_executor_info(num_blocks=64, block_size=16, max_model_len=128)
+    check_geometry({"block_size": 16, "max_model_len": 128, "num_gpu_blocks_override": 64, "dtype": "auto"},
+                   info, "unix:///x")
