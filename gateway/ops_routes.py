@@ -4,7 +4,7 @@ from aiohttp import web
 
 from pagedserve.gateway.errors import APIError
 from pagedserve.gateway.state import GATEWAY
-from pagedserve import __version__
+from pagedserve.common.version import __version__
 from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)

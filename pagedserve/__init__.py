@@ -1,6 +1,7 @@
 """pagedserve: PagedAttention, continuous batching and an OpenAI-compatible API."""
 
-__version__ = "0.1.0"
+from pagedserve.common.version import __version__
+
 __all__ = ["LLM", "SamplingParams"]
 
 

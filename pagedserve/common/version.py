@@ -1,0 +1,2 @@
+"""The version every part of pagedserve reports."""
+__version__ = "0.1.0"
