@@ -5,7 +5,7 @@ import json
 import openai
 import pytest
 
-from conftest import CACHED_TOKENS, LEAK, MAX_MODEL_LEN, MODEL, REPLY
+from tests.gateway.fake_engine import CACHED_TOKENS, LEAK, MAX_MODEL_LEN, MODEL, REPLY
 
 CHAT = [{"role": "user", "content": "Say hello"}]
 

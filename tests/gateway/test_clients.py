@@ -4,7 +4,7 @@ import json
 from langchain_core.messages import AIMessageChunk
 from langchain_openai import ChatOpenAI
 
-from conftest import MODEL, REPLY
+from tests.gateway.fake_engine import MODEL, REPLY
 
 PING = [{"role": "user", "content": "ping"}]
 

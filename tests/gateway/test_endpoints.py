@@ -5,7 +5,7 @@ from importlib.metadata import version
 
 import grpc
 
-from conftest import MAX_MODEL_LEN, MODEL, FakeEngine
+from tests.gateway.fake_engine import FakeEngine, MAX_MODEL_LEN, MODEL, serve_gateway
 from pagedserve.v1 import engine_pb2_grpc
 
 CHAT = [{"role": "user", "content": "Grüße 😀"}]
@@ -66,9 +66,7 @@ async def test_version(http, base_url):
 
 
 async def test_health_turns_ready_when_the_scheduler_comes_up(http, tokenizer, unused_tcp_port):
-    from conftest import _serve
-
-    runner, url = await _serve(tokenizer, f"127.0.0.1:{unused_tcp_port}")
+    runner, url = await serve_gateway(tokenizer, f"127.0.0.1:{unused_tcp_port}")
     server = grpc.aio.server()
     try:
         for _ in range(3):

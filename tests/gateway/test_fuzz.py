@@ -8,7 +8,7 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from conftest import LEAK, MODEL, FakeEngine, _serve
+from tests.gateway.fake_engine import LEAK, MODEL, FakeEngine, serve_gateway
 from pagedserve.v1 import engine_pb2_grpc
 
 EXAMPLES = 40
@@ -29,7 +29,7 @@ def gateway_url(tokenizer):
         engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        runner, found["url"] = await _serve(tokenizer, f"127.0.0.1:{port}")
+        runner, found["url"] = await serve_gateway(tokenizer, f"127.0.0.1:{port}")
         ready.set()
         await stop.wait()
         await runner.cleanup()

@@ -1,8 +1,8 @@
 """Logprobs and penalties through the gateway: what reaches the engine, and the OpenAI shapes of
-the fake engine's logprobs (conftest.fake_logprobs) in chat and completions, streamed or not."""
+the fake engine's logprobs (fake_engine.fake_logprobs) in chat and completions, streamed or not."""
 import json
 
-from conftest import MODEL, REPLY
+from tests.gateway.fake_engine import MODEL, REPLY
 
 CHAT = [{"role": "user", "content": "Say hello"}]
 

@@ -4,7 +4,7 @@ import asyncio
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ENGINE_STATS, MODEL
+from tests.gateway.fake_engine import ENGINE_STATS, MODEL
 
 P, G, N = 7, 5, 4  # prompt tokens, generated tokens, requests
 

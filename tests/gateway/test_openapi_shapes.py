@@ -5,7 +5,7 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
-from conftest import MODEL
+from tests.gateway.fake_engine import MODEL
 
 CHAT = [{"role": "user", "content": "Say hello"}]
 

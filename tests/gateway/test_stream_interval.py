@@ -1,7 +1,7 @@
 """--stream-interval: fewer, larger chunks with the same text."""
 import json
 
-from conftest import MODEL
+from tests.gateway.fake_engine import MODEL
 
 BODY = {"model": MODEL, "prompt": "Once", "max_tokens": 23, "stream": True, "ignore_eos": True}
 

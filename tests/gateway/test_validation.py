@@ -1,7 +1,7 @@
 """Every kind of bad request gets a 4xx in OpenAI's error shape and never reaches the engine."""
 import pytest
 
-from conftest import MODEL
+from tests.gateway.fake_engine import MODEL
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -1,0 +1,144 @@
+"""What the gateway tests run against: a tiny byte-level BPE tokenizer, a fake Engine service on
+grpc.aio, and the gateway on loopback."""
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import grpc
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from pagedserve.common.tokenizer import Tokenizer
+from pagedserve.gateway.app import build_app
+from pagedserve.gateway.server import start
+from pagedserve.v1 import engine_pb2 as pb
+from pagedserve.v1 import engine_pb2_grpc
+
+# Outside the repository (../shared/specs), so looked up in every parent of this file.
+SPEC_NAME = Path("shared", "specs", "openai-openapi.yaml")
+SPEC = next((p / SPEC_NAME for p in Path(__file__).resolve().parents if (p / SPEC_NAME).is_file()), None)
+MODEL = "tiny-model"
+MAX_MODEL_LEN = 256
+CACHED_TOKENS = 3
+REPLY = "Hello wörld 😀 and 🎉! The quick brown fox jumps over the lazy dog. "
+# What error messages must never carry: tracebacks, source or socket paths, addresses.
+LEAK = re.compile(r"Traceback|File \"|\.py\b|/(home|work|tmp|usr|opt|root|srv|var)/|unix:|ipv[46]:|localhost"
+                  r"|\b\d{1,3}(\.\d{1,3}){3}\b|\[::1?\]")
+# What the fake scheduler reports about itself in ModelInfo.
+ENGINE_STATS = dict(block_size=16, num_blocks=100, num_free_blocks=75, num_running=2, num_waiting=1,
+                    num_preemptions=4, kv_cache_usage=0.25, prefix_cache_queries=90, prefix_cache_hits=30,
+                    enable_prefix_caching=True, gpu_memory_utilization=0.9)
+# Its step histograms: per-bucket counts, the last bucket being +Inf.
+ENGINE_STEPS = dict(
+    step_schedule=pb.StepHistogram(bucket_upper_bounds_s=[1e-4, 1e-3], bucket_counts=[3, 2, 0], count=5,
+                                   sum_s=0.0012),
+    step_forward=pb.StepHistogram(bucket_upper_bounds_s=[1e-3, 1e-2], bucket_counts=[0, 4, 1], count=5,
+                                  sum_s=0.05),
+    step_idle=pb.StepHistogram(bucket_upper_bounds_s=[1e-4, 1e-3], bucket_counts=[2, 1, 1], count=4,
+                               sum_s=0.0021))
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! Hello there, how are you today?",
+    "A user asks and the assistant answers politely.",
+    "Grüße aus München, héllo wörld, ça va très bien.",
+    "日本語のテキストも少しだけ。",
+    "Party time 🎉 smile 😀",
+] * 20
+
+
+def build_tiny_tokenizer(path) -> None:
+    """Byte-level BPE small enough that an emoji takes several tokens."""
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": {"__type": "AddedToken", "content": "<s>"}, "eos_token": "</s>",
+              "chat_template": CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def fake_logprobs(i: int, token: int, k: int, vocab_size: int) -> pb.TokenLogprobs:
+    """Output token i is the most likely, at logprob -0.01 * (i + 1); the k top tokens are it and
+    the ids after it, each one less likely (logprob one lower) than the one before."""
+    logprob = -0.01 * (i + 1)
+    return pb.TokenLogprobs(logprob=logprob, rank=1,
+                            top_token_ids=[(token + j) % vocab_size for j in range(k)],
+                            top_logprobs=[logprob - j for j in range(k)])
+
+
+class FakeEngine(engine_pb2_grpc.EngineServicer):
+    """Replies with REPLY's tokens, one per message after `delay` seconds, cycling until max_tokens;
+    with logprobs asked, fake_logprobs of each."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.reply = tokenizer.encode(REPLY, add_special_tokens=False)
+        self.eos = tokenizer.eos_token_id
+        self.vocab_size = tokenizer.vocab_size
+        self.delay = 0.001
+        self.fail_after: int | None = None
+        self.reject: grpc.StatusCode | None = None
+        self.requests: list[pb.GenerateRequest] = []
+        self.metadata: list[dict] = []
+        self.cancelled: dict[str, float] = {}
+        self.aborted: list[str] = []
+        self.address = ""
+        self.steps = ENGINE_STEPS
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        if self.reject is not None:
+            await context.abort(self.reject, "rejected by the fake engine")
+        p = request.params
+        limit = p.max_tokens or MAX_MODEL_LEN - len(request.prompt_token_ids)
+        finished = False
+        try:
+            for i in range(limit):
+                await asyncio.sleep(self.delay)
+                if i == self.fail_after:
+                    await context.abort(grpc.StatusCode.INTERNAL, "executor crashed at /secret/path")
+                token = self.reply[i % len(self.reply)]
+                stop = token in p.stop_token_ids or (token == self.eos and not p.ignore_eos)
+                finish = (pb.FINISH_REASON_STOP if stop else
+                          pb.FINISH_REASON_LENGTH if i + 1 == limit else pb.FINISH_REASON_UNSPECIFIED)
+                finished = bool(finish)
+                logprobs = []
+                if p.HasField("logprobs"):
+                    logprobs.append(fake_logprobs(i, token, p.logprobs, self.vocab_size))
+                yield pb.GenerateResponse(
+                    token_ids=[token], finish_reason=finish, prompt_tokens=len(request.prompt_token_ids),
+                    completion_tokens=i + 1, cached_tokens=CACHED_TOKENS,
+                    stop_token_id=token if stop else None, logprobs=logprobs)
+        finally:
+            # A cancelled call shows up as CancelledError or as the generator being closed early.
+            if not finished:
+                self.cancelled[request.request_id] = time.monotonic()
+
+    async def Abort(self, request, context):
+        self.aborted.append(request.request_id)
+        return pb.AbortResponse(found=False)
+
+    async def GetModelInfo(self, request, context):
+        return pb.ModelInfo(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
+                            vocab_size=self.vocab_size, eos_token_ids=[self.eos], **ENGINE_STATS,
+                            **self.steps)
+
+    async def wait_cancelled(self, count: int = 1, timeout: float = 2.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.cancelled) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+
+async def serve_gateway(tokenizer, address: str, **options):
+    runner = await start(build_app(tokenizer, address, **options), "127.0.0.1", 0)
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
