@@ -2,28 +2,30 @@
 turns a step plan (a delta) into one forward pass and one sampled token per finished prefill or decode."""
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from pagedserve.executor_svc.attention import AttentionMetadata, get_backend
 from pagedserve.executor_svc.cuda_graphs import CudaGraphs, bucket, capture_sizes, decode_metadata
+from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_device, resolve_dtype
+from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
 from pagedserve.executor_svc.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
 from pagedserve.executor_svc.logits import LogprobRows, Penalties, SampledLogprobs, step_logprobs
+from pagedserve.executor_svc.memory_profile import profile_peak_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.models.llama import KVCache, LlamaForCausalLM
 from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
-from pagedserve.executor_svc.step_buffers import StepBuffers, Staging, upload_pinned
+from pagedserve.executor_svc.step_buffers import StepBuffers, upload_pinned
 from pagedserve.executor_svc.step_clock import StepClock
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import (MAX_STEPS_IN_FLIGHT, ExecutorInfo, NewRequest, SamplingOptions,
                              StepPlan, StepResult)
-from pagedserve.common.sampling_params import MAX_LOGPROBS
 
 log = get_logger(__name__)
 
@@ -59,18 +61,6 @@ class Launched:
 
 
 @dataclass(slots=True)
-class HostSlot:
-    """The pinned host memory one launched step uses: its uploads and its sampled outputs.
-    Steps alternate between MAX_STEPS_IN_FLIGHT slots, so a launch never overwrites what a step still
-    in flight reads or writes."""
-    staging: Staging
-    sampled: torch.Tensor
-    # Where logprobs land, as gather_logprobs packs them ([rows, 1 + k], flat).
-    logprob_values: torch.Tensor
-    logprob_ids: torch.Tensor
-
-
-@dataclass(slots=True)
 class RunnerStats:
     """Running totals over steps: host time in launch and collect, time blocked on the device,
     and the device's own time per step and idle time between steps."""
@@ -79,7 +69,6 @@ class RunnerStats:
     wait_ns: int = 0
     device_ns: int = 0
     idle_ns: int = 0
-
 
 
 class ModelRunner:
@@ -112,14 +101,7 @@ class ModelRunner:
         self.batch = InputBatch(self.max_seqs, self.max_model_len, self.block_size, self.device)
         max_blocks = self.batch.max_blocks
         self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
-        pinned = self.device.type == "cuda"
-        staging_bytes = 8 * (4 * max_tokens + 3 * self.max_seqs * max_blocks
-                             + 18 * self.max_seqs) + 4096
-        num_logprobs = self.max_seqs * (1 + MAX_LOGPROBS)
-        self.slots = [HostSlot(Staging(staging_bytes, self.device),
-                               torch.empty(self.max_seqs, dtype=torch.int64, pin_memory=pinned),
-                               torch.empty(num_logprobs, dtype=torch.float32, pin_memory=pinned),
-                               torch.empty(num_logprobs, dtype=torch.int64, pin_memory=pinned))
+        self.slots = [HostSlot.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
                       for _ in range(MAX_STEPS_IN_FLIGHT)]
         self.slot = self.slots[0]
         # The device copy of the batch's block table, updated from each plan's new block ids.
@@ -135,7 +117,7 @@ class ModelRunner:
         self.graphs = CudaGraphs(self.model, self.buffers, self.graph_metas)
         block_bytes = bytes_per_block(self.model_config, self.block_size, self.dtype)
         self.num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device,
-                                               self._profile_peak_bytes)
+                                               partial(profile_peak_bytes, self))
         self.kv_caches = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size,
                                            self.dtype, self.device)
         if self.graph_sizes and self.device.type == "cuda":
@@ -254,7 +236,8 @@ class ModelRunner:
         largest step the engine will run, for memory profiling and warm-up."""
         seq_len = min(num_tokens, self.max_model_len)
         num_blocks = -(-seq_len // self.block_size)
-        scratch = self._scratch_cache(num_blocks)
+        scratch = allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,
+                                    self.device)
         full, rest = divmod(num_tokens, seq_len)
         lens = np.array([seq_len] * full + ([rest] if rest else []), dtype=np.int64)
         # Negative ids: the scheduler's seq_ids start at 1.
@@ -459,45 +442,6 @@ class ModelRunner:
                                            _copy_to_host(logprobs.ids, slot.logprob_ids))
         return tokens, logprobs
 
-    def _scratch_cache(self, num_blocks: int) -> list[KVCache]:
-        return allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,
-                                 self.device)
-
-    def _profile_peak_bytes(self) -> int:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        scratch_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-        scratch_bytes = (-(-scratch_tokens // self.block_size)
-                         * bytes_per_block(self.model_config, self.block_size, self.dtype))
-        self.dummy_run(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        graph_bytes = self._graph_bytes() if self.graph_sizes else 0
-        free, total = torch.cuda.mem_get_info(self.device)
-        # CUDA context, cuBLAS workspaces and other memory that torch's allocator doesn't see.
-        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-        torch.cuda.empty_cache()
-        log.info("profile_run", weights_gib=round(before / 2**30, 2),
-                 activations_gib=round((peak - before - scratch_bytes) / 2**30, 2),
-                 cuda_graphs_reserved_gib=round(graph_bytes / 2**30, 2),
-                 outside_torch_gib=round(outside_torch / 2**30, 2))
-        return peak - scratch_bytes + graph_bytes + outside_torch
-
-    def _graph_bytes(self) -> int:
-        """What the CUDA graphs will hold beside the eager peak: the activations of the largest
-        (all graphs share one pool, the largest captured first) and every graph's output."""
-        size = max(self.graph_sizes)
-        scratch = self._scratch_cache(1)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        self.graphs.fill_padding(size)
-        self.graphs.forward(size, scratch)
-        torch.cuda.synchronize(self.device)
-        activations = torch.cuda.max_memory_allocated(self.device) - before
-        outputs = sum(self.graph_sizes) * self.model_config.hidden_size * self.dtype.itemsize
-        return activations + outputs
-
 
 def _copy_to_host(tensor: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
     """Starts copying `tensor` into the front of a flat pinned buffer (contiguous, so no hidden
@@ -509,35 +453,3 @@ def _copy_to_host(tensor: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
 
 def _pad(array: np.ndarray, n: int, value: int) -> np.ndarray:
     return np.concatenate((array, np.full(n, value, dtype=array.dtype)))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was given but torch sees no CUDA GPU; use --device cpu")
-    return device
-
-
-def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
-    """`auto`: float32 on the CPU, the checkpoint's dtype (bfloat16 when unstated) on a GPU."""
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32
-    return getattr(torch, model.dtype or "bfloat16")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)

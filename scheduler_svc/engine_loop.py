@@ -1,16 +1,16 @@
 """Drives the scheduler core against the executor's Run stream and fans outputs out to callers."""
 import asyncio
 import itertools
-from collections import deque
 
 import grpc
 
 from pagedserve.common.log import get_logger
-from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, StepPlan, plan_to_proto, result_from_proto
+from pagedserve.common.plan import StepPlan, StepResult, plan_to_proto, result_from_proto
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import executor_pb2_grpc
 from pagedserve.scheduler_svc.request import Request, RequestOutput
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.step_loop import StepLoop
 
 log = get_logger(__name__)
 
@@ -19,16 +19,29 @@ class ExecutorLost(RuntimeError):
     pass
 
 
+class StreamTransport:
+    """The executor's Run stream as the step loop's transport."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self.call = call
+
+    async def launch(self, plan: StepPlan) -> None:
+        await self.call.write(plan_to_proto(plan))
+
+    async def collect(self) -> StepResult:
+        reply = await self.call.read()
+        if reply is grpc.aio.EOF:
+            raise ExecutorLost("the executor closed the step stream")
+        return result_from_proto(reply)
+
+
 class EngineLoop:
     """Owns the scheduler; every call runs on one asyncio loop, so no locks are needed."""
 
     def __init__(self, scheduler: Scheduler, executor: executor_pb2_grpc.ExecutorStub,
                  async_scheduling: bool = True) -> None:
         self.scheduler = scheduler
-        self.max_in_flight = MAX_STEPS_IN_FLIGHT if async_scheduling else 1
-        # Plans sent whose results have not come back, oldest first. With two, the executor
-        # launches the next step while the device still runs the previous one.
-        self.in_flight: deque[StepPlan] = deque()
+        self.steps = StepLoop(scheduler, async_scheduling)
         self.executor = executor
         self.outputs: dict[int, asyncio.Queue] = {}
         self.seq_ids: dict[str, int] = {}
@@ -65,7 +78,7 @@ class EngineLoop:
         """Steps until the executor stream breaks; then fails every waiting caller."""
         call = self.executor.Run()
         try:
-            await self._step_forever(call)
+            await self.steps.run(StreamTransport(call), self._deliver, self._wait_for_work)
         except grpc.aio.AioRpcError as e:
             self._fail(f"the executor stream failed: {e.code().name}: {e.details()}")
         except ExecutorLost as e:
@@ -80,24 +93,10 @@ class EngineLoop:
         for queue in self.outputs.values():
             queue.put_nowait(self.error)
 
-    async def _step_forever(self, call) -> None:
-        in_flight = self.in_flight
-        scheduler = self.scheduler
-        while True:
-            plan = scheduler.schedule_ahead(len(in_flight), self.max_in_flight)
-            if plan is not None:
-                await call.write(plan_to_proto(plan))
-                in_flight.append(plan)
-                continue
-            if not in_flight:
-                # Nothing can run until a request arrives or leaves.
-                self.wakeup.clear()
-                await self.wakeup.wait()
-                continue
-            reply = await call.read()
-            if reply is grpc.aio.EOF:
-                raise ExecutorLost("the executor closed the step stream")
-            self._deliver(scheduler.update(in_flight.popleft(), result_from_proto(reply)))
+    async def _wait_for_work(self) -> None:
+        # Nothing can run until a request arrives or leaves.
+        self.wakeup.clear()
+        await self.wakeup.wait()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

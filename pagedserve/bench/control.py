@@ -5,7 +5,6 @@ The scheduler core runs against a null model runner, first in this process (sche
 then through the real executor gRPC server over a Unix socket in a child process (adds the plan and
 result encoding and the round trip)."""
 import argparse
-import asyncio
 import gc
 import json
 import multiprocessing
@@ -15,73 +14,20 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from itertools import chain
+
+import grpc
 
 from pagedserve.bench import workload
-from pagedserve.common import service
+from pagedserve.common import aio, service
 from pagedserve.common.config import EngineConfig
-from pagedserve.common.plan import ExecutorInfo, StepPlan, StepResult, plan_to_proto, result_from_proto
+from pagedserve.common.plan import ExecutorInfo, StepPlan, StepResult
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.v1 import executor_pb2_grpc
-from pagedserve.scheduler_svc.request import Request
+from pagedserve.executor_svc.null_runner import NullModelRunner, null_executor_info
+from pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from pagedserve.scheduler_svc.engine_loop import StreamTransport
+from pagedserve.scheduler_svc.request import Request, RequestOutput
 from pagedserve.scheduler_svc.scheduler import Scheduler
-
-VOCAB = 32000
-TOKEN = 1  # what the null model samples; never EOS (0)
-
-
-@dataclass(slots=True)
-class NullState:
-    num_tokens: int
-    num_computed_tokens: int
-    num_blocks: int
-
-
-class NullModelRunner:
-    """ModelRunner's interface with no model: keeps each request's state from the plan deltas, as the
-    real runner does, and samples TOKEN for every request whose known tokens are all computed."""
-
-    def __init__(self, info: ExecutorInfo) -> None:
-        self.info = info
-        self.requests: dict[int, NullState] = {}
-        self.last_end = 0
-
-    def describe(self) -> ExecutorInfo:
-        return self.info
-
-    def reset(self) -> None:
-        self.requests.clear()
-        self.last_end = 0
-
-    # The executor server's pipelined interface: a null step is done as soon as it is launched.
-    def launch(self, plan: StepPlan) -> StepResult:
-        return self.run(plan)
-
-    def wait(self, step: StepResult) -> None:
-        pass
-
-    def collect(self, step: StepResult) -> StepResult:
-        return step
-
-    def run(self, plan: StepPlan) -> StepResult:
-        start = time.perf_counter_ns()
-        idle_ns = start - self.last_end if self.last_end else 0
-        requests = self.requests
-        for seq_id in plan.dropped:
-            del requests[seq_id]
-        for r in plan.new_requests:
-            requests[r.seq_id] = NullState(len(r.token_ids), r.num_computed_tokens, len(r.block_ids))
-        for r in plan.continuing:
-            requests[r.seq_id].num_blocks += len(r.new_block_ids)
-        sampled = []
-        for r in chain(plan.new_requests, plan.continuing):
-            state = requests[r.seq_id]
-            state.num_computed_tokens += r.num_scheduled_tokens
-            if state.num_computed_tokens == state.num_tokens:
-                state.num_tokens += 1
-                sampled.append(r.seq_id)
-        self.last_end = time.perf_counter_ns()
-        return StepResult(plan.step_id, sampled, [TOKEN] * len(sampled), self.last_end - start, idle_ns)
+from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop, Transport
 
 
 @dataclass(slots=True)
@@ -127,11 +73,6 @@ def run_control_path(args: argparse.Namespace) -> None:
             json.dump(result, f, indent=2)
 
 
-def null_executor_info(num_blocks: int, block_size: int, max_model_len: int) -> ExecutorInfo:
-    return ExecutorInfo(num_blocks=num_blocks, block_size=block_size, dtype="none", device="none",
-                        vocab_size=VOCAB, max_model_len=max_model_len, eos_token_ids=[0])
-
-
 def build_scheduler(args: argparse.Namespace) -> tuple[Scheduler, ExecutorInfo]:
     """A scheduler holding every request of the workload, with a pool large enough that none waits."""
     max_model_len = args.input_len + args.output_len
@@ -142,7 +83,7 @@ def build_scheduler(args: argparse.Namespace) -> tuple[Scheduler, ExecutorInfo]:
                           enable_prefix_caching=args.enable_prefix_caching)
     scheduler = Scheduler(config, info)
     work = workload.random(n=args.num_requests, input_len=args.input_len, output_len=args.output_len,
-                           vocab=VOCAB)
+                           vocab=info.vocab_size)
     for i, (prompt, output_len) in enumerate(zip(work.prompts, work.output_lens)):
         params = SamplingParams(max_tokens=output_len, ignore_eos=True)
         scheduler.add(Request(seq_id=i + 1, request_id=str(i), prompt_token_ids=prompt, sampling=params))
@@ -167,34 +108,87 @@ def summarize(values_ns: list[int]) -> dict:
                 p99=round(values[min(len(values) - 1, len(values) * 99 // 100)] / 1000, 1))
 
 
+class TimedCall:
+    """The executor's Run stream, noting when a plan, encoded, is written and when its reply is read."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self.call = call
+        self.written = self.replied = 0
+
+    async def write(self, message: executor_pb2.StepPlan) -> None:
+        self.written = time.perf_counter_ns()
+        await self.call.write(message)
+
+    async def read(self) -> executor_pb2.StepResult:
+        reply = await self.call.read()
+        self.replied = time.perf_counter_ns()
+        return reply
+
+
+class PhaseTimer:
+    """Wraps the step loop's transport to time each phase of a step, with one step in flight at
+    a time (async scheduling off): schedule() ends as the plan reaches launch, update() as its
+    outputs reach `delivered`, and the result of the one plan out is in hand when collect returns.
+    Only steps at the full batch are recorded."""
+
+    def __init__(self, transport: Transport, times: StepTimes, batch: int,
+                 call: TimedCall | None = None) -> None:
+        self.transport = transport
+        self.times = times
+        self.batch = batch
+        self.call = call
+        self.num_steps = 0
+        self.plan: StepPlan | None = None
+        self.result: StepResult | None = None
+        # Clock and thread-CPU readings at the step's phase boundaries.
+        self.scheduled = self.cpu_scheduled = self.collected = self.cpu_collected = 0
+        self.step_started()
+
+    def step_started(self) -> None:
+        self.cpu_start, self.start = time.thread_time_ns(), time.perf_counter_ns()
+
+    async def launch(self, plan: StepPlan) -> None:
+        self.scheduled, self.cpu_scheduled = time.perf_counter_ns(), time.thread_time_ns()
+        self.plan = plan
+        await self.transport.launch(plan)
+
+    async def collect(self) -> StepResult:
+        self.result = await self.transport.collect()
+        self.cpu_collected, self.collected = time.thread_time_ns(), time.perf_counter_ns()
+        return self.result
+
+    def delivered(self, outputs: list[RequestOutput]) -> None:
+        updated, cpu_updated = time.perf_counter_ns(), time.thread_time_ns()
+        self.num_steps += 1
+        if len(self.plan.continuing) == self.batch:
+            self._record(updated, cpu_updated)
+        self.step_started()
+
+    def _record(self, updated: int, cpu_updated: int) -> None:
+        times, result = self.times, self.result
+        schedule_ns, update_ns = self.scheduled - self.start, updated - self.collected
+        times.schedule.append(schedule_ns)
+        times.update.append(update_ns)
+        times.scheduler_cpu.append(schedule_ns + update_ns)
+        times.scheduler_thread_cpu.append(self.cpu_scheduled - self.cpu_start
+                                          + cpu_updated - self.cpu_collected)
+        times.forward.append(result.forward_ns)
+        times.step.append(updated - self.start)
+        call = self.call
+        if call is not None:
+            times.encode.append(call.written - self.scheduled)
+            times.round_trip.append(call.replied - call.written)
+            times.decode.append(self.collected - call.replied)
+            if result.idle_ns:
+                times.idle.append(result.idle_ns)
+
+
 def run_in_process(scheduler: Scheduler, info: ExecutorInfo, times: StepTimes,
                    batch: int) -> tuple[int, float]:
-    runner = NullModelRunner(info)
-    clock, cpu = time.perf_counter_ns, time.thread_time_ns
-    num_steps = 0
+    timer = PhaseTimer(RunnerTransport(NullModelRunner(info)), times, batch)
     start = time.perf_counter()
-    while scheduler.has_work():
-        c0, t0 = cpu(), clock()
-        plan = scheduler.schedule()
-        t1, c1 = clock(), cpu()
-        result = runner.run(plan)
-        c2, t2 = cpu(), clock()
-        scheduler.update(plan, result)
-        t3, c3 = clock(), cpu()
-        num_steps += 1
-        if len(plan.continuing) == batch:
-            record(times, t1 - t0, t3 - t2, t3 - t0, c1 - c0 + c3 - c2, result)
-    return num_steps, time.perf_counter() - start
-
-
-def record(times: StepTimes, schedule_ns: int, update_ns: int, step_ns: int, thread_cpu_ns: int,
-           result: StepResult) -> None:
-    times.schedule.append(schedule_ns)
-    times.update.append(update_ns)
-    times.scheduler_cpu.append(schedule_ns + update_ns)
-    times.scheduler_thread_cpu.append(thread_cpu_ns)
-    times.forward.append(result.forward_ns)
-    times.step.append(step_ns)
+    StepLoop(scheduler, async_scheduling=False).run_sync(timer, timer.delivered)
+    return timer.num_steps, time.perf_counter() - start
 
 
 def run_over_grpc(scheduler: Scheduler, info: ExecutorInfo, times: StepTimes,
@@ -206,47 +200,27 @@ def run_over_grpc(scheduler: Scheduler, info: ExecutorInfo, times: StepTimes,
             target=serve_null_executor, args=(address, info), daemon=True)
         child.start()
         try:
-            return run_event_loop(drive(scheduler, address, times, batch))
+            return aio.run(drive(scheduler, address, times, batch))
         finally:
             child.terminate()
             child.join()
 
 
 async def drive(scheduler: Scheduler, address: str, times: StepTimes, batch: int) -> tuple[int, float]:
-    clock, cpu = time.perf_counter_ns, time.thread_time_ns
-    num_steps = 0
     async with service.channel(address) as channel:
         await service.wait_serving(address, timeout=60)
         call = executor_pb2_grpc.ExecutorStub(channel).Run()
+        timed_call = TimedCall(call)
+        timer = PhaseTimer(StreamTransport(timed_call), times, batch, timed_call)
         start = time.perf_counter()
-        while scheduler.has_work():
-            c0, t0 = cpu(), clock()
-            plan = scheduler.schedule()
-            t1, c1 = clock(), cpu()
-            message = plan_to_proto(plan)
-            t2 = clock()
-            await call.write(message)
-            reply = await call.read()
-            t3 = clock()
-            result = result_from_proto(reply)
-            c4, t4 = cpu(), clock()
-            scheduler.update(plan, result)
-            t5, c5 = clock(), cpu()
-            num_steps += 1
-            if len(plan.continuing) == batch:
-                record(times, t1 - t0, t5 - t4, t5 - t0, c1 - c0 + c5 - c4, result)
-                times.encode.append(t2 - t1)
-                times.round_trip.append(t3 - t2)
-                times.decode.append(t4 - t3)
-                if result.idle_ns:
-                    times.idle.append(result.idle_ns)
+        await StepLoop(scheduler, async_scheduling=False).run(timer, timer.delivered)
         seconds = time.perf_counter() - start
         await call.done_writing()
-    return num_steps, seconds
+    return timer.num_steps, seconds
 
 
 def serve_null_executor(address: str, info: ExecutorInfo) -> None:
-    run_event_loop(_serve_null_executor(address, NullModelRunner(info)))
+    aio.run(_serve_null_executor(address, NullModelRunner(info)))
 
 
 async def _serve_null_executor(address: str, runner: NullModelRunner) -> None:
@@ -256,15 +230,6 @@ async def _serve_null_executor(address: str, runner: NullModelRunner) -> None:
         executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(runner)))
     await service.wait_for_signal()
     await running.stop()
-
-
-def run_event_loop(coro):
-    """uvloop when installed, like the services themselves."""
-    try:
-        import uvloop
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
 
 
 ROWS = [("schedule", "schedule()"), ("update", "update()"), ("scheduler_cpu", "scheduler wall"),

@@ -1,22 +1,22 @@
 """Offline batch inference: the scheduler and executor cores in one process, no gRPC."""
 import itertools
-from collections import deque
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
 from tqdm import tqdm
 
-from pagedserve.executor_svc.model_runner import Launched, ModelRunner
+from pagedserve.executor_svc.model_runner import ModelRunner
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.config import EngineConfig
 from pagedserve.entrypoints.demo_model import ensure_demo_model
 from pagedserve.common.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, StepPlan
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.scheduler_svc.request import Request, TokenLogprobs
+from pagedserve.scheduler_svc.request import Request, RequestOutput as SequenceOutput, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop
 
 Prompt = str | dict
 
@@ -41,6 +41,8 @@ class LLM:
         info = self.runner.describe()
         self.max_model_len = info.max_model_len
         self.scheduler = Scheduler(self.config, info)
+        self.steps = StepLoop(self.scheduler, self.config.async_scheduling)
+        self.transport = RunnerTransport(self.runner)
         has_tokenizer = (Path(model) / "tokenizer.json").exists()
         self.tokenizer = Tokenizer.from_dir(model) if has_tokenizer else None
         self._request_ids = itertools.count()
@@ -96,30 +98,24 @@ class LLM:
 
     def _run(self, children: dict[int, _Child], use_tqdm: bool) -> None:
         bar = tqdm(total=len(children), desc="Processed prompts", disable=not use_tqdm)
-        scheduler, runner = self.scheduler, self.runner
-        max_in_flight = MAX_STEPS_IN_FLIGHT if self.config.async_scheduling else 1
-        in_flight: deque[tuple[StepPlan, Launched]] = deque()
-        while in_flight or scheduler.has_work():
-            plan = scheduler.schedule_ahead(len(in_flight), max_in_flight)
-            if plan is not None:
-                in_flight.append((plan, runner.launch(plan)))
-                continue
-            plan, launched = in_flight.popleft()
-            for out in scheduler.update(plan, runner.collect(launched)):
-                child = children[out.seq_id]
-                child.completion.token_ids += out.new_token_ids
-                if out.logprobs:
-                    child.completion.logprobs += map(self._logprobs, out.new_token_ids, out.logprobs)
-                if child.detokenizer is not None:
-                    child.detokenizer.add(out.new_token_ids)
-                    if child.detokenizer.stopped and not out.finished:
-                        self.scheduler.abort(out.seq_id)
-                        self._finish(child, "stop", child.detokenizer.stop_reason, bar)
-                        continue
-                if out.finished:
-                    self._finish(child, out.finish_reason, out.stop_token_id, bar)
-                child.output.num_cached_tokens = out.num_cached_tokens
+        self.steps.run_sync(self.transport, partial(self._deliver, children, bar))
         bar.close()
+
+    def _deliver(self, children: dict[int, _Child], bar: tqdm, outputs: list[SequenceOutput]) -> None:
+        for out in outputs:
+            child = children[out.seq_id]
+            child.completion.token_ids += out.new_token_ids
+            if out.logprobs:
+                child.completion.logprobs += map(self._logprobs, out.new_token_ids, out.logprobs)
+            if child.detokenizer is not None:
+                child.detokenizer.add(out.new_token_ids)
+                if child.detokenizer.stopped and not out.finished:
+                    self.scheduler.abort(out.seq_id)
+                    self._finish(child, "stop", child.detokenizer.stop_reason, bar)
+                    continue
+            if out.finished:
+                self._finish(child, out.finish_reason, out.stop_token_id, bar)
+            child.output.num_cached_tokens = out.num_cached_tokens
 
     def _logprobs(self, token_id: int, lp: TokenLogprobs) -> dict[int, Logprob]:
         def text(t: int) -> str | None:

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.executor_svc.attention import AttentionMetadata, TorchAttentionBackend
+from pagedserve.executor_svc.device import default_dtype
 from pagedserve.executor_svc.kv_cache import allocate_kv_cache
 from pagedserve.executor_svc.model_config import load_model_config
-from pagedserve.executor_svc.model_runner import ModelRunner, default_dtype
+from pagedserve.executor_svc.model_runner import ModelRunner
 from pagedserve.executor_svc.models.llama import LlamaForCausalLM
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.common.config import EngineConfig

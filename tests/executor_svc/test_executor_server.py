@@ -6,7 +6,7 @@ import pytest
 
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.common import service
-from pagedserve.bench.control import TOKEN, NullModelRunner, null_executor_info
+from pagedserve.executor_svc.null_runner import TOKEN, NullModelRunner, null_executor_info
 from pagedserve.common.plan import (ContinuingRequest, NewRequest, SamplingOptions, StepPlan, plan_to_proto,
                              result_from_proto)
 from pagedserve.v1 import executor_pb2_grpc

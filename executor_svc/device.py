@@ -1,0 +1,38 @@
+"""Which device and dtype the executor runs on, from --device and --dtype."""
+from contextlib import contextmanager
+
+import torch
+
+from pagedserve.executor_svc.model_config import ModelConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but torch sees no CUDA GPU; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto`: float32 on the CPU, the checkpoint's dtype (bfloat16 when unstated) on a GPU."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    return getattr(torch, model.dtype or "bfloat16")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

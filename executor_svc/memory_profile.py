@@ -1,0 +1,55 @@
+"""GPU memory profiling: what the model needs beside the KV cache, measured by running the
+largest step the engine will run, so that kv_cache.determine_num_blocks can give the KV cache the
+rest of the --gpu-memory-utilization budget."""
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedserve.executor_svc.kv_cache import allocate_kv_cache, bytes_per_block
+from pagedserve.common.log import get_logger
+
+if TYPE_CHECKING:
+    from pagedserve.executor_svc.model_runner import ModelRunner
+
+log = get_logger(__name__)
+
+
+def profile_peak_bytes(runner: "ModelRunner") -> int:
+    """The device memory in use at the peak of the largest step (weights included, its scratch
+    KV cache not), plus what the CUDA graphs will hold and what lies outside torch's allocator."""
+    device, config = runner.device, runner.config
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    scratch_tokens = min(config.max_num_batched_tokens, runner.max_model_len)
+    scratch_bytes = (-(-scratch_tokens // runner.block_size)
+                     * bytes_per_block(runner.model_config, runner.block_size, runner.dtype))
+    runner.dummy_run(config.max_num_batched_tokens, config.max_num_seqs)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    graph_bytes = _graph_bytes(runner) if runner.graph_sizes else 0
+    free, total = torch.cuda.mem_get_info(device)
+    # CUDA context, cuBLAS workspaces and other memory that torch's allocator doesn't see.
+    outside_torch = total - free - torch.cuda.memory_reserved(device)
+    torch.cuda.empty_cache()
+    log.info("profile_run", weights_gib=round(before / 2**30, 2),
+             activations_gib=round((peak - before - scratch_bytes) / 2**30, 2),
+             cuda_graphs_reserved_gib=round(graph_bytes / 2**30, 2),
+             outside_torch_gib=round(outside_torch / 2**30, 2))
+    return peak - scratch_bytes + graph_bytes + outside_torch
+
+
+def _graph_bytes(runner: "ModelRunner") -> int:
+    """What the CUDA graphs will hold beside the eager peak: the activations of the largest
+    (all graphs share one pool, the largest captured first) and every graph's output."""
+    device, sizes = runner.device, runner.graph_sizes
+    size = max(sizes)
+    scratch = allocate_kv_cache(runner.model_config, 1, runner.block_size, runner.dtype, device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    runner.graphs.fill_padding(size)
+    runner.graphs.forward(size, scratch)
+    torch.cuda.synchronize(device)
+    activations = torch.cuda.max_memory_allocated(device) - before
+    outputs = sum(sizes) * runner.model_config.hidden_size * runner.dtype.itemsize
+    return activations + outputs
