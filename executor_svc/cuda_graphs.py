@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from pagedserve.executor_svc.attention import AttentionMetadata
+from pagedserve.executor_svc.attention_backend import AttentionMetadata
 from pagedserve.executor_svc.models.llama import KVCache, LlamaForCausalLM
 from pagedserve.executor_svc.step_buffers import StepBuffers
 from pagedserve.kernels.attention import default_num_splits

@@ -8,7 +8,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from pagedserve.executor_svc.attention import AttentionMetadata, get_backend
+from pagedserve.executor_svc.attention_backend import AttentionMetadata, get_backend
 from pagedserve.executor_svc.cuda_graphs import CudaGraphs, bucket, capture_sizes, decode_metadata
 from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_device, resolve_dtype
 from pagedserve.executor_svc.host_slots import HostSlot

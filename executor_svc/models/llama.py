@@ -9,7 +9,7 @@ import itertools
 import torch
 from torch import nn
 
-from pagedserve.executor_svc.attention import AttentionMetadata, TorchAttentionBackend
+from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.models.rope import build_cos_sin_cache
 

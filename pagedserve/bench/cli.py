@@ -16,7 +16,7 @@ from pagedserve.bench.model_shapes import SHAPES, write_shape
 
 
 @dataclass(slots=True)
-class StepTimes:
+class EngineCallTimes:
     """Host wall time of the engine's calls in each step, recorded by wrapping the cores' methods."""
     schedule_ns: list[int] = field(default_factory=list)
     update_ns: list[int] = field(default_factory=list)
@@ -142,10 +142,10 @@ def run_throughput(args: argparse.Namespace) -> None:
 
 
 def _attach_timers(llm):
-    """Times the engine's calls from here on; returns the timings (StepTimes) and the runner's
+    """Times the engine's calls from here on; returns the timings (EngineCallTimes) and the runner's
     zeroed RunnerStats (imported here: the CLI must not pull in torch to parse arguments)."""
     from pagedserve.executor_svc.model_runner import RunnerStats
-    times = StepTimes()
+    times = EngineCallTimes()
     times.attach(llm)
     llm.runner.stats = RunnerStats()
     return times, llm.runner.stats

@@ -31,7 +31,7 @@ from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop, Transp
 
 
 @dataclass(slots=True)
-class StepTimes:
+class PhaseTimes:
     """Nanoseconds per phase of each step at the full batch; phases a mode lacks stay empty."""
     schedule: list[int] = field(default_factory=list)
     update: list[int] = field(default_factory=list)
@@ -93,7 +93,7 @@ def build_scheduler(args: argparse.Namespace) -> tuple[Scheduler, ExecutorInfo]:
 def measure(args: argparse.Namespace, run) -> dict:
     scheduler, info = build_scheduler(args)
     gc.freeze()  # as the scheduler server does once its block pool exists
-    times = StepTimes()
+    times = PhaseTimes()
     num_steps, seconds = run(scheduler, info, times, args.num_requests)
     summary = {name: summarize(values) for name, values in asdict(times).items() if values}
     return dict(steps=num_steps, seconds=round(seconds, 3), steps_per_s=round(num_steps / seconds, 1),
@@ -131,7 +131,7 @@ class PhaseTimer:
     outputs reach `delivered`, and the result of the one plan out is in hand when collect returns.
     Only steps at the full batch are recorded."""
 
-    def __init__(self, transport: Transport, times: StepTimes, batch: int,
+    def __init__(self, transport: Transport, times: PhaseTimes, batch: int,
                  call: TimedCall | None = None) -> None:
         self.transport = transport
         self.times = times
@@ -183,7 +183,7 @@ class PhaseTimer:
                 times.idle.append(result.idle_ns)
 
 
-def run_in_process(scheduler: Scheduler, info: ExecutorInfo, times: StepTimes,
+def run_in_process(scheduler: Scheduler, info: ExecutorInfo, times: PhaseTimes,
                    batch: int) -> tuple[int, float]:
     timer = PhaseTimer(RunnerTransport(NullModelRunner(info)), times, batch)
     start = time.perf_counter()
@@ -191,7 +191,7 @@ def run_in_process(scheduler: Scheduler, info: ExecutorInfo, times: StepTimes,
     return timer.num_steps, time.perf_counter() - start
 
 
-def run_over_grpc(scheduler: Scheduler, info: ExecutorInfo, times: StepTimes,
+def run_over_grpc(scheduler: Scheduler, info: ExecutorInfo, times: PhaseTimes,
                   batch: int) -> tuple[int, float]:
     with tempfile.TemporaryDirectory() as tmp:
         address = f"unix://{os.path.join(tmp, 'executor.sock')}"
@@ -206,7 +206,7 @@ def run_over_grpc(scheduler: Scheduler, info: ExecutorInfo, times: StepTimes,
             child.join()
 
 
-async def drive(scheduler: Scheduler, address: str, times: StepTimes, batch: int) -> tuple[int, float]:
+async def drive(scheduler: Scheduler, address: str, times: PhaseTimes, batch: int) -> tuple[int, float]:
     async with service.channel(address) as channel:
         await service.wait_serving(address, timeout=60)
         call = executor_pb2_grpc.ExecutorStub(channel).Run()

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.executor_svc.attention import AttentionMetadata, TorchAttentionBackend
+from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
 from pagedserve.executor_svc.device import default_dtype
 from pagedserve.executor_svc.kv_cache import allocate_kv_cache
 from pagedserve.executor_svc.model_config import load_model_config

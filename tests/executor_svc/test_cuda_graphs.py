@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedserve.executor_svc import model_runner
-from pagedserve.executor_svc.attention import TritonAttentionBackend
+from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
 from pagedserve.executor_svc.cuda_graphs import bucket, capture_sizes
 from tests.executor_svc.harness import (NEW_TOKENS, MiniScheduler, Seq, make_runner,
                                                   random_prompts)

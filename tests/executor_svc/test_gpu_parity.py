@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from pagedserve.executor_svc.attention import TritonAttentionBackend
+from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
 from pagedserve import LLM, SamplingParams
 from tests.executor_svc.harness import paged_prefill_logits
 from tests.tiny_models import make_tiny_model

@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from pagedserve.executor_svc.attention import TorchAttentionBackend
+from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.models.llama import LlamaForCausalLM
 from tests.executor_svc.harness import paged_prefill_logits

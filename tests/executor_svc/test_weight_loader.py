@@ -5,7 +5,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from pagedserve.executor_svc.attention import TorchAttentionBackend
+from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.models.llama import LlamaForCausalLM
 from pagedserve.executor_svc.weight_loader import checkpoint_targets, load_weights
