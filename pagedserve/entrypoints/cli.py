@@ -1,4 +1,4 @@
-"""The `pagedserve` command: serve the whole stack, run one service, build the demo model."""
+"""The `pagedserve` command: serve the whole stack, run one service, benchmark."""
 import argparse
 import json
 import os
@@ -8,9 +8,8 @@ from pagedserve.common import aio
 from pagedserve.common.config import (EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_FLAGS, add_engine_args,
                                       add_geometry_checks, config_from_args, config_to_argv)
 from pagedserve.common.log import configure
+from pagedserve.entrypoints import default_model
 from pagedserve.bench.model_shapes import SHAPES, write_shape
-
-DEMO_NAME = "pagedserve-demo"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("model", nargs="?", default=None,
-                       help="a Hugging Face model directory; the built-in demo model if omitted")
+                       help=f"a Hugging Face model directory or a .gguf file; {default_model.NAME} if omitted")
 
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,20 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--with-tokenizer", action="store_true",
                        help="add a synthetic tokenizer, so that `serve` can run on it")
     shape.set_defaults(run=run_make_shape_model)
-
-    demo = sub.add_parser("make-demo-model", parents=[common], help="write the demo model to DIR")
-    demo.add_argument("dir")
-    demo.set_defaults(run=run_make_demo_model)
     return parser
 
 
 def _model_dir(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
-    from pagedserve.entrypoints.demo_model import ensure_demo_model
     if getattr(args, "served_model_name", None) is None:
-        args.served_model_name = DEMO_NAME
-    return str(ensure_demo_model())
+        args.served_model_name = default_model.NAME
+    return str(default_model.default_model())
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -116,7 +110,7 @@ def run_gateway(args: argparse.Namespace) -> None:
 
 def run_scheduler(args: argparse.Namespace) -> None:
     from pagedserve.scheduler_svc.server import serve
-    args.model = args.model or DEMO_NAME
+    args.model = args.model or default_model.NAME
     expected = {name: getattr(args, name) for name in GEOMETRY_FLAGS if getattr(args, name) is not None}
     aio.run(serve(config_from_args(args), args.address, args.executor_address, expected))
 
@@ -135,11 +129,6 @@ def run_probe(args: argparse.Namespace) -> int:
 
 def run_make_shape_model(args: argparse.Namespace) -> None:
     print(write_shape(args.name, args.dir, tokenizer=args.with_tokenizer))
-
-
-def run_make_demo_model(args: argparse.Namespace) -> None:
-    from pagedserve.entrypoints.demo_model import ensure_demo_model
-    print(ensure_demo_model(args.dir))
 
 
 if __name__ == "__main__":

