@@ -4,7 +4,7 @@ Python work (vLLM's InputBatch)."""
 import numpy as np
 import torch
 
-from pagedserve.common.plan import NewRequest, SamplingOptions
+from pagedserve.common.plan import NewRequest
 
 FREE_ROW = np.iinfo(np.int64).min
 
@@ -86,10 +86,11 @@ class InputBatch:
         if s.seed is not None:
             self.generators[row] = torch.Generator(device=self.device).manual_seed(s.seed)
         self.num_prompt[row] = n if request.num_prompt_tokens is None else request.num_prompt_tokens
-        self._add_logits_options(row, s)
+        self._add_logits_options(row, request)
         return row
 
-    def _add_logits_options(self, row: int, s: SamplingOptions) -> None:
+    def _add_logits_options(self, row: int, request: NewRequest) -> None:
+        s = request.sampling
         self.repetition[row], self.frequency[row] = s.repetition_penalty, s.frequency_penalty
         self.presence[row] = s.presence_penalty
         if s.repetition_penalty != 1 or s.frequency_penalty or s.presence_penalty:
@@ -98,9 +99,9 @@ class InputBatch:
         if s.logprobs is not None:
             self.logprob_rows.add(row)
         self.min_tokens[row] = 0
-        if s.min_tokens and s.stop_token_ids:
+        if s.min_tokens and request.min_tokens_mask_ids:
             self.min_tokens[row] = s.min_tokens
-            self.stop_ids[row] = np.array(s.stop_token_ids, dtype=np.int64)
+            self.stop_ids[row] = np.array(request.min_tokens_mask_ids, dtype=np.int64)
 
     def remove(self, seq_id: int) -> None:
         row = self.row(seq_id)

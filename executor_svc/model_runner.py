@@ -24,8 +24,9 @@ from pagedserve.executor_svc.step_clock import StepClock
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
-from pagedserve.common.plan import (MAX_STEPS_IN_FLIGHT, ExecutorInfo, NewRequest, SamplingOptions,
+from pagedserve.common.plan import (MAX_STEPS_IN_FLIGHT, ExecutorInfo, NewRequest,
                              StepPlan, StepResult)
+from pagedserve.common.sampling_params import SamplingParams
 
 log = get_logger(__name__)
 
@@ -242,7 +243,7 @@ class ModelRunner:
         lens = np.array([seq_len] * full + ([rest] if rest else []), dtype=np.int64)
         # Negative ids: the scheduler's seq_ids start at 1.
         rows = np.array([self.batch.add(NewRequest(-1 - i, [0] * n, 0, n, list(range(num_blocks)),
-                                                   SamplingOptions()))
+                                                   SamplingParams()))
                          for i, n in enumerate(lens.tolist())], dtype=np.int64)
         try:
             step = self._prepare(rows, lens)

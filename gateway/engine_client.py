@@ -6,7 +6,7 @@ import grpc
 
 from pagedserve.gateway.errors import APIError, bad_request, internal, overloaded, unavailable
 from pagedserve.common import service
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams, sampling_to_proto
 from pagedserve.v1 import engine_pb2 as pb
 from pagedserve.v1.engine_pb2_grpc import EngineStub
 
@@ -18,15 +18,6 @@ class ModelSpec:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-
-
-def to_proto(params: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        seed=params.seed, max_tokens=params.max_tokens or 0, min_tokens=params.min_tokens,
-        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty, logprobs=params.logprobs)
 
 
 def _api_error(e: grpc.aio.AioRpcError) -> APIError:
@@ -73,7 +64,7 @@ class EngineClient:
         `trace_id` (the HTTP X-Request-Id) travels as x-request-id metadata; it defaults to request_id.
         """
         request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                     params=to_proto(params))
+                                     params=sampling_to_proto(params))
         call = self._stub.Generate(request, metadata=(("x-request-id", trace_id or request_id),))
         try:
             async for response in call:

@@ -114,30 +114,20 @@ def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_le
             code="context_length_exceeded")
 
 
+# Fields whose None means SamplingParams' default.
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty")
+
+
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """max_tokens None lets the scheduler fill the remaining context of each prompt; logprobs is the
-    number of top logprobs per token (None: none)."""
+    number of top logprobs per token (None: none). The ranges were checked when `req` was decoded."""
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).",
                           param="min_tokens")
-    stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    given = {name: getattr(req, name) for name in _DEFAULTED if getattr(req, name) is not None}
     return SamplingParams(
-        n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        # OpenAI-style clients send -1 for "off"; the engine's off is 0.
-        top_k=max(req.top_k or 0, 0),
-        min_p=req.min_p or 0.0,
-        seed=req.seed,
-        max_tokens=max_tokens,
-        min_tokens=req.min_tokens,
-        stop=stop,
-        stop_token_ids=req.stop_token_ids or [],
-        ignore_eos=req.ignore_eos,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        logprobs=logprobs,
-    )
+        n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        stop=[] if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, **given)

@@ -1,21 +1,23 @@
 """OpenAI request and response bodies as msgspec Structs; decoding turns bad input into a 400."""
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from pagedserve.common.sampling_params import RANGES, OutOfRange, Range, check_ranges
 from pagedserve.gateway.errors import bad_request
 
 Int32 = Annotated[int, Meta(ge=-2**31, le=2**31 - 1)]
-Positive = Annotated[int, Meta(ge=1, le=2**31 - 1)]
-Temperature = Annotated[float, Meta(ge=0, le=2)]
-TopP = Annotated[float, Meta(gt=0, le=1)]
-MinP = Annotated[float, Meta(ge=0, le=1)]
-Penalty = Annotated[float, Meta(ge=-2, le=2)]
-Seed = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]
-N = Annotated[int, Meta(ge=1, le=16)]
 Stop = str | Annotated[list[str], Meta(max_length=4)]
+
+# The engine's ranges, less where OpenAI's API allows less: up to 16 choices, temperature up to 2,
+# and up to 5 logprobs from the legacy completions. Each endpoint names logprobs its own way.
+SAMPLING_RANGES = {name: allowed for name, allowed in RANGES.items() if name != "logprobs"} | {
+    "n": Range(1, 16), "temperature": Range(0, 2, note="0 = greedy")}
+CHAT_RANGES = SAMPLING_RANGES | {"max_completion_tokens": RANGES["max_tokens"],
+                                 "top_logprobs": RANGES["logprobs"]}
+COMPLETION_RANGES = SAMPLING_RANGES | {"logprobs": Range(0, 5)}
 
 
 class StreamOptions(Struct):
@@ -39,38 +41,45 @@ class ChatMessage(Struct):
 
 class SamplingFields(Struct, kw_only=True):
     """The generation options that chat and completions share (vLLM's extensions included)."""
+    # Checked after decoding rather than by msgspec, so that the 400 says what SamplingParams would.
+    ranges: ClassVar[dict[str, Range]] = SAMPLING_RANGES
     model: str | None = None
-    max_tokens: Positive | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
-    min_p: MinP | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     # OpenAI's spec lets n, stream and echo be null, meaning their defaults.
-    n: N | None = 1
+    n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
-    seed: Seed | None = None
-    stop_token_ids: list[Int32] | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] = 0
+    min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     user: str | None = None
 
     def __post_init__(self) -> None:
         if self.n is None:
             self.n = 1
+        try:
+            check_ranges(self, self.ranges)
+        except OutOfRange as e:
+            raise bad_request(str(e), param=e.param) from e
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
+    ranges: ClassVar[dict[str, Range]] = CHAT_RANGES
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_completion_tokens: Positive | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
@@ -78,9 +87,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
+    ranges: ClassVar[dict[str, Range]] = COMPLETION_RANGES
     prompt: str | Annotated[list[str | Int32 | list[Int32]], Meta(min_length=1)]
     echo: bool | None = False
-    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    logprobs: int | None = None
 
 
 class TokenizeRequest(Struct, kw_only=True):

@@ -5,7 +5,6 @@ from enum import Enum
 
 import msgspec
 
-from pagedserve.common.plan import SamplingOptions
 from pagedserve.common.sampling_params import SamplingParams
 
 
@@ -52,12 +51,9 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    def sampling_options(self) -> SamplingOptions:
-        p = self.sampling
-        stop_token_ids = sorted(self.stop_ids) if p.min_tokens else []
-        return SamplingOptions(p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.min_tokens,
-                               stop_token_ids, p.presence_penalty, p.frequency_penalty,
-                               p.repetition_penalty, p.logprobs)
+    def min_tokens_mask_ids(self) -> list[int]:
+        """What the executor masks until min_tokens: the stop ids, which need not travel without it."""
+        return sorted(self.stop_ids) if self.sampling.min_tokens else []
 
 
 class TokenLogprobs(msgspec.Struct, gc=False):

@@ -207,8 +207,8 @@ class Scheduler:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_cached
             plan.new_requests.append(NewRequest(request.seq_id, list(request.token_ids), num_cached, n,
-                                                list(request.block_ids), request.sampling_options(),
-                                                request.num_prompt_tokens))
+                                                list(request.block_ids), request.sampling,
+                                                request.num_prompt_tokens, request.min_tokens_mask_ids()))
             request.num_computed_tokens = num_cached + n
             request.num_cached_blocks = len(cached)
             if block_manager.enable_prefix_caching:

@@ -11,7 +11,7 @@ from pagedserve.common import service
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import ExecutorInfo, info_from_proto
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import sampling_from_proto
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
 from pagedserve.scheduler_svc.request import RequestOutput
@@ -38,7 +38,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         log.debug("request_received", engine_request_id=request.request_id,
                   prompt_tokens=len(request.prompt_token_ids))
         try:
-            params = params_from_proto(request.params)
+            params = sampling_from_proto(request.params)
             _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -87,16 +87,6 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 def histogram_to_proto(h: Histogram) -> engine_pb2.StepHistogram:
     return engine_pb2.StepHistogram(bucket_upper_bounds_s=BUCKETS_S, bucket_counts=h.counts, count=h.count,
                                     sum_s=h.sum_ns / 1e9)
-
-
-def params_from_proto(p: engine_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
-                          min_p=p.min_p, seed=p.seed if p.HasField("seed") else None,
-                          max_tokens=p.max_tokens or None, min_tokens=p.min_tokens,
-                          stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                          repetition_penalty=p.repetition_penalty or 1.0,
-                          logprobs=p.logprobs if p.HasField("logprobs") else None)
 
 
 def response_from_outputs(outs: list[RequestOutput]) -> engine_pb2.GenerateResponse:

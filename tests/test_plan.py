@@ -1,31 +1,34 @@
-from pagedserve.common.plan import (ContinuingRequest, NewRequest, SamplingOptions, StepLogprobs, StepPlan,
-                             StepResult, plan_from_proto, plan_to_proto, result_from_proto, result_to_proto)
+from pagedserve.common.plan import (ContinuingRequest, NewRequest, StepLogprobs, StepPlan, StepResult,
+                                    plan_from_proto, plan_to_proto, result_from_proto, result_to_proto)
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import executor_pb2 as pb
 
 
 def test_plan_survives_the_wire():
+    params = SamplingParams(temperature=0.5, top_p=0.75, top_k=4, min_p=0.125, seed=11)
     plan = StepPlan(7,
-                    new_requests=[NewRequest(3, [5, 6, 7], 0, 3, [4], SamplingOptions(0.5, 0.75, 4, 0.125, 11)),
-                                  NewRequest(4, [8], 0, 1, [9], SamplingOptions())],
+                    new_requests=[NewRequest(3, [5, 6, 7], 0, 3, [4], params),
+                                  NewRequest(4, [8], 0, 1, [9], SamplingParams())],
                     continuing=[ContinuingRequest(1, 1, []), ContinuingRequest(2, 16, [10, 11])],
                     dropped=[5, 6])
     wire = pb.StepPlan.FromString(plan_to_proto(plan).SerializeToString())
     back = plan_from_proto(wire)
-    assert back == StepPlan(7, [NewRequest(3, [5, 6, 7], 0, 3, [4], SamplingOptions(0.5, 0.75, 4, 0.125, 11)),
-                                NewRequest(4, [8], 0, 1, [9], SamplingOptions())],
+    assert back == StepPlan(7, [NewRequest(3, [5, 6, 7], 0, 3, [4], params),
+                                NewRequest(4, [8], 0, 1, [9], SamplingParams())],
                             [ContinuingRequest(1, 1, []), ContinuingRequest(2, 16, [10, 11])], [5, 6])
     assert all(type(r.new_block_ids) is list for r in back.continuing)
 
 
-def test_new_sampling_options_and_prompt_length_survive_the_wire():
-    options = SamplingOptions(0.5, 1.0, 0, 0.0, None, min_tokens=3, stop_token_ids=[2, 9],
-                              presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.25,
-                              logprobs=0)
-    plan = StepPlan(1, new_requests=[NewRequest(3, [5, 6, 7, 8], 0, 4, [4], options, num_prompt_tokens=2),
-                                     NewRequest(4, [8], 0, 1, [9], SamplingOptions())])
+def test_new_sampling_params_mask_ids_and_prompt_length_survive_the_wire():
+    params = SamplingParams(temperature=0.5, max_tokens=None, min_tokens=3, stop_token_ids=[9],
+                            presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.25, logprobs=0)
+    plan = StepPlan(1, new_requests=[NewRequest(3, [5, 6, 7, 8], 0, 4, [4], params, num_prompt_tokens=2,
+                                                min_tokens_mask_ids=[2, 9]),
+                                     NewRequest(4, [8], 0, 1, [9], SamplingParams())])
     back = plan_from_proto(pb.StepPlan.FromString(plan_to_proto(plan).SerializeToString()))
     assert back == plan
     assert back.new_requests[1].sampling.logprobs is None and back.new_requests[1].num_prompt_tokens is None
+    assert back.new_requests[1].min_tokens_mask_ids == []
 
 
 def test_result_survives_the_wire():

@@ -3,27 +3,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pagedserve.common.sampling_params import SamplingParams, sampling_from_proto, sampling_to_proto
 from pagedserve.v1 import executor_pb2 as pb
 
 # Steps planned ahead of results: with two, the executor prepares and launches the next step
 # while the device still runs the previous one.
 MAX_STEPS_IN_FLIGHT = 2
-
-
-@dataclass(slots=True)
-class SamplingOptions:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    min_tokens: int = 0
-    # Masked while the request has fewer than min_tokens outputs; empty without min_tokens.
-    stop_token_ids: list[int] = field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
 
 
 @dataclass(slots=True)
@@ -33,10 +18,13 @@ class NewRequest:
     num_computed_tokens: int
     num_scheduled_tokens: int
     block_ids: list[int]
-    sampling: SamplingOptions
+    sampling: SamplingParams
     # token_ids[:num_prompt_tokens] is the prompt, the rest outputs sampled before a preemption;
     # None: all of token_ids is the prompt.
     num_prompt_tokens: int | None = None
+    # What the sampler masks while the request has fewer than sampling.min_tokens outputs (EOS
+    # unless ignore_eos, and stop_token_ids); empty without min_tokens.
+    min_tokens_mask_ids: list[int] = field(default_factory=list)
 
 
 # A msgspec Struct rather than a dataclass: built in C at half the cost and untracked by the garbage
@@ -103,27 +91,13 @@ class ExecutorInfo:
     gpu_memory_utilization: float = 0.0
 
 
-def sampling_to_proto(s: SamplingOptions) -> pb.SamplingOptions:
-    return pb.SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              min_p=s.min_p, seed=s.seed, min_tokens=s.min_tokens,
-                              stop_token_ids=s.stop_token_ids, presence_penalty=s.presence_penalty,
-                              frequency_penalty=s.frequency_penalty,
-                              repetition_penalty=s.repetition_penalty, logprobs=s.logprobs)
-
-
-def sampling_from_proto(m: pb.SamplingOptions) -> SamplingOptions:
-    return SamplingOptions(m.temperature, m.top_p, m.top_k, m.min_p,
-                           m.seed if m.HasField("seed") else None, m.min_tokens,
-                           m.stop_token_ids[:], m.presence_penalty, m.frequency_penalty,
-                           m.repetition_penalty, m.logprobs if m.HasField("logprobs") else None)
-
-
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
     m = pb.StepPlan(step_id=plan.step_id, dropped=plan.dropped)
     for r in plan.new_requests:
         m.new_requests.add(seq_id=r.seq_id, token_ids=r.token_ids, num_computed_tokens=r.num_computed_tokens,
                            num_scheduled_tokens=r.num_scheduled_tokens, block_ids=r.block_ids,
-                           sampling=sampling_to_proto(r.sampling), num_prompt_tokens=r.num_prompt_tokens)
+                           sampling=sampling_to_proto(r.sampling), num_prompt_tokens=r.num_prompt_tokens,
+                           min_tokens_mask_ids=r.min_tokens_mask_ids)
     # Runs once per running request per step: add() in place is 2x cheaper than building each
     # message and copying it in, and an empty repeated field passed as a keyword costs as much again.
     add = m.continuing.add
@@ -141,7 +115,8 @@ def plan_from_proto(m: pb.StepPlan) -> StepPlan:
         step_id=m.step_id,
         new_requests=[NewRequest(r.seq_id, r.token_ids[:], r.num_computed_tokens, r.num_scheduled_tokens,
                                  r.block_ids[:], sampling_from_proto(r.sampling),
-                                 r.num_prompt_tokens if r.HasField("num_prompt_tokens") else None)
+                                 r.num_prompt_tokens if r.HasField("num_prompt_tokens") else None,
+                                 r.min_tokens_mask_ids[:])
                       for r in m.new_requests],
         continuing=[ContinuingRequest(r.seq_id, r.num_scheduled_tokens, r.new_block_ids[:])
                     for r in m.continuing],

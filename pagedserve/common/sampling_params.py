@@ -1,8 +1,82 @@
-"""Per-request generation options, with vLLM's names and defaults."""
+"""Per-request generation options, with vLLM's names and defaults; the range each may take; and
+their wire form (pagedserve.v1.SamplingParams), which the scheduler and the executor share."""
+import math
 from dataclasses import dataclass, field
+
+from pagedserve.v1 import sampling_pb2 as pb
 
 # vLLM's default max_logprobs: the most top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
+# The wire's integer fields are int32, the seed an int64.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The values a number may take: low to high, high included, low too unless open."""
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    # What a special value means, for the error message ("0 = off").
+    note: str = ""
+    # The least value in range: with it the check is one chained comparison (SamplingParams is
+    # checked once per request on each side of the wire), and NaN, which compares false, is out.
+    least: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "least", math.nextafter(self.low, math.inf) if self.low_open else self.low)
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            text = f"greater than {_number(self.low)}" if self.low_open else f"at least {_number(self.low)}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}]"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+class OutOfRange(ValueError):
+    """A parameter outside its range; `param` names it."""
+
+    def __init__(self, param: str, allowed: Range, value: float) -> None:
+        super().__init__(f"{param} must be {allowed}, got {value}")
+        self.param = param
+
+
+# Every range a sampling parameter is checked against, by SamplingParams and by the gateway (whose
+# OpenAI API allows less on a few fields: gateway/schemas.py). The integer bounds are the wire's,
+# so that every SamplingParams fits the message. A list's range is each of its values'.
+RANGES: dict[str, Range] = {
+    "n": Range(1),
+    "temperature": Range(0, note="0 = greedy"),
+    "top_p": Range(0, 1, low_open=True),
+    # vLLM takes -1 for off as well.
+    "top_k": Range(-1, INT32_MAX, note="0 or -1 = off"),
+    "min_p": Range(0, 1),
+    "seed": Range(INT64_MIN, INT64_MAX),
+    "max_tokens": Range(1, INT32_MAX),
+    "min_tokens": Range(0, INT32_MAX),
+    "stop_token_ids": Range(0, INT32_MAX),
+    "presence_penalty": Range(-2, 2),
+    "frequency_penalty": Range(-2, 2),
+    "repetition_penalty": Range(0, low_open=True, note="1 = off"),
+    "logprobs": Range(0, MAX_LOGPROBS),
+}
+
+
+def check_ranges(params: object, ranges: dict[str, Range]) -> None:
+    """Raises OutOfRange for the first attribute of `params` named in `ranges` that is outside it
+    (None is always allowed; a list is checked value by value)."""
+    for name, allowed in ranges.items():
+        value = getattr(params, name)
+        if isinstance(value, list):
+            value = next((v for v in value if not allowed.least <= v <= allowed.high), None)
+        if value is not None and not allowed.least <= value <= allowed.high:
+            raise OutOfRange(name, allowed, value)
 
 
 @dataclass(slots=True)
@@ -29,24 +103,29 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 (off) or positive, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be positive (1 = off), got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check_ranges(self, RANGES)
+        self.top_k = max(self.top_k, 0)
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    """The wire form; n, stop strings and the detokenizing options stay with the gateway."""
+    return pb.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
+        max_tokens=p.max_tokens, min_tokens=p.min_tokens, stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+        logprobs=p.logprobs)
+
+
+# The message's optional fields that, absent, take SamplingParams' default; absent max_tokens is None.
+_DEFAULTED = ("top_p", "seed", "repetition_penalty", "logprobs")
+
+
+def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError for values out of range."""
+    present = {name: getattr(m, name) for name in _DEFAULTED if m.HasField(name)}
+    return SamplingParams(
+        temperature=m.temperature, top_k=m.top_k, min_p=m.min_p,
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else None, min_tokens=m.min_tokens,
+        stop_token_ids=m.stop_token_ids[:], ignore_eos=m.ignore_eos,
+        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty, **present)

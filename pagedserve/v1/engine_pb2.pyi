@@ -1,3 +1,4 @@
+from pagedserve.v1 import sampling_pb2 as _sampling_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -18,36 +19,6 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
-class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    MIN_P_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
-    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int
-    max_tokens: int
-    min_tokens: int
-    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    ignore_eos: bool
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
-
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -55,8 +26,8 @@ class GenerateRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    params: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    params: _sampling_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "rank", "top_token_ids", "top_logprobs")

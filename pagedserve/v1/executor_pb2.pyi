@@ -1,3 +1,4 @@
+from pagedserve.v1 import sampling_pb2 as _sampling_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -30,34 +31,8 @@ class ExecutorInfo(_message.Message):
     gpu_memory_utilization: float
     def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., gpu_memory_utilization: _Optional[float] = ...) -> None: ...
 
-class SamplingOptions(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    MIN_P_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int
-    min_tokens: int
-    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
-
 class NewRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "num_scheduled_tokens", "block_ids", "sampling", "num_prompt_tokens")
+    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "num_scheduled_tokens", "block_ids", "sampling", "num_prompt_tokens", "min_tokens_mask_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -65,14 +40,16 @@ class NewRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_MASK_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: SamplingOptions
+    sampling: _sampling_pb2.SamplingParams
     num_prompt_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    min_tokens_mask_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., min_tokens_mask_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ContinuingRequest(_message.Message):
     __slots__ = ("seq_id", "num_scheduled_tokens", "new_block_ids")
@@ -97,22 +74,20 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "forward_ns", "error", "idle_ns", "logprobs")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "forward_ns", "idle_ns", "logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
     IDLE_NS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     forward_ns: int
-    error: str
     idle_ns: int
     logprobs: StepLogprobs
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_ns: _Optional[int] = ..., error: _Optional[str] = ..., idle_ns: _Optional[int] = ..., logprobs: _Optional[_Union[StepLogprobs, _Mapping]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., logprobs: _Optional[_Union[StepLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepLogprobs(_message.Message):
     __slots__ = ("rows", "logprobs", "ranks", "num_top", "top_token_ids", "top_logprobs")

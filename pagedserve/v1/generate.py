@@ -5,7 +5,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTOS = ("pagedserve/v1/engine.proto", "pagedserve/v1/executor.proto")
+PROTOS = ("pagedserve/v1/sampling.proto", "pagedserve/v1/engine.proto", "pagedserve/v1/executor.proto")
 
 
 def generate(out_dir: Path) -> None:

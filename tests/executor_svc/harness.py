@@ -13,12 +13,13 @@ from pagedserve.executor_svc.model_runner import ModelRunner
 from pagedserve.executor_svc.models.llama import LlamaForCausalLM
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.common.config import EngineConfig
-from pagedserve.common.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
+from pagedserve.common.plan import ContinuingRequest, NewRequest, StepPlan
+from pagedserve.common.sampling_params import SamplingParams
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 96
 NEW_TOKENS = 20
-GREEDY = SamplingOptions(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(slots=True)
@@ -29,7 +30,7 @@ class Seq:
     blocks: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     sent: bool = False
-    sampling: SamplingOptions = field(default_factory=lambda: GREEDY)
+    sampling: SamplingParams = field(default_factory=lambda: GREEDY)
 
 
 class MiniScheduler:

@@ -7,8 +7,8 @@ import pytest
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.common import service
 from pagedserve.executor_svc.null_runner import TOKEN, NullModelRunner, null_executor_info
-from pagedserve.common.plan import (ContinuingRequest, NewRequest, SamplingOptions, StepPlan, plan_to_proto,
-                             result_from_proto)
+from pagedserve.common.plan import ContinuingRequest, NewRequest, StepPlan, plan_to_proto, result_from_proto
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import executor_pb2_grpc
 
 
@@ -26,7 +26,7 @@ async def executor(tmp_path):
 async def test_two_plans_in_flight_come_back_in_order(executor):
     call = executor.Run()
     await call.write(plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5, 6], 0, 2, [1],
-                                                                        SamplingOptions())])))
+                                                                        SamplingParams())])))
     # Planned before the first result: decodes the token the first step samples.
     await call.write(plan_to_proto(StepPlan(2, continuing=[ContinuingRequest(7, 1, [])])))
     first, second = result_from_proto(await call.read()), result_from_proto(await call.read())

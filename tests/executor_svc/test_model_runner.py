@@ -5,7 +5,8 @@ chunks under a token budget, shares blocks for prefix-cache hits, drops and re-a
 import numpy as np
 import pytest
 
-from pagedserve.common.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
+from pagedserve.common.plan import ContinuingRequest, NewRequest, StepPlan
+from pagedserve.common.sampling_params import SamplingParams
 from tests.executor_svc.harness import (GREEDY, NEW_TOKENS, NUM_BLOCKS, MiniScheduler, Seq, make_runner,
                                         random_prompts)
 from tests.tiny_models import ARCHITECTURES, hf_greedy, make_tiny_model
@@ -77,14 +78,14 @@ def test_empty_plan_returns_empty_result(llama):
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llama):
     prompt = random_prompts([12], seed=4)[0]
-    seeded = SamplingOptions(temperature=1.0, top_p=0.95, seed=1234)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
 
     def sample(seed_of_neighbour: int, neighbours: int) -> list[int]:
         scheduler = MiniScheduler(make_runner(llama, seed=seed_of_neighbour), budget=256)
         scheduler.add(0, Seq(list(prompt), NEW_TOKENS, sampling=seeded))
         for i in range(neighbours):
             scheduler.add(i + 1, Seq(random_prompts([5 + i], seed=i)[0], NEW_TOKENS,
-                                     sampling=SamplingOptions(temperature=1.0)))
+                                     sampling=SamplingParams(temperature=1.0)))
         return scheduler.run_to_completion()[0]
 
     tokens = sample(0, 0)

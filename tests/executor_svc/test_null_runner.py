@@ -1,13 +1,14 @@
 """The null model runner: plan deltas tracked as the real runner does, TOKEN sampled at the end of
 each request's known tokens."""
-from pagedserve.common.plan import ContinuingRequest, NewRequest, SamplingOptions, StepPlan
+from pagedserve.common.plan import ContinuingRequest, NewRequest, StepPlan
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.executor_svc.null_runner import TOKEN, NullModelRunner, null_executor_info
 
 
 def test_null_runner_samples_once_all_known_tokens_are_computed():
     runner = NullModelRunner(null_executor_info(num_blocks=16, block_size=4, max_model_len=64))
-    chunk = StepPlan(1, new_requests=[NewRequest(1, [5] * 6, 0, 4, [1, 2], SamplingOptions()),
-                                      NewRequest(2, [5] * 3, 0, 3, [3], SamplingOptions())])
+    chunk = StepPlan(1, new_requests=[NewRequest(1, [5] * 6, 0, 4, [1, 2], SamplingParams()),
+                                      NewRequest(2, [5] * 3, 0, 3, [3], SamplingParams())])
     result = runner.run(chunk)
     assert (result.seq_ids, result.token_ids) == ([2], [TOKEN])
     result = runner.run(StepPlan(2, continuing=[ContinuingRequest(1, 2, []), ContinuingRequest(2, 1, [4])]))

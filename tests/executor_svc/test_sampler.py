@@ -4,12 +4,12 @@ import torch
 
 from pagedserve.executor_svc.logits import LogprobRows, Penalties
 from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
-from pagedserve.common.plan import SamplingOptions
+from pagedserve.common.sampling_params import SamplingParams
 
 sampler = Sampler()
 
 
-def sample(logits: torch.Tensor, options: list[SamplingOptions],
+def sample(logits: torch.Tensor, options: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     def column(name: str, dtype) -> np.ndarray:
         return np.array([getattr(o, name) for o in options], dtype=dtype)
@@ -25,7 +25,7 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def frequencies(logits: torch.Tensor, options: SamplingOptions, draws: int = 20000) -> torch.Tensor:
+def frequencies(logits: torch.Tensor, options: SamplingParams, draws: int = 20000) -> torch.Tensor:
     """How often each token is drawn from one row of logits, over `draws` rows at once."""
     torch.manual_seed(0)
     tokens = sample(logits.expand(draws, -1).clone(), [options] * draws, [None] * draws)
@@ -38,25 +38,25 @@ def logits() -> torch.Tensor:
 
 
 def test_greedy_rows_take_the_argmax(logits):
-    options = [SamplingOptions(temperature=0.0)] * 6
+    options = [SamplingParams(temperature=0.0)] * 6
     assert torch.equal(sample(logits, options, [None] * 6), logits.argmax(-1))
 
 
 def test_greedy_rows_stay_argmax_next_to_sampled_rows(logits):
-    options = [SamplingOptions(temperature=0.0), SamplingOptions(temperature=2.0)] * 3
+    options = [SamplingParams(temperature=0.0), SamplingParams(temperature=2.0)] * 3
     tokens = sample(logits, options, [None, seeded(1)] * 3)
     assert torch.equal(tokens[::2], logits[::2].argmax(-1))
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(logits):
     expected = logits.argmax(-1)
-    for options in (SamplingOptions(top_k=1), SamplingOptions(top_p=1e-6)):
+    for options in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6)):
         for _ in range(5):
             assert torch.equal(sample(logits, [options] * 6, [None] * 6), expected)
 
 
 def test_same_seed_same_tokens_different_seed_differs(logits):
-    options = [SamplingOptions(temperature=1.5, top_k=50)] * 6
+    options = [SamplingParams(temperature=1.5, top_k=50)] * 6
 
     def draw(seed: int) -> list[list[int]]:
         generators = [seeded(seed + row) for row in range(6)]
@@ -67,28 +67,28 @@ def test_same_seed_same_tokens_different_seed_differs(logits):
 
 
 def test_seeded_row_ignores_the_rest_of_the_batch(logits):
-    options = SamplingOptions(temperature=1.0, top_p=0.9, seed=3)
+    options = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
 
-    def first_row_draws(rows: torch.Tensor, others: list[SamplingOptions]) -> list[int]:
+    def first_row_draws(rows: torch.Tensor, others: list[SamplingParams]) -> list[int]:
         generator = seeded(3)
         return [sample(rows, [options] + others, [generator] + [None] * len(others))[0].item()
                 for _ in range(5)]
 
     alone = first_row_draws(logits[:1], [])
     torch.manual_seed(123)
-    assert first_row_draws(logits, [SamplingOptions(temperature=1.0)] * 5) == alone
+    assert first_row_draws(logits, [SamplingParams(temperature=1.0)] * 5) == alone
 
 
 def test_temperature_sampling_follows_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     expected = torch.softmax(logits[0] / 0.7, dim=-1)
-    observed = frequencies(logits, SamplingOptions(temperature=0.7))
+    observed = frequencies(logits, SamplingParams(temperature=0.7))
     torch.testing.assert_close(observed, expected, atol=0.015, rtol=0)
 
 
 def test_top_k_keeps_the_k_most_likely():
     logits = torch.tensor([[3.0, 0.0, 2.0, 1.0, 2.5]])
-    observed = frequencies(logits, SamplingOptions(top_k=3))
+    observed = frequencies(logits, SamplingParams(top_k=3))
     expected = torch.zeros(5)
     expected[[0, 2, 4]] = torch.softmax(logits[0, [0, 2, 4]], dim=-1)
     torch.testing.assert_close(observed, expected, atol=0.015, rtol=0)
@@ -96,25 +96,25 @@ def test_top_k_keeps_the_k_most_likely():
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = torch.tensor([[0.1, 0.5, 0.1, 0.3]])
-    observed = frequencies(probs.log(), SamplingOptions(top_p=0.7))
+    observed = frequencies(probs.log(), SamplingParams(top_p=0.7))
     torch.testing.assert_close(observed, torch.tensor([0.0, 0.625, 0.0, 0.375]), atol=0.015, rtol=0)
 
 
 def test_top_k_and_top_p_combine():
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
-    observed = frequencies(probs.log(), SamplingOptions(top_k=3, top_p=0.95))
+    observed = frequencies(probs.log(), SamplingParams(top_k=3, top_p=0.95))
     torch.testing.assert_close(observed, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0.0]), atol=0.015, rtol=0)
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top():
     probs = torch.tensor([[0.05, 0.4, 0.25, 0.3]])
-    observed = frequencies(probs.log(), SamplingOptions(min_p=0.7))
+    observed = frequencies(probs.log(), SamplingParams(min_p=0.7))
     torch.testing.assert_close(observed, torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]), atol=0.015, rtol=0)
 
 
 def test_rows_mix_top_k_top_p_and_plain_sampling():
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 3)
-    options = [SamplingOptions(top_k=1), SamplingOptions(top_p=0.5), SamplingOptions()]
+    options = [SamplingParams(top_k=1), SamplingParams(top_p=0.5), SamplingParams()]
     torch.manual_seed(0)
     draws = sample(probs.log().repeat(400, 1), options * 400, [None] * 1200).view(400, 3)
     assert set(draws[:, 0].tolist()) == {0}
@@ -124,7 +124,7 @@ def test_rows_mix_top_k_top_p_and_plain_sampling():
 
 def test_top_k_rows_next_to_unrestricted_rows():
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 3)
-    options = [SamplingOptions(top_k=2), SamplingOptions(top_k=0), SamplingOptions(top_k=9)]
+    options = [SamplingParams(top_k=2), SamplingParams(top_k=0), SamplingParams(top_k=9)]
     torch.manual_seed(0)
     draws = sample(probs.log().repeat(400, 1), options * 400, [None] * 1200).view(400, 3)
     assert set(draws[:, 0].tolist()) == {0, 1}

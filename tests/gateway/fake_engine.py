@@ -99,7 +99,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         if self.reject is not None:
             await context.abort(self.reject, "rejected by the fake engine")
         p = request.params
-        limit = p.max_tokens or MAX_MODEL_LEN - len(request.prompt_token_ids)
+        limit = p.max_tokens if p.HasField("max_tokens") else MAX_MODEL_LEN - len(request.prompt_token_ids)
         finished = False
         try:
             for i in range(limit):

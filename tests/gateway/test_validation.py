@@ -1,6 +1,7 @@
 """Every kind of bad request gets a 4xx in OpenAI's error shape and never reaches the engine."""
 import pytest
 
+from pagedserve.common.sampling_params import OutOfRange, SamplingParams
 from tests.gateway.fake_engine import MODEL
 
 CHAT = "/v1/chat/completions"
@@ -33,6 +34,12 @@ CASES = {
     "out-of-vocab stop_token_ids": (CHAT, {"messages": MSG, "stop_token_ids": [99999]}, "stop_token_ids"),
     "min_tokens above max_tokens": (CHAT, {"messages": MSG, "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     "seed beyond int64": (CHAT, {"messages": MSG, "seed": 2**64}, "seed"),
+    "seed below int64": (COMPLETIONS, {"prompt": "x", "seed": -2**63 - 1}, "seed"),
+    "top_k below -1": (CHAT, {"messages": MSG, "top_k": -2}, "top_k"),
+    "min_p above 1": (CHAT, {"messages": MSG, "min_p": 1.5}, "min_p"),
+    "min_tokens negative": (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    "max_tokens beyond int32": (COMPLETIONS, {"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+    "stop_token_ids beyond int32": (CHAT, {"messages": MSG, "stop_token_ids": [2**31]}, "stop_token_ids"),
     "non-object body": (CHAT, [1, 2], None),
     "string body": (CHAT, "hello", None),
     "invalid json": (CHAT, b'{"messages": [', None),
@@ -73,6 +80,14 @@ async def test_bad_request(http, base_url, engine, case):
     if param is not None:
         assert error["param"] == param
     assert engine.requests == []
+
+
+async def test_range_errors_say_what_sampling_params_says(http, base_url):
+    async with http.post(base_url + CHAT, json={"messages": MSG, "top_p": 0}) as r:
+        error = (await r.json())["error"]
+    with pytest.raises(OutOfRange) as expected:
+        SamplingParams(top_p=0.0)
+    assert (error["message"], error["param"]) == (str(expected.value), "top_p")
 
 
 async def test_unsupported_messages_say_what_to_do(http, base_url):

@@ -7,7 +7,7 @@ from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.common import service
 from pagedserve.executor_svc.null_runner import NullModelRunner, null_executor_info
 from pagedserve.common.config import EngineConfig
-from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2_grpc
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2_grpc, sampling_pb2
 from pagedserve.scheduler_svc.engine_loop import EngineLoop
 from pagedserve.scheduler_svc.request import RequestOutput, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import Scheduler
@@ -59,7 +59,7 @@ async def test_model_info_carries_the_step_histograms(tmp_path):
             engine_pb2_grpc.add_EngineServicer_to_server, EngineService(loop, config, info)))
         stub = engine_pb2_grpc.EngineStub(engine)
         request = engine_pb2.GenerateRequest(request_id="r", prompt_token_ids=[5] * 20,
-                                             params=engine_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+                                             params=sampling_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
         tokens = [t async for response in stub.Generate(request) for t in response.token_ids]
         while scheduler.has_work() or loop.steps.in_flight:  # the step that drops the finished request
             await asyncio.sleep(0.01)

@@ -222,20 +222,19 @@ def test_min_tokens_holds_back_stops():
     assert [o.finish_reason for o in outputs] == [None, "stop"]
 
 
-def test_sampling_options_carry_penalties_logprobs_and_the_stops_to_mask():
+def test_new_requests_carry_their_sampling_params_and_the_ids_to_mask_until_min_tokens():
     s = make_scheduler()
-    add(s, 1, 3, min_tokens=2, stop_token_ids=[9, 4], presence_penalty=0.5, frequency_penalty=-1.0,
-        repetition_penalty=1.2, logprobs=3)
+    first = add(s, 1, 3, min_tokens=2, stop_token_ids=[9, 4], presence_penalty=0.5, frequency_penalty=-1.0,
+                repetition_penalty=1.2, logprobs=3)
     add(s, 2, 3, stop_token_ids=[9])
     add(s, 3, 3, min_tokens=1, ignore_eos=True, stop_token_ids=[9])
     plan = s.schedule()
-    options = {r.seq_id: r.sampling for r in plan.new_requests}
-    assert options[1].stop_token_ids == [EOS, 4, 9] and options[1].min_tokens == 2
-    assert (options[1].presence_penalty, options[1].frequency_penalty, options[1].repetition_penalty,
-            options[1].logprobs) == (0.5, -1.0, 1.2, 3)
+    new = {r.seq_id: r for r in plan.new_requests}
+    assert new[1].sampling == first.sampling and new[1].sampling.stop_token_ids == [9, 4]
+    assert new[1].min_tokens_mask_ids == [EOS, 4, 9]
     # Without min_tokens nothing is masked, so the stops need not travel.
-    assert options[2].stop_token_ids == [] and options[2].logprobs is None
-    assert options[3].stop_token_ids == [9]
+    assert new[2].min_tokens_mask_ids == [] and new[2].sampling.stop_token_ids == [9]
+    assert new[3].min_tokens_mask_ids == [9]
     assert {r.num_prompt_tokens for r in plan.new_requests} == {3}
 
 

@@ -1,0 +1,38 @@
+"""The executor masks a request's min_tokens_mask_ids, and only those, until it has min_tokens outputs."""
+import numpy as np
+import torch
+
+from pagedserve.common.plan import NewRequest, StepPlan
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.executor_svc.input_batch import InputBatch
+from tests.executor_svc.harness import make_runner, random_prompts
+from tests.tiny_models import hf_greedy, make_tiny_model
+
+
+def test_rows_mask_their_mask_ids_until_min_tokens_outputs():
+    batch = InputBatch(max_num_seqs=4, max_model_len=64, block_size=8, device=torch.device("cpu"))
+    held = SamplingParams(min_tokens=2, stop_token_ids=[9])
+    rows = np.array([
+        batch.add(NewRequest(1, [5, 6], 0, 2, [0], held, min_tokens_mask_ids=[0, 9])),
+        # stop_token_ids alone are the scheduler's to stop on; nothing says to mask them.
+        batch.add(NewRequest(2, [5], 0, 1, [1], held)),
+        batch.add(NewRequest(3, [5], 0, 1, [2], SamplingParams(stop_token_ids=[9]))),
+        # Re-admitted after a preemption with one output already: one more to go.
+        batch.add(NewRequest(4, [5, 6, 7], 0, 3, [3], held, num_prompt_tokens=2, min_tokens_mask_ids=[4])),
+    ])
+    assert batch.stop_mask(rows).tolist() == [[0, 0, 3], [0, 9, 4]]
+    batch.append_sampled(rows, np.array([1, 2, 3, 4]), np.array([8, 8, 8, 8]))
+    assert batch.stop_mask(rows).tolist() == [[0, 0], [0, 9]]
+    batch.append_sampled(rows, np.array([1, 2, 3, 4]), np.array([8, 8, 8, 8]))
+    assert batch.stop_mask(rows) is None
+
+
+def test_the_runner_never_samples_a_mask_id_before_min_tokens(tmp_path):
+    path = make_tiny_model("LlamaForCausalLM", tmp_path)
+    prompt = random_prompts([10], seed=6)[0]
+    greedy = hf_greedy(path, [prompt], 1)[0][0]
+    params = SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[greedy])
+    result = make_runner(path).run(StepPlan(0, new_requests=[
+        NewRequest(1, list(prompt), 0, 10, [4, 9], params),
+        NewRequest(2, list(prompt), 0, 10, [5, 10], params, min_tokens_mask_ids=[greedy])]))
+    assert result.token_ids[0] == greedy and result.token_ids[1] != greedy
