@@ -40,8 +40,8 @@ class IncrementalDetokenizer:
         """Ends the output: releases everything held back (unless a stop string already matched)."""
         if self.stopped:
             return ""
-        self._append(self._decode_pending(final=True))
-        return self._release(len(self.text))
+        released = self._append(self._decode_pending(final=True))
+        return released + self._release(len(self.text))
 
     def _decode_pending(self, final: bool) -> str:
         prefix = self._tokenizer.decode(self._ids[self._prefix:self._read], self._skip_special)

@@ -63,6 +63,13 @@ def test_held_prefix_released_at_flush(tokenizer):
     assert not detok.stopped and detok.text == "the end wö"
 
 
+def test_flush_returns_a_partial_character_held_back(tokenizer):
+    # The output ended (max_tokens) in the middle of a character: the stream still equals the text.
+    ids = tokenizer.encode("ok 😀", add_special_tokens=False)[:-1]
+    detok, chunks = _stream(tokenizer, ids)
+    assert chunks[-1].endswith("\ufffd") and "".join(chunks) == detok.text == tokenizer.decode(ids)
+
+
 def test_no_tokens_after_stop(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, stop=["b"])
     detok.add(tokenizer.encode("ab", add_special_tokens=False))
