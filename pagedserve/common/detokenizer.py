@@ -37,11 +37,13 @@ class IncrementalDetokenizer:
         return self._append(self._decode_pending(final=False))
 
     def flush(self) -> str:
-        """Ends the output: releases everything held back (unless a stop string already matched)."""
+        """Ends the output: releases everything held back (unless a stop string already matched)
+        except a character whose bytes never all arrived."""
         if self.stopped:
             return ""
-        self._append(self._decode_pending(final=True))
-        return self._release(len(self.text))
+        # An output cut inside a character (max_tokens) ends before it, as vLLM's does.
+        released = self._append(self._decode_pending(final=True).rstrip("\ufffd"))
+        return released + self._release(len(self.text))
 
     def _decode_pending(self, final: bool) -> str:
         prefix = self._tokenizer.decode(self._ids[self._prefix:self._read], self._skip_special)

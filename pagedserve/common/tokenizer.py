@@ -8,6 +8,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
+from pagedserve.common.gguf_tokenizer import load_gguf_tokenizer
+
 
 class ChatTemplateError(ValueError):
     """The model has no chat template, or its template refused the conversation."""
@@ -84,6 +86,29 @@ class Tokenizer:
             template = _select_template(config.get("chat_template"))
         return cls(RustTokenizer.from_file(str(path / "tokenizer.json")), config, template)
 
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        """Builds the tokenizer and chat template from a GGUF file's metadata, as transformers does."""
+        loaded = load_gguf_tokenizer(path)
+        return cls(loaded.tokenizer, loaded.config, loaded.chat_template)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Tokenizer":
+        """Loads a model's tokenizer: a .gguf file, a directory with tokenizer.json, or a directory
+        holding one .gguf file and no tokenizer.json."""
+        path = Path(path)
+        if path.is_file():
+            return cls.from_gguf(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path} does not exist; pass a model directory or a .gguf file")
+        ggufs = sorted(path.glob("*.gguf"))
+        if (path / "tokenizer.json").is_file() or not ggufs:
+            return cls.from_dir(path)
+        if len(ggufs) > 1:
+            raise FileNotFoundError(f"{path} has no tokenizer.json and {len(ggufs)} .gguf files "
+                                    f"({', '.join(g.name for g in ggufs)}); pass the .gguf file to use")
+        return cls.from_gguf(ggufs[0])
+
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
@@ -100,8 +125,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Renders a chat to the prompt text; encode it with add_special_tokens=False."""
         if self._template is None:
-            raise ChatTemplateError("this model has no chat template (tokenizer_config.json has no "
-                                    "chat_template and there is no chat_template.jinja); use "
+            raise ChatTemplateError("this model has no chat template (neither tokenizer_config.json, "
+                                    "chat_template.jinja nor the GGUF metadata hold one); use "
                                     "/v1/completions with a plain prompt instead")
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,

@@ -63,6 +63,13 @@ def test_held_prefix_released_at_flush(tokenizer):
     assert not detok.stopped and detok.text == "the end wö"
 
 
+def test_output_cut_inside_a_character_ends_before_it(tokenizer):
+    ids = tokenizer.encode("ok 😀", add_special_tokens=False)[:-1]
+    assert tokenizer.decode(ids).endswith("\ufffd")
+    detok, chunks = _stream(tokenizer, ids)
+    assert "".join(chunks) == detok.text == "ok "
+
+
 def test_no_tokens_after_stop(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, stop=["b"])
     detok.add(tokenizer.encode("ab", add_special_tokens=False))
