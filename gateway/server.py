@@ -22,7 +22,6 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("gateway")
     g.add_argument("--scheduler-address", default="127.0.0.1:50051",
                    help="the scheduler's Engine gRPC address: host:port or unix:///path")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory; defaults to the model directory")
     # The scheduler reports its served name; the gateway's flag, when given, overrides it.
     add_engine_args(parser, ("served_model_name",))
     add_serving_args(g)
@@ -30,6 +29,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
 
 def add_serving_args(group: argparse._ActionsContainer) -> None:
     """Listening, API key, CORS and streaming flags, shared with `pagedserve serve`."""
+    group.add_argument("--tokenizer", default=None,
+                       help="a Hugging Face tokenizer directory (or .gguf file) instead of the model's")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
@@ -79,5 +80,5 @@ def run(args: argparse.Namespace) -> None:
     path = args.tokenizer or args.model
     if not path:
         raise SystemExit("gateway: pass the model directory or --tokenizer")
-    aio.run(serve(Tokenizer.from_dir(path), args))
+    aio.run(serve(Tokenizer.load(path), args))
 

