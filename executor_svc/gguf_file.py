@@ -91,7 +91,8 @@ def read_gguf_tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tens
         if tensor.name == ROPE_FREQS:
             continue
         name = hf_name(tensor.name)
-        yield name, functools.partial(dequantize, tensor, rope_heads.get(name.split(".")[-2]))
+        module = name.rpartition(".")[0].rpartition(".")[2]
+        yield name, functools.partial(dequantize, tensor, rope_heads.get(module))
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:

@@ -6,6 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+import transformers
 from safetensors.numpy import load_file
 
 from pagedserve import LLM
@@ -112,3 +113,21 @@ def test_unsupported_tensor_type_is_named(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="GGUF tensor output_norm.weight has type I32, which "
                                          "pagedserve cannot dequantize"):
         loaded(path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_f16_gguf_serves_in_float16_on_a_gpu(llama_dir, tmp_path):
+    """Each greedy token of ours is transformers' float32 argmax given the same context, for 95%
+    of them (a float16 rounding may flip a near-tie, as test_gpu_parity explains)."""
+    prompts = mixed_prompts(0)
+    llm = LLM(str(write_gguf(llama_dir, tmp_path / "model.gguf", Q.F16)), device="cuda",
+              max_model_len=256, enable_prefix_caching=False)
+    assert llm.runner.dtype == torch.float16
+    tokens = llm_greedy(llm, prompts, NEW_TOKENS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).cuda()
+    agreed = 0
+    with torch.inference_mode():
+        for prompt, ours in zip(prompts, tokens):
+            logits = hf(torch.tensor([prompt + ours], device="cuda")).logits[0, len(prompt) - 1:-1]
+            agreed += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), ours))
+    assert agreed >= 0.95 * len(prompts) * NEW_TOKENS
