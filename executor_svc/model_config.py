@@ -1,7 +1,9 @@
-"""The model's shape, read from a Hugging Face model directory's config.json."""
+"""The model's shape, read from a Hugging Face model directory's config.json or a GGUF file."""
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from pagedserve.executor_svc.gguf_file import find_gguf, read_gguf_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -31,13 +33,17 @@ class ModelConfig:
     sliding_window: int | None
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Reads `config.json` (and `generation_config.json` when present) from a model directory."""
-    model_dir = Path(model_dir)
+def load_model_config(model: str | Path) -> ModelConfig:
+    """Reads a GGUF file's metadata, or a Hugging Face model directory's `config.json` (and
+    `generation_config.json` when present)."""
+    gguf_path = find_gguf(model)
+    if gguf_path is not None:
+        return model_config_from_dict(read_gguf_config(gguf_path))
+    model_dir = Path(model)
     path = model_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --model must be a Hugging Face model directory "
-                                "holding config.json")
+                                "holding config.json, or a .gguf file")
     generation_path = model_dir / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
     return model_config_from_dict(json.loads(path.read_text()), generation)

@@ -1,12 +1,16 @@
-"""Loads a Hugging Face safetensors checkpoint into the model, or fills it with dummy weights."""
+"""Loads a checkpoint (Hugging Face safetensors or GGUF) into the model, or fills it with dummy
+weights."""
+import functools
 import json
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from pagedserve.common.log import get_logger
+from pagedserve.executor_svc.gguf_file import find_gguf, read_gguf_tensors
 
 log = get_logger(__name__)
 
@@ -15,13 +19,17 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DUMMY_STD = 0.02
 
 
-def load_weights(model: nn.Module, model_dir: str | Path, load_format: str, seed: int = 0) -> None:
-    """Fills every parameter: `auto`/`safetensors` from the directory's *.safetensors, `dummy`
-    with seeded random values (norm weights 1, biases 0) without reading any weight file."""
+def load_weights(model: nn.Module, model_path: str | Path, load_format: str, seed: int = 0) -> None:
+    """Fills every parameter: `auto` from the GGUF file that `model_path` names or else the
+    directory's *.safetensors, `safetensors` from those only, `dummy` with seeded random values
+    (norm weights 1, biases 0) without reading any weight file."""
     if load_format == "dummy":
         fill_dummy(model, seed)
+    elif load_format == "auto" and (gguf_path := find_gguf(model_path)) is not None:
+        load_checkpoint(model, read_gguf_tensors(gguf_path), gguf_path)
     elif load_format in ("auto", "safetensors"):
-        load_safetensors(model, Path(model_dir))
+        device = next(model.parameters()).device
+        load_checkpoint(model, read_safetensors(Path(model_path), device), model_path)
     else:
         raise ValueError(f"unknown --load-format {load_format!r}; use auto, safetensors or dummy")
 
@@ -40,28 +48,36 @@ def fill_dummy(model: nn.Module, seed: int) -> None:
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, model_dir: Path) -> None:
+def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]],
+                    source: str | Path) -> None:
+    """Copies each (Hugging Face name, tensor reader) into the parameter slice the name maps to,
+    reading one tensor at a time; every parameter must be filled and every tensor used."""
     targets = checkpoint_targets(model)
     # A tied model has no lm_head, yet some tied checkpoints still store a copy of the embeddings.
     tied = "lm_head.weight" not in targets
     loaded, unexpected = set(), []
-    device = next(model.parameters()).device
+    for name, read in tensors:
+        if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        if name not in targets:
+            unexpected.append(name)
+            continue
+        _copy(name, read(), *targets[name])
+        loaded.add(name)
+    missing = sorted(targets.keys() - loaded)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {source} does not match {type(model).__name__}: "
+                         f"missing {_few(missing)}, unexpected {_few(unexpected)}; is it a "
+                         f"complete checkpoint of the architecture its config names?")
+    log.info("weights_loaded", model=str(source), tensors=len(loaded))
+
+
+def read_safetensors(model_dir: Path,
+                     device: torch.device) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                    continue
-                if name not in targets:
-                    unexpected.append(name)
-                    continue
-                _copy(name, f.get_tensor(name), *targets[name])
-                loaded.add(name)
-    missing = sorted(targets.keys() - loaded)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {model_dir} does not match {type(model).__name__}: "
-                         f"missing {_few(missing)}, unexpected {_few(unexpected)}; is it a "
-                         f"complete checkpoint of the architecture config.json names?")
-    log.info("weights_loaded", model=str(model_dir), tensors=len(loaded))
+                yield name, functools.partial(f.get_tensor, name)
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
@@ -98,7 +114,7 @@ def _copy(name: str, tensor: torch.Tensor, param: torch.Tensor, start: int, size
     target = param[start:start + size]
     if tensor.shape != target.shape:
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but the model "
-                         f"expects {tuple(target.shape)}; does config.json match the weights?")
+                         f"expects {tuple(target.shape)}; does the model's config match its weights?")
     target.copy_(tensor)
 
 

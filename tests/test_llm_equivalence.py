@@ -4,17 +4,11 @@ import random
 
 import pytest
 
-from pagedserve import LLM, SamplingParams
-from tiny_models import hf_greedy, make_tiny_model
+from pagedserve import LLM
+from tiny_models import PROMPT_LENS, hf_greedy, llm_greedy, make_tiny_model, mixed_prompts
 
 ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 NEW_TOKENS = 40
-PROMPT_LENS = (3, 9, 17, 24, 31, 40, 47, 60)
-
-
-def mixed_prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENS]
 
 
 def shared_prefix_prompts(seed: int) -> list[list[int]]:
@@ -32,9 +26,7 @@ def model(request, tmp_path_factory):
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
+    return llm_greedy(llm, prompts, NEW_TOKENS)
 
 
 def test_ample_cache(model):

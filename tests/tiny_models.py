@@ -1,10 +1,14 @@
 """Tiny random Hugging Face models of each supported architecture, and transformers' greedy output
 on them: the ground truth for the executor, the engine and the end-to-end tests."""
+import random
 from pathlib import Path
 
 import torch
 import transformers
 
+from pagedserve import LLM, SamplingParams
+
+PROMPT_LENS = (3, 9, 17, 24, 31, 40, 47, 60)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -41,12 +45,20 @@ def make_tiny_model(arch: str, path: str | Path, **config_overrides) -> Path:
     return Path(path)
 
 
-def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def mixed_prompts(seed: int) -> list[list[int]]:
+    """Random token ids, one prompt of each of PROMPT_LENS."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int,
+              **load_kwargs) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, run one prompt at a time (no padding).
+    `load_kwargs` go to from_pretrained (e.g. gguf_file).
 
     EOS is disabled: every prompt gets exactly `max_new_tokens` tokens, so callers must also
     ignore EOS when comparing."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kwargs)
     # generate() fills unset options from the model's own generation config, eos included.
     model.generation_config.eos_token_id = None
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
@@ -59,3 +71,10 @@ def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -
             outputs.append(out[0, len(prompt):].tolist())
             assert len(outputs[-1]) == max_new_tokens
     return outputs
+
+
+def llm_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The offline engine's greedy continuation of each prompt, EOS ignored like hf_greedy's."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]

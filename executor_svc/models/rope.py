@@ -21,6 +21,9 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    if "freq_factors" in scaling:
+        # A GGUF file carries the scaling as llama.cpp applies it: one divisor per frequency.
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
     # Same arithmetic as transformers' _compute_llama3_parameters, so the tables match bit for bit.
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]

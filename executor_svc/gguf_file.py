@@ -1,0 +1,188 @@
+"""GGUF, llama.cpp's format: finds the file a --model names, turns its metadata into the
+config.json a Hugging Face checkpoint would carry, and reads its tensors under Hugging Face names,
+dequantized one at a time."""
+import functools
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import gguf
+import numpy as np
+import torch
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# convert_hf_to_gguf permutes q/k rows into llama.cpp's rope layout only for llama-arch models
+# (LlamaModel.undo_permute); Qwen's converters write them as they are.
+PERMUTED_ARCHITECTURES = ("llama",)
+
+MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Llama 3.1's rope scaling, stored by the converter as per-frequency divisors instead of metadata.
+ROPE_FREQS = "rope_freqs.weight"
+FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: "float32", gguf.GGMLQuantizationType.BF16: "bfloat16"}
+
+
+def find_gguf(model: str | Path) -> Path | None:
+    """The GGUF file `model` names: the file itself, or the one *.gguf in a directory that has no
+    config.json. None for anything else (a Hugging Face directory)."""
+    path = Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise ValueError(f"{path} holds {len(files)} .gguf files ({', '.join(f.name for f in files)}): "
+                         "pass --model the path of the one to serve")
+    return files[0] if files else None
+
+
+def read_gguf_config(path: Path) -> dict:
+    """The config.json (plus generation_config's eos_token_id) of the model in a GGUF file."""
+    reader = open_gguf(path)
+    arch = _architecture(reader, path)
+    meta = functools.partial(_arch_field, reader, arch)
+    tensors = {t.name: t for t in reader.tensors}
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    head_dim = meta("attention.key_length", hidden // heads)
+    if meta("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"{path} rotates {meta('rope.dimension_count')} of each head's {head_dim} "
+                         "dimensions; pagedserve implements full-head rope only")
+    return {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
+        "rope_parameters": {"rope_theta": meta("rope.freq_base", 10000.0),
+                            **_rope_scaling(meta, tensors.get(ROPE_FREQS))},
+        "max_position_embeddings": meta("context_length"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "dtype": _dtype(tensors.values()),
+        "eos_token_id": _eos_token_ids(reader),
+    }
+
+
+def read_gguf_tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(Hugging Face name, reader) for each tensor; a reader dequantizes its tensor to float32 on
+    the host when called. A name this module does not know is passed on as it is."""
+    reader = open_gguf(path)
+    arch = _architecture(reader, path)
+    rope_heads = {}
+    if arch in PERMUTED_ARCHITECTURES:
+        heads = _arch_field(reader, arch, "attention.head_count")
+        rope_heads = {"q_proj": heads, "k_proj": _arch_field(reader, arch, "attention.head_count_kv", heads)}
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue
+        name = hf_name(tensor.name)
+        module = name.rpartition(".")[0].rpartition(".")[2]
+        yield name, functools.partial(dequantize, tensor, rope_heads.get(module))
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """The file's parsed header (tensors stay memory-mapped), shared by the config and the weight
+    reads of one load."""
+    stat = path.stat()
+    return _open_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+# Parsing the header takes seconds (the reader builds an array per vocabulary token and merge).
+@functools.lru_cache(maxsize=1)
+def _open_gguf(path: Path, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    return gguf.GGUFReader(path)
+
+
+def hf_name(name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names unchanged."""
+    base, _, param = name.rpartition(".")
+    if base in MODEL_TENSORS:
+        return f"{MODEL_TENSORS[base]}.{param}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{param}"
+    return name
+
+
+def dequantize(tensor: gguf.ReaderTensor, rope_heads: int | None = None) -> torch.Tensor:
+    """The tensor as float32 in numpy's dimension order, its rows un-permuted when `rope_heads`."""
+    try:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which "
+                         "pagedserve cannot dequantize; use a GGUF of a float or llama.cpp quant "
+                         "type (F16, Q8_0, Q4_K_M, ...)") from None
+    # F32 data comes back as a view of the read-only file mapping, which torch will not wrap.
+    if not data.flags.writeable:
+        data = data.copy()
+    # GGUF lists dimensions innermost first (ggml's ne); numpy and torch outermost first.
+    weights = torch.from_numpy(data).reshape([int(n) for n in reversed(tensor.shape)])
+    return weights if rope_heads is None else unpermute(weights, rope_heads)
+
+
+def unpermute(weights: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undoes convert_hf_to_gguf's LlamaModel.permute, which interleaves the two rotary halves of
+    each head's rows for llama.cpp's rope."""
+    half = weights.shape[0] // heads // 2
+    return weights.reshape(heads, half, 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape)
+
+
+def _architecture(reader: gguf.GGUFReader, path: Path) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}: pagedserve runs "
+                         f"{', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def _rope_scaling(meta: Callable[..., Any], rope_freqs: gguf.ReaderTensor | None) -> dict:
+    if rope_freqs is not None:
+        return {"rope_type": "llama3", "freq_factors": dequantize(rope_freqs).tolist()}
+    rope_type = meta("rope.scaling.type", "none")
+    if rope_type == "none":
+        return {}
+    return {"rope_type": rope_type, "factor": meta("rope.scaling.factor"),
+            "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+
+
+def _dtype(tensors) -> str:
+    types = {t.tensor_type for t in tensors if len(t.shape) > 1}
+    if len(types) == 1 and (only := types.pop()) in FLOAT_TYPES:
+        return FLOAT_TYPES[only]
+    # F16 weights and the scales of quantized blocks are float16.
+    return "float16"
+
+
+def _eos_token_ids(reader: gguf.GGUFReader) -> list[int]:
+    ids = (_field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot"))
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _arch_field(reader: gguf.GGUFReader, arch: str, key: str, default: Any = None) -> Any:
+    return _field(reader, f"{arch}.{key}", default)
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    if field.types == [gguf.GGUFValueType.FLOAT32]:
+        # The shortest decimal that rounds to the stored float32, as config.json would write it:
+        # 1e-06 rather than 9.99999997e-07.
+        return float(str(np.float32(field.contents())))
+    return field.contents()

@@ -1,0 +1,133 @@
+"""GGUF loading on tiny random models converted as llama.cpp's converter would: config from
+metadata, weights equal to the Hugging Face checkpoint's (q/k un-permuted for llama), greedy
+tokens equal to transformers', quantized tensors within their type's error, and clear errors."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+
+from pagedserve import LLM
+from pagedserve.executor_svc.attention import TorchAttentionBackend
+from pagedserve.executor_svc.gguf_file import find_gguf
+from pagedserve.executor_svc.model_config import load_model_config
+from pagedserve.executor_svc.models.llama import LlamaForCausalLM
+from pagedserve.executor_svc.models.rope import build_cos_sin_cache
+from pagedserve.executor_svc.weight_loader import checkpoint_targets, load_weights
+from tests.tiny_gguf import Q, write_gguf
+from tests.tiny_models import hf_greedy, llm_greedy, make_tiny_model, mixed_prompts
+
+ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def hf_dir(request, tmp_path_factory):
+    return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"))
+
+
+def loaded(path) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(load_model_config(path), TorchAttentionBackend(), 64)
+    load_weights(model, path, "auto")
+    return model
+
+
+def test_config_from_metadata_equals_config_json(hf_dir, tmp_path):
+    expected = load_model_config(hf_dir)
+    config = load_model_config(write_gguf(hf_dir, tmp_path / "model.gguf"))
+    assert replace(config, rope_scaling=None) == replace(expected, rope_scaling=None)
+    # Llama 3.1 scaling arrives as llama.cpp's per-frequency divisors: the same rope table.
+    cos_sin, expected_cos_sin = (build_cos_sin_cache(c.head_dim, 64, c.rope_theta, c.rope_scaling)
+                                 for c in (config, expected))
+    torch.testing.assert_close(cos_sin, expected_cos_sin, rtol=0, atol=1e-6)
+
+
+def test_llama_rope_scaling_survives_conversion(llama_dir, tmp_path):
+    config = load_model_config(write_gguf(llama_dir, tmp_path / "model.gguf"))
+    assert config.rope_scaling["rope_type"] == "llama3"
+    assert config.rope_scaling["freq_factors"][0] == 1.0 and config.rope_scaling["freq_factors"][-1] == 8.0
+
+
+@pytest.mark.parametrize("outtype", [Q.F32, Q.F16], ids=["F32", "F16"])
+def test_weights_equal_the_hf_checkpoint(hf_dir, tmp_path, outtype):
+    expected = loaded(hf_dir).state_dict()
+    weights = loaded(write_gguf(hf_dir, tmp_path / "model.gguf", outtype)).state_dict()
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        # The converter keeps 1-D tensors (norms, biases) in F32 whatever the outtype.
+        exact = tensor if tensor.dim() == 1 or outtype == Q.F32 else tensor.half().float()
+        assert torch.equal(weights[name], exact), name
+
+
+def test_greedy_tokens_equal_transformers(hf_dir, tmp_path):
+    prompts = mixed_prompts(0)
+    llm = LLM(str(write_gguf(hf_dir, tmp_path / "model.gguf")), enable_prefix_caching=False)
+    assert llm_greedy(llm, prompts, NEW_TOKENS) == hf_greedy(hf_dir, prompts, NEW_TOKENS)
+
+
+def test_a_directory_with_one_gguf_serves_it(llama_dir, tmp_path):
+    write_gguf(llama_dir, tmp_path / "llama.gguf")
+    assert find_gguf(tmp_path) == tmp_path / "llama.gguf"
+    assert find_gguf(llama_dir) is None
+    write_gguf(llama_dir, llama_dir / "extra.gguf")
+    assert find_gguf(llama_dir) is None, "a directory with config.json stays a Hugging Face one"
+    write_gguf(llama_dir, tmp_path / "other.gguf")
+    with pytest.raises(ValueError, match=r"holds 2 .gguf files \(llama.gguf, other.gguf\)"):
+        find_gguf(tmp_path)
+
+
+@pytest.mark.parametrize("qtype, max_step", [(Q.Q8_0, 1 / 127), (Q.Q4_0, 1 / 8)], ids=["Q8_0", "Q4_0"])
+def test_quantized_tensors_load_within_their_error(llama_dir, tmp_path, qtype, max_step):
+    # A quantization step is a block's largest magnitude over 127 (Q8_0) or 8 (Q4_0); rounding
+    # to the nearest step errs by at most half of one, Q4_0's clamped top level by one.
+    names = {"blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+             # Un-permuted after dequantizing: a row left in llama.cpp's order would err by far more.
+             "blk.1.attn_q.weight": "model.layers.1.self_attn.q_proj.weight"}
+    path = write_gguf(llama_dir, tmp_path / "model.gguf", quantize=dict.fromkeys(names, qtype))
+    targets = checkpoint_targets(loaded(path))
+    original = load_file(llama_dir / "model.safetensors")
+    for hf_name in names.values():
+        param, start, size = targets[hf_name]
+        expected = torch.from_numpy(original[hf_name])
+        error = (param[start:start + size] - expected).abs().max().item()
+        assert 0 < error <= expected.abs().max().item() * max_step * 1.01, hf_name
+
+
+def test_unsupported_architecture_is_named(llama_dir, tmp_path):
+    path = write_gguf(llama_dir, tmp_path / "model.gguf", arch="gemma2")
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma2' in .*model.gguf: "
+                                         r"pagedserve runs llama, qwen2, qwen3"):
+        load_model_config(path)
+
+
+def test_unsupported_tensor_type_is_named(llama_dir, tmp_path):
+    path = write_gguf(llama_dir, tmp_path / "model.gguf",
+                      retype={"output_norm.weight": np.ones(64, dtype=np.int32)})
+    with pytest.raises(ValueError, match="GGUF tensor output_norm.weight has type I32, which "
+                                         "pagedserve cannot dequantize"):
+        loaded(path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_f16_gguf_serves_in_float16_on_a_gpu(llama_dir, tmp_path):
+    """Each greedy token of ours is transformers' float32 argmax given the same context, for 95%
+    of them (a float16 rounding may flip a near-tie, as test_gpu_parity explains)."""
+    prompts = mixed_prompts(0)
+    llm = LLM(str(write_gguf(llama_dir, tmp_path / "model.gguf", Q.F16)), device="cuda",
+              max_model_len=256, enable_prefix_caching=False)
+    assert llm.runner.dtype == torch.float16
+    tokens = llm_greedy(llm, prompts, NEW_TOKENS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).cuda()
+    agreed = 0
+    with torch.inference_mode():
+        for prompt, ours in zip(prompts, tokens):
+            logits = hf(torch.tensor([prompt + ours], device="cuda")).logits[0, len(prompt) - 1:-1]
+            agreed += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), ours))
+    assert agreed >= 0.95 * len(prompts) * NEW_TOKENS

