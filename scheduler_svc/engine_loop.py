@@ -8,7 +8,7 @@ from pagedserve.common.log import get_logger
 from pagedserve.common.plan import StepPlan, StepResult, plan_to_proto, result_from_proto
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import executor_pb2_grpc
-from pagedserve.scheduler_svc.request import Request, RequestOutput
+from pagedserve.scheduler_svc.request import Request, RequestDelta
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.step_loop import StepLoop
 
@@ -98,7 +98,7 @@ class EngineLoop:
         self.wakeup.clear()
         await self.wakeup.wait()
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestDelta]) -> None:
         for out in outputs:
             queue = self.outputs.get(out.seq_id)
             if queue is None:

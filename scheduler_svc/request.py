@@ -66,7 +66,7 @@ class TokenLogprobs(msgspec.Struct, gc=False):
 
 # A msgspec Struct rather than a dataclass: built in C at half the cost, and untracked by the garbage
 # collector; update() makes one per running request per step. It holds no reference cycles.
-class RequestOutput(msgspec.Struct, gc=False):
+class RequestDelta(msgspec.Struct, gc=False):
     seq_id: int
     request_id: str
     new_token_ids: list[int]

@@ -6,7 +6,7 @@ from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import ContinuingRequest, ExecutorInfo, NewRequest, StepPlan, StepResult
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
-from pagedserve.scheduler_svc.request import Request, RequestOutput, RequestStatus, TokenLogprobs
+from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
 from pagedserve.scheduler_svc.step_stats import StepStats
 
 log = get_logger(__name__)
@@ -237,7 +237,7 @@ class Scheduler:
         self.num_preemptions += 1
         log.debug("preempted", seq_id=request.seq_id, num_tokens=len(request.token_ids))
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
         """Applies a step's result; returns one output per request that received a token or
         finished. Tokens of requests aborted, finished or preempted since the plan are dropped."""
         start = time.perf_counter_ns()
@@ -252,7 +252,7 @@ class Scheduler:
             self._paused = True
         return outputs
 
-    def _append_tokens(self, result: StepResult) -> list[RequestOutput]:
+    def _append_tokens(self, result: StepResult) -> list[RequestDelta]:
         block_size = self.block_size
         requests = self.requests
         caching = self.block_manager.enable_prefix_caching
@@ -278,7 +278,7 @@ class Scheduler:
             reason = request.finish_reason
             if reason:
                 num_finished += 1
-            append(RequestOutput(seq_id, request.request_id, [token_id], reason is not None, reason,
+            append(RequestDelta(seq_id, request.request_id, [token_id], reason is not None, reason,
                                  request.stop_token_id, request.num_prompt_tokens, num_output_tokens,
                                  request.num_cached_tokens))
         if num_finished:
@@ -297,7 +297,7 @@ class Scheduler:
         del self.request_ids[request.request_id]
 
 
-def _attach_logprobs(outputs: list[RequestOutput], result: StepResult) -> None:
+def _attach_logprobs(outputs: list[RequestDelta], result: StepResult) -> None:
     lp = result.logprobs
     by_seq = {}
     end = 0

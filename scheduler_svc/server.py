@@ -14,7 +14,7 @@ from pagedserve.common.plan import ExecutorInfo, info_from_proto
 from pagedserve.common.sampling_params import sampling_from_proto
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
-from pagedserve.scheduler_svc.request import RequestOutput
+from pagedserve.scheduler_svc.request import RequestDelta
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.step_stats import BUCKETS_US, Histogram
 
@@ -89,7 +89,7 @@ def histogram_to_proto(h: Histogram) -> engine_pb2.StepHistogram:
                                     sum_s=h.sum_ns / 1e9)
 
 
-def response_from_outputs(outs: list[RequestOutput]) -> engine_pb2.GenerateResponse:
+def response_from_outputs(outs: list[RequestDelta]) -> engine_pb2.GenerateResponse:
     """One response for consecutive outputs of one request: their tokens, the last one's state."""
     last = outs[-1]
     response = engine_pb2.GenerateResponse(

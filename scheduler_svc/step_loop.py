@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, StepPlan, StepResult
-from pagedserve.scheduler_svc.request import RequestOutput
+from pagedserve.scheduler_svc.request import RequestDelta
 from pagedserve.scheduler_svc.scheduler import Scheduler
 
-Deliver = Callable[[list[RequestOutput]], None]
+Deliver = Callable[[list[RequestDelta]], None]
 
 
 class Transport(Protocol):

@@ -1,7 +1,6 @@
 """`pagedserve bench serve`: its statistics on synthetic timings, and one run against the real stack."""
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import pytest
 
 from pagedserve.bench.serve import (RequestResult, arrival_times, inter_token_latencies, mark_stable,
                                     parse_metric, step_stats, step_totals, summarize, time_per_output_token)
+from pagedserve.entrypoints import default_model
 from tests.serving import free_port, run_cli, wait_http
 
 
@@ -100,9 +100,8 @@ def test_poisson_arrivals():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = free_port()
-    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path_factory.mktemp("cache")))
-    process = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
-                                "--num-gpu-blocks-override", "256", "--max-model-len", "256"], env=env)
+    process = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--port", str(port),
+                                "--num-gpu-blocks-override", "256", "--max-model-len", "256"])
     try:
         wait_http(f"http://127.0.0.1:{port}/health", process, timeout=180)
         yield f"http://127.0.0.1:{port}/v1"
@@ -111,13 +110,13 @@ def server(tmp_path_factory):
         process.wait()
 
 
-def test_bench_serve_against_the_demo_model(server, tmp_path, capsys):
+def test_bench_serve_against_the_default_model(server, tmp_path, capsys):
     out = tmp_path / "serve.json"
     run_cli(["bench", "serve", "--base-url", server, "--num-prompts", "6", "--concurrency", "1,3",
               "--dataset", "random", "--input-len", "16", "--output-len", "8", "--vocab-size", "256",
               "--output-json", str(out)])
     result = json.loads(out.read_text())
-    assert result["model"] == "pagedserve-demo"
+    assert result["model"] == default_model.NAME
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
     for lv in result["levels"]:
         assert (lv["completed"], lv["failed"], lv["errors"]) == (6, 0, [])

@@ -1,15 +1,12 @@
-"""The offline API on the demo model: text prompts, n > 1, stop strings, progress of outputs."""
+"""The offline API on the default model (SmolLM2): text prompts, n > 1, stop strings, progress of outputs."""
 import pytest
 
 from pagedserve import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield LLM(max_model_len=256)
-    mp.undo()
+def llm():
+    return LLM(max_model_len=256)
 
 
 def test_text_and_token_prompts(llm):
@@ -39,7 +36,7 @@ def test_stop_string_truncates_the_text(llm):
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
     stop = free.text[len(free.text) // 2:][:3]
-    assert stop.strip(), f"the demo's greedy text {free.text!r} is too short for this test"
+    assert stop.strip(), f"the model's greedy text {free.text!r} is too short for this test"
     cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
                        use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
@@ -48,11 +45,8 @@ def test_stop_string_truncates_the_text(llm):
 
 
 @pytest.fixture(scope="module")
-def llm_one_step_at_a_time(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield LLM(max_model_len=256, async_scheduling=False)
-    mp.undo()
+def llm_one_step_at_a_time():
+    return LLM(max_model_len=256, async_scheduling=False)
 
 
 def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(llm, llm_one_step_at_a_time):

@@ -25,7 +25,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.executor_svc.null_runner import NullModelRunner, null_executor_info
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import StreamTransport
-from pagedserve.scheduler_svc.request import Request, RequestOutput
+from pagedserve.scheduler_svc.request import Request, RequestDelta
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop, Transport
 
@@ -157,7 +157,7 @@ class PhaseTimer:
         self.cpu_collected, self.collected = time.thread_time_ns(), time.perf_counter_ns()
         return self.result
 
-    def delivered(self, outputs: list[RequestOutput]) -> None:
+    def delivered(self, outputs: list[RequestDelta]) -> None:
         updated, cpu_updated = time.perf_counter_ns(), time.thread_time_ns()
         self.num_steps += 1
         if len(self.plan.continuing) == self.batch:

@@ -13,7 +13,7 @@ from pagedserve.common.config import EngineConfig
 from pagedserve.entrypoints.default_model import default_model
 from pagedserve.common.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.scheduler_svc.request import Request, RequestOutput as SequenceOutput, TokenLogprobs
+from pagedserve.scheduler_svc.request import Request, RequestDelta, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop
 
@@ -99,7 +99,7 @@ class LLM:
         self.steps.run_sync(self.transport, partial(self._deliver, children, bar))
         bar.close()
 
-    def _deliver(self, children: dict[int, _Child], bar: tqdm, outputs: list[SequenceOutput]) -> None:
+    def _deliver(self, children: dict[int, _Child], bar: tqdm, outputs: list[RequestDelta]) -> None:
         for out in outputs:
             child = children[out.seq_id]
             child.completion.token_ids += out.new_token_ids

@@ -1,5 +1,4 @@
 """Starts `pagedserve serve` (demo model) as a subprocess and talks to it like a user would."""
-import os
 import signal
 import subprocess
 import sys
@@ -10,20 +9,20 @@ import openai
 import psutil
 import pytest
 
+from pagedserve.entrypoints import default_model
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 from tests.serving import free_port, wait_http
 
-MODEL = "pagedserve-demo"
+MODEL = default_model.NAME
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server():
     port, grpc_port = free_port(), free_port()
-    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path_factory.mktemp("cache")))
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
+        [sys.executable, "-m", "pagedserve", "serve", "--port", str(port),
          "--scheduler-address", f"127.0.0.1:{grpc_port}", "--num-gpu-blocks-override", "256",
-         "--max-model-len", "1024"], env=env)
+         "--max-model-len", "1024"])
     try:
         wait_http(f"http://127.0.0.1:{port}/health", process, timeout=180)
         yield dict(process=process, base_url=f"http://127.0.0.1:{port}/v1",

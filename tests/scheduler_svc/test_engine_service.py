@@ -9,15 +9,15 @@ from pagedserve.executor_svc.null_runner import NullModelRunner, null_executor_i
 from pagedserve.common.config import EngineConfig
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2_grpc, sampling_pb2
 from pagedserve.scheduler_svc.engine_loop import EngineLoop
-from pagedserve.scheduler_svc.request import RequestOutput, TokenLogprobs
+from pagedserve.scheduler_svc.request import RequestDelta, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.server import (BUCKETS_S, EngineService, check_geometry, response_from_outputs,
                                              serve)
 
 
 def output(tokens: list[int], finished: bool = False, reason: str | None = None,
-           logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
-    return RequestOutput(seq_id=1, request_id="r", new_token_ids=tokens, finished=finished,
+           logprobs: list[TokenLogprobs] | None = None) -> RequestDelta:
+    return RequestDelta(seq_id=1, request_id="r", new_token_ids=tokens, finished=finished,
                          finish_reason=reason, stop_token_id=2 if reason == "stop" else None,
                          num_prompt_tokens=5, num_output_tokens=0, num_cached_tokens=4,
                          logprobs=logprobs)

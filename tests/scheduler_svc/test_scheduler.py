@@ -2,12 +2,12 @@ import pytest
 
 from pagedserve.common.plan import StepLogprobs, StepPlan, StepResult
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.scheduler_svc.request import Request, RequestOutput, RequestStatus, TokenLogprobs
+from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from tests.scheduler_svc.helpers import EOS, add, make_scheduler
 
 
-def step(s: Scheduler, tokens: dict[int, int] | None = None) -> tuple[StepPlan, list[RequestOutput]]:
+def step(s: Scheduler, tokens: dict[int, int] | None = None) -> tuple[StepPlan, list[RequestDelta]]:
     """One step with an executor that samples tokens[seq_id] (default 7) for each completed request."""
     plan = s.schedule()
     # Planning advanced each request: those now computed past their known tokens sample.
@@ -190,7 +190,7 @@ def test_duplicate_ids_are_rejected():
         add(s, 1, 3)
 
 
-def run_to_end(s: Scheduler, tokens: list[int]) -> list[RequestOutput]:
+def run_to_end(s: Scheduler, tokens: list[int]) -> list[RequestDelta]:
     outputs = []
     for token in tokens:
         outputs += step(s, {1: token})[1]

@@ -5,7 +5,7 @@ import pytest
 
 from pagedserve.common.plan import StepPlan, StepResult
 from pagedserve.executor_svc.null_runner import TOKEN, NullModelRunner, null_executor_info
-from pagedserve.scheduler_svc.request import RequestOutput
+from pagedserve.scheduler_svc.request import RequestDelta
 from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop
 from tests.scheduler_svc.helpers import add, make_scheduler
 
@@ -36,7 +36,7 @@ class Recorder:
 
 
 def collect_outputs(into: dict[int, list[int]]):
-    def deliver(outputs: list[RequestOutput]) -> None:
+    def deliver(outputs: list[RequestDelta]) -> None:
         for out in outputs:
             into.setdefault(out.seq_id, []).extend(out.new_token_ids)
     return deliver
