@@ -7,22 +7,10 @@ import pytest
 import transformers
 
 from pagedserve import LLM
-from tests.real_model import smollm2_path
+from tests.real_model import CHATS, RAW_PROMPTS, smollm2_path
 from tests.tiny_models import hf_greedy, llm_greedy
 
 NEW_TOKENS = 32
-RAW_PROMPTS = ("The capital of France is",
-               "def fibonacci(n):",
-               "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-               "1, 2, 3, 5, 8, 13,")
-CHATS = ([{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "user", "content": "Write a haiku about the ocean."}],
-         [{"role": "user", "content": "Explain in one sentence why the sky is blue."}],
-         [{"role": "user", "content": "Hi, who are you?"},
-          {"role": "assistant", "content": "I am SmolLM, an AI assistant."},
-          {"role": "user", "content": "Name three primary colors."}])
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     path = smollm2_path()
