@@ -10,7 +10,7 @@ import transformers
 from safetensors.numpy import load_file
 
 from pagedserve import LLM
-from pagedserve.executor_svc.attention import TorchAttentionBackend
+from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.gguf_file import find_gguf
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.models.llama import LlamaForCausalLM
