@@ -265,7 +265,7 @@ def test_file_without_tokenizer_is_a_clear_error(tmp_path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="holds no tokenizer"):
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer"):
         Tokenizer.from_gguf(tmp_path / "bare.gguf")
 
 

@@ -58,7 +58,7 @@ def load_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
     meta = read_gguf_metadata(path)
     model = meta.get("tokenizer.ggml.model")
     if "tokenizer.ggml.tokens" not in meta:
-        raise ValueError(f"{path} holds no tokenizer (no tokenizer.ggml.tokens); pass a tokenizer "
+        raise FileNotFoundError(f"{path} holds no tokenizer (no tokenizer.ggml.tokens); pass a tokenizer "
                          "directory with --tokenizer")
     tokenizer = _build_model(meta, model, path)
     config = _config(meta, model)

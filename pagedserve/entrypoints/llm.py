@@ -140,7 +140,8 @@ class LLM:
 
 
 def _load_tokenizer(path: str) -> Tokenizer | None:
-    # A config-only model (dummy weights of a named shape) has none; it takes token-id prompts.
+    # A config-only model (dummy weights of a named shape) or a GGUF without a vocabulary has
+    # none; it takes token-id prompts.
     try:
         return Tokenizer.load(path)
     except FileNotFoundError:
