@@ -17,7 +17,6 @@ class ModelSpec:
     served_model_name: str
     max_model_len: int
     vocab_size: int
-    eos_token_ids: tuple[int, ...]
 
 
 def _api_error(e: grpc.aio.AioRpcError) -> APIError:
@@ -47,8 +46,7 @@ class EngineClient:
         except grpc.aio.AioRpcError as e:
             raise _api_error(e) from e
         if self._spec is None:
-            self._spec = ModelSpec(info.served_model_name, info.max_model_len, info.vocab_size,
-                                   tuple(info.eos_token_ids))
+            self._spec = ModelSpec(info.served_model_name, info.max_model_len, info.vocab_size)
         return info
 
     async def model_spec(self) -> ModelSpec:

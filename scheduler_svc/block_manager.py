@@ -3,6 +3,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# Never allocated: unused block-table entries (CUDA-graph padding rows among them) point at it.
 NULL_BLOCK = 0
 
 
@@ -32,7 +33,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.num_usable_blocks = num_blocks - 1
         # Insertion order is free order: allocation takes the least recently freed block.
-        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(NULL_BLOCK + 1, num_blocks))
         self.hash_to_block: dict[int, int] = {}
 
     @property

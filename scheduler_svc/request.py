@@ -1,5 +1,4 @@
 """A request's scheduling state, and what the scheduler reports for it after each step."""
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -20,7 +19,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     # The prompt, then every sampled token.
     token_ids: list[int] = field(init=False)
@@ -30,7 +28,7 @@ class Request:
     # next step from its own copy).
     num_computed_tokens: int = 0
     # How many leading blocks are registered in the prefix cache.
-    num_cached_blocks: int = 0
+    num_registered_blocks: int = 0
     block_ids: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of token_ids (prefix caching only).
     block_hashes: list[int] = field(default_factory=list)

@@ -179,7 +179,7 @@ class Scheduler:
             computed += n
             request.num_computed_tokens = computed
             # Checked inline: a decode step fills a block only once every block_size steps.
-            if caching and computed // block_size > request.num_cached_blocks:
+            if caching and computed // block_size > request.num_registered_blocks:
                 self._cache_blocks(request)
             budget -= n
         return budget
@@ -210,7 +210,7 @@ class Scheduler:
                                                 list(request.block_ids), request.sampling,
                                                 request.num_prompt_tokens, request.min_tokens_mask_ids()))
             request.num_computed_tokens = num_cached + n
-            request.num_cached_blocks = len(cached)
+            request.num_registered_blocks = len(cached)
             if block_manager.enable_prefix_caching:
                 self._cache_blocks(request)
             budget -= n
@@ -219,17 +219,17 @@ class Scheduler:
         """Registers the request's blocks that are full of planned tokens whose ids are known. A
         later step that reuses one runs after the step that writes it, so planned is enough."""
         end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
-        if end > request.num_cached_blocks:
+        if end > request.num_registered_blocks:
             cache = self.block_manager.cache
-            for i in range(request.num_cached_blocks, end):
+            for i in range(request.num_registered_blocks, end):
                 cache(request.block_ids[i], request.block_hashes[i])
-            request.num_cached_blocks = end
+            request.num_registered_blocks = end
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
-        request.num_cached_blocks = 0
+        request.num_registered_blocks = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

@@ -1,7 +1,7 @@
 import json
 
 from pagedserve.common.tokenizer import Tokenizer
-from pagedserve.bench.model_shapes import SHAPES, write_shape
+from pagedserve.common.model_shapes import SHAPES, write_shape
 
 
 def test_shape_directory_with_a_tokenizer_decodes_every_id(tmp_path):

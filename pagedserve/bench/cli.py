@@ -12,7 +12,7 @@ import numpy as np
 
 from pagedserve.bench import control as bench_control, serve as bench_serve, workload
 from pagedserve.common.config import add_engine_args, config_from_args
-from pagedserve.bench.model_shapes import SHAPES, write_shape
+from pagedserve.common.model_shapes import SHAPES, write_shape
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from pagedserve.common.config import (EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_
                                       add_geometry_checks, config_from_args, config_to_argv)
 from pagedserve.common.log import configure
 from pagedserve.entrypoints import default_model
-from pagedserve.bench.model_shapes import SHAPES, write_shape
+from pagedserve.common.model_shapes import SHAPES, write_shape
 
 
 def main(argv: list[str] | None = None) -> int:

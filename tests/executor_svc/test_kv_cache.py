@@ -4,7 +4,7 @@ import torch
 from pagedserve.executor_svc.kv_cache import GiB, allocate_kv_cache, bytes_per_block, determine_num_blocks
 from pagedserve.executor_svc.model_config import model_config_from_dict
 from pagedserve.common.config import EngineConfig
-from pagedserve.bench.model_shapes import SHAPES
+from pagedserve.common.model_shapes import SHAPES
 
 CPU = torch.device("cpu")
 LLAMA_8B = model_config_from_dict(SHAPES["llama-3.1-8b"])
