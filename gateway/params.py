@@ -114,18 +114,20 @@ def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_le
             code="context_length_exceeded")
 
 
-# Fields whose None means SamplingParams' default.
+# Fields whose None means the model's generation-config default, else SamplingParams'.
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
               "repetition_penalty")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    defaults: dict) -> SamplingParams:
     """max_tokens None lets the scheduler fill the remaining context of each prompt; logprobs is the
-    number of top logprobs per token (None: none). The ranges were checked when `req` was decoded."""
+    number of top logprobs per token (None: none); `defaults` stand in for omitted options. The
+    ranges were checked when `req` was decoded."""
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).",
                           param="min_tokens")
-    given = {name: getattr(req, name) for name in _DEFAULTED if getattr(req, name) is not None}
+    given = defaults | {name: getattr(req, name) for name in _DEFAULTED if getattr(req, name) is not None}
     return SamplingParams(
         n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
         stop=[] if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or [],

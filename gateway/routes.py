@@ -118,7 +118,7 @@ def _choices(rid: str, req: SamplingFields, prompts: list[list[int]], max_tokens
     params.check_prompts(prompts, spec.vocab_size)
     params.check_token_ids(req.stop_token_ids or [], spec.vocab_size, "stop_token_ids")
     params.check_context(prompts, max_tokens, spec.max_model_len)
-    choices = fan_out(rid, prompts, params.sampling_params(req, max_tokens, logprobs))
+    choices = fan_out(rid, prompts, params.sampling_params(req, max_tokens, logprobs, served.sampling_defaults))
     served.metrics.request_params_n.observe(req.n)
     served.metrics.request_params_max_tokens.observe(
         max_tokens or spec.max_model_len - max(len(p) for p in prompts))

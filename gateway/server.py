@@ -7,6 +7,7 @@ from aiohttp import web
 
 from pagedserve.common import aio, service
 from pagedserve.common.config import add_engine_args
+from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.gateway.app import build_app
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.log import get_logger
@@ -31,6 +32,9 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     """Listening, API key, CORS and streaming flags, shared with `pagedserve serve`."""
     group.add_argument("--tokenizer", default=None,
                        help="a Hugging Face tokenizer directory (or .gguf file) instead of the model's")
+    group.add_argument("--generation-config", default="auto",
+                       help="where default sampling options come from: auto (the model's "
+                            "generation_config.json), vllm (none: vLLM's defaults), or a folder")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
@@ -65,7 +69,8 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     """Serves until SIGINT or SIGTERM, then stops accepting and drains in-flight requests."""
     app = build_app(tokenizer, args.scheduler_address, args.served_model_name, api_key=args.api_key,
                     protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
-                    stream_interval=args.stream_interval)
+                    stream_interval=args.stream_interval,
+                    sampling_defaults=sampling_defaults(args.model, args.generation_config))
     runner = await start(app, args.host, args.port)
     log.info("gateway_listening", host=args.host, port=args.port, scheduler=args.scheduler_address,
              api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins)

@@ -14,6 +14,7 @@ class ServedModel:
     name: str
     spec: ModelSpec
     metrics: ModelMetrics
+    sampling_defaults: dict
 
 
 @dataclass(slots=True)
@@ -23,13 +24,14 @@ class Gateway:
     metrics: Metrics = field(default_factory=Metrics)
     served_model_name: str | None = None
     stream_interval: int = 1
+    sampling_defaults: dict = field(default_factory=dict)
     started: int = field(default_factory=lambda: int(time.time()))
 
     async def model(self) -> ServedModel:
         """The model clients address; raises a 503 APIError until the scheduler has answered once."""
         spec = await self.engine.model_spec()
         name = self.served_model_name or spec.served_model_name
-        return ServedModel(name, spec, self.metrics.bind(name, spec.max_model_len))
+        return ServedModel(name, spec, self.metrics.bind(name, spec.max_model_len), self.sampling_defaults)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pagedserve import LLM
-from tiny_models import PROMPT_LENS, hf_greedy, llm_greedy, make_tiny_model, mixed_prompts
+from tests.tiny_models import PROMPT_LENS, hf_greedy, llm_greedy, make_tiny_model, mixed_prompts
 
 ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 NEW_TOKENS = 40

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
-from tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model
 
 ARCH = "LlamaForCausalLM"
 PROMPTS = [[random.Random(n).randrange(3, 512) for _ in range(n)] for n in (5, 11, 23, 40)]

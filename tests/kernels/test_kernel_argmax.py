@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernel_testing import DEVICE
+from tests.kernels.kernel_testing import DEVICE
 from pagedserve.kernels.argmax import CHUNK, argmax
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernel_testing import (DEVICE, assert_close, poison_next_alloc, random_paged_kv,
+from tests.kernels.kernel_testing import (DEVICE, assert_close, poison_next_alloc, random_paged_kv,
                             skip_bf16_dot_on_cpu)
 from pagedserve.kernels import attention
 from pagedserve.kernels.attention import MAX_SPLITS, choose_num_splits, paged_attention

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernel_testing import DEVICE, assert_close, poison_next_alloc
+from tests.kernels.kernel_testing import DEVICE, assert_close, poison_next_alloc
 from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.norm import rms_norm
 from pagedserve.kernels.reference import rms_norm_ref, silu_and_mul_ref

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernel_testing import DEVICE, assert_close
+from tests.kernels.kernel_testing import DEVICE, assert_close
 from pagedserve.kernels.reference import rotary_ref, write_kv_ref
 from pagedserve.kernels.rotary import rotary_write_kv
 

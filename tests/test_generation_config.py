@@ -1,0 +1,48 @@
+"""A model's generation_config.json sets the sampling options a request omits (vLLM's --generation-config)."""
+import json
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.common.generation_config import sampling_defaults
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "eos_token_id": [1, 2], "do_sample": True}))
+    return tmp_path
+
+
+def test_auto_reads_the_models_sampling_options(model_dir):
+    assert sampling_defaults(model_dir) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    (model_dir / "model.gguf").write_bytes(b"")
+    assert sampling_defaults(model_dir / "model.gguf") == sampling_defaults(model_dir)
+
+
+def test_vllm_ignores_it_and_a_model_without_one_has_none(model_dir, tmp_path_factory):
+    assert sampling_defaults(model_dir, "vllm") == {}
+    assert sampling_defaults(tmp_path_factory.mktemp("bare")) == {}
+
+
+def test_another_folder_and_its_errors(model_dir, tmp_path_factory):
+    other = tmp_path_factory.mktemp("model")
+    assert sampling_defaults(other, str(model_dir))["top_k"] == 20
+    with pytest.raises(FileNotFoundError, match="--generation-config .* not found"):
+        sampling_defaults(model_dir, str(other))
+    (model_dir / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_defaults(model_dir)
+
+
+def test_llm_uses_them_when_no_sampling_params_are_given(tmp_path):
+    path = make_tiny_model("LlamaForCausalLM", tmp_path)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 3}))
+    llm = LLM(str(path), max_model_len=64)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_k, params.top_p) == (0.0, 3, 1.0)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    assert (llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids
+            == llm.generate(prompt, SamplingParams(temperature=0), use_tqdm=False)[0].outputs[0].token_ids)
+    assert LLM(str(path), max_model_len=64, generation_config="vllm").get_default_sampling_params().top_k == 0
