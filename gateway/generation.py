@@ -2,7 +2,7 @@
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.gateway.engine_client import EngineClient
@@ -11,7 +11,7 @@ from pagedserve.gateway.logprobs import TokenLogprob, decode_logprobs
 from pagedserve.gateway.metrics import ChoiceStats, ModelMetrics
 from pagedserve.gateway.schemas import PromptTokensDetails, Usage
 from pagedserve.common.tokenizer import Tokenizer
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams, choice_params
 from pagedserve.v1 import engine_pb2 as pb
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
@@ -39,19 +39,12 @@ class Choice:
     cached_tokens: int = 0
 
 
-def _wrap_int64(value: int) -> int:
-    # The proto's seed is an int64; seed + i must not overflow it at the top of the range.
-    return (value + 2**63) % 2**64 - 2**63
-
-
 def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
     """n choices per prompt, each its own engine request; seeds differ so that samples do too."""
     choices = []
     for p, prompt in enumerate(prompts):
-        for i in range(params.n):
-            seed = None if params.seed is None else _wrap_int64(params.seed + i)
+        for i, child in enumerate(choice_params(params)):
             index = p * params.n + i
-            child = replace(params, n=1, seed=seed)
             choices.append(Choice(index, f"{request_id}-{index}", prompt, child, counts_prompt=i == 0))
     return choices
 

@@ -86,3 +86,12 @@ def test_nan_is_out_of_every_range():
 
 def test_top_k_minus_one_is_off_as_in_vllm():
     assert SamplingParams(top_k=-1).top_k == 0
+
+
+def test_choice_params_offset_and_wrap_the_seed():
+    from pagedserve.common.sampling_params import choice_params
+
+    children = choice_params(SamplingParams(n=3, seed=2**63 - 2, temperature=0.5))
+    assert [c.seed for c in children] == [2**63 - 2, 2**63 - 1, -2**63]
+    assert all(c.n == 1 and c.temperature == 0.5 for c in children)
+    assert [c.seed for c in choice_params(SamplingParams(n=2))] == [None, None]

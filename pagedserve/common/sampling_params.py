@@ -1,7 +1,7 @@
 """Per-request generation options, with vLLM's names and defaults; the range each may take; and
 their wire form (pagedserve.v1.SamplingParams), which the scheduler and the executor share."""
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedserve.v1 import sampling_pb2 as pb
 
@@ -105,6 +105,14 @@ class SamplingParams:
             self.stop = [self.stop]
         check_ranges(self, RANGES)
         self.top_k = max(self.top_k, 0)
+
+
+def choice_params(params: SamplingParams) -> list[SamplingParams]:
+    """The n single-choice requests of `params`, seeds offset by the choice (so that samples differ)
+    and wrapped into the int64 the wire carries."""
+    def seed(i: int) -> int | None:
+        return None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
+    return [replace(params, n=1, seed=seed(i)) for i in range(params.n)]
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:

@@ -1,6 +1,6 @@
 """Offline batch inference: the scheduler and executor cores in one process, no gRPC."""
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
 
@@ -13,7 +13,7 @@ from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.config import EngineConfig
 from pagedserve.entrypoints.default_model import default_model
 from pagedserve.common.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams, choice_params
 from pagedserve.scheduler_svc.request import Request, RequestDelta, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop
@@ -74,8 +74,7 @@ class LLM:
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._request_ids))
         output = RequestOutput(request_id, text, token_ids)
-        for index in range(params.n):
-            child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+        for index, child_params in enumerate(choice_params(params)):
             seq_id = next(self._seq_ids)
             self.scheduler.add(Request(seq_id=seq_id, request_id=f"{request_id}-{index}",
                                        prompt_token_ids=token_ids, sampling=child_params))

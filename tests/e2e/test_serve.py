@@ -60,6 +60,28 @@ def test_chat_non_stream_and_stream_agree(server):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_the_first_question_a_newcomer_asks_gets_a_real_answer(server):
+    reply = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+
+
+ORDINARY_PROMPTS = ("Give me a tip for learning to cook.", "What is a good name for a dog?",
+                    "Why do leaves change color in autumn?", "How do I boil an egg?",
+                    "Describe a sunset in one sentence.", "What is the largest planet?",
+                    "Suggest a weekend activity.", "How many days are in a week?",
+                    "What does a bee make?", "Write a short greeting for a birthday card.")
+
+
+def test_ordinary_answers_are_clean_text(server):
+    c = client(server)
+    for prompt in ORDINARY_PROMPTS:
+        text = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                         max_tokens=24, temperature=0).choices[0].message.content
+        assert text.strip() and "\ufffd" not in text, (prompt, text)
+        assert all(ch.isprintable() or ch in "\n\t" for ch in text), (prompt, text)
+
+
 def test_completions(server):
     reply = client(server).completions.create(model=MODEL, prompt="The quick brown fox",
                                               max_tokens=8, temperature=0,
