@@ -27,9 +27,13 @@ def batch_defaults(device: torch.device, offline: bool) -> BatchDefaults:
     table = CPU
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        large = props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower()
-        table = LARGE_GPU if large else GPU
+        table = gpu_table(props.total_memory, props.name)
     return table[0 if offline else 1]
+
+
+def gpu_table(total_memory: int, name: str) -> tuple[BatchDefaults, BatchDefaults]:
+    large = total_memory >= LARGE_GPU_BYTES and "a100" not in name.lower()
+    return LARGE_GPU if large else GPU
 
 
 def resolve_batch_limits(config: EngineConfig, defaults: BatchDefaults, max_model_len: int) -> EngineConfig:
