@@ -30,9 +30,10 @@ def configure(level: str = "info", service: str = "pagedserve", fmt: str = "text
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)
-    if level != "debug":
-        # gRPC's own chatter (polling engines, channel states) helps only when debugging.
-        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    # gRPC's own chatter (event loops, polling engines, channel states) was most of a debug log:
+    # it shows only when asked for with gRPC's own variable, GRPC_VERBOSITY=debug (or info).
+    if os.environ.get("GRPC_VERBOSITY", "").lower() not in ("debug", "info"):
+        os.environ["GRPC_VERBOSITY"] = "ERROR"
         for name in GRPC_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
 
