@@ -144,7 +144,7 @@ def config_from_kwargs(model: str, kwargs: dict) -> EngineConfig:
     for name, value in kwargs.items():
         if name not in specs:
             close = difflib.get_close_matches(name, specs, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
+            hint = f"; did you mean {close[0]}?" if close else "."
             raise ValueError(f"LLM() takes no argument {name!r}{hint} It takes the engine flags as "
                              f"keywords: {', '.join(sorted(specs))}")
         values[name] = _checked(name, value, specs[name])

@@ -2,7 +2,6 @@
 errors in one line that name the closest valid flag."""
 import argparse
 import difflib
-import sys
 
 
 class Parser(argparse.ArgumentParser):
@@ -43,8 +42,3 @@ def closest(flag: str, options: list[str]) -> str | None:
     close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
     return close[0] if close else None
 
-
-def fail(message: str, code: int = 1) -> None:
-    """Exits after one line on stderr: what was wrong and what to do."""
-    sys.stderr.write(f"pagedserve: error: {message}\n")
-    sys.exit(code)

@@ -6,8 +6,8 @@ import sys
 
 from pagedserve.common import aio
 from pagedserve.common.config import (COMPAT_FLAGS, EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_FLAGS,
-                                      add_engine_args, add_geometry_checks, config_from_args,
-                                      config_to_argv)
+                                      EngineConfig, add_engine_args, add_geometry_checks,
+                                      config_from_args, config_to_argv)
 from pagedserve.common.log import configure
 from pagedserve.bench.model_shapes import SHAPES, write_shape
 from pagedserve.entrypoints.arg_parser import Parser
@@ -136,7 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(args.model, argv, listener, args.scheduler_address, args.startup_timeout)
 
 
-def _gateway_argv(args: argparse.Namespace, config) -> list[str]:
+def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
     argv = ["--served-model-name", *(config.served_model_name or [config.name]),
             "--uvicorn-log-level", args.uvicorn_log_level]
     if args.protect_metrics:

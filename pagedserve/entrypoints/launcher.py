@@ -140,7 +140,6 @@ def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, sched
                                    "--scheduler-address", scheduler_address, *argv["gateway"]],
                        http_ready(f"http://{connect_host(host)}:{port}/health"), startup_timeout,
                        pass_fds=(listener.fileno(),))
-        listener.close()
         if not launcher.stopping:
             log.info("pagedserve_ready", url=f"http://{connect_host(host)}:{port}/v1")
         return launcher.supervise()
