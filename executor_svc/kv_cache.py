@@ -54,8 +54,11 @@ def determine_num_blocks(config: EngineConfig, block_bytes: int, max_model_len: 
         most_tokens = config.max_num_seqs * max_model_len
         num_blocks = min(budget // block_bytes, -(-most_tokens // config.block_size) + 1)
     _check_fits(num_blocks, config.block_size, max_model_len, block_bytes)
-    log.info("kv_cache_sized", source=source, num_blocks=num_blocks,
-             tokens=num_blocks * config.block_size, gib=round(num_blocks * block_bytes / GiB, 3))
+    tokens = num_blocks * config.block_size
+    # vLLM's "maximum concurrency": requests of max_model_len tokens that fit at once.
+    log.info("kv_cache_sized", source=source, num_blocks=num_blocks, tokens=tokens,
+             gib=round(num_blocks * block_bytes / GiB, 3), max_model_len=max_model_len,
+             max_concurrency=round(tokens / max_model_len, 2))
     return num_blocks
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagedserve.executor_svc.attention_backend import AttentionMetadata, get_backend
+from pagedserve.executor_svc.batch_limits import batch_defaults, resolve_batch_limits
 from pagedserve.executor_svc.cuda_graphs import CudaGraphs, bucket, capture_sizes, decode_metadata
 from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_device, resolve_dtype
 from pagedserve.executor_svc.host_slots import HostSlot
@@ -73,20 +74,23 @@ class RunnerStats:
 
 
 class ModelRunner:
-    """Runs step plans against the model. Requests persist between plans, keyed by seq_id."""
+    """Runs step plans against the model. Requests persist between plans, keyed by seq_id.
+    `offline`: the batch limits a config leaves unset take vLLM's defaults for its LLM class
+    rather than for its API server."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, offline: bool = False) -> None:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         self.model_config: ModelConfig = load_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
+        self.config = config = resolve_batch_limits(config, batch_defaults(self.device, offline),
+                                                    self.max_model_len)
         self.block_size = config.block_size
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = LlamaForCausalLM(self.model_config, get_backend(self.device),
                                           self.max_model_len)
-        load_weights(self.model, config.model, config.load_format, config.seed)
+        self._load_weights()
         self.sampler = Sampler()
         self.stats = RunnerStats()
         self.clock = StepClock(self.device)
@@ -123,10 +127,21 @@ class ModelRunner:
                                            self.dtype, self.device)
         if self.graph_sizes and self.device.type == "cuda":
             self.graphs.capture(self.kv_caches)
+        else:
+            log.info("cuda_graphs_off", reason="--enforce-eager" if config.enforce_eager else "not on a GPU")
         log.info("model_runner_ready", architecture=self.model_config.architecture,
                  device=str(self.device), dtype=dtype_name(self.dtype),
                  max_model_len=self.max_model_len, num_blocks=self.num_blocks,
+                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                  cuda_graphs=bool(self.graphs.graphs))
+
+    def _load_weights(self) -> None:
+        config = self.config
+        start = time.perf_counter()
+        load_weights(self.model, config.model, config.load_format, config.seed)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        log.info("model_loaded", weights_gib=round(weight_bytes / 2**30, 3),
+                 seconds=round(time.perf_counter() - start, 2), load_format=config.load_format)
 
     def describe(self) -> ExecutorInfo:
         return ExecutorInfo(num_blocks=self.num_blocks, block_size=self.block_size,
@@ -134,6 +149,8 @@ class ModelRunner:
                             vocab_size=self.model_config.vocab_size,
                             max_model_len=self.max_model_len,
                             eos_token_ids=list(self.model_config.eos_token_ids),
+                            max_num_seqs=self.config.max_num_seqs,
+                            max_num_batched_tokens=self.config.max_num_batched_tokens,
                             gpu_memory_utilization=self.config.gpu_memory_utilization)
 
     def reset(self) -> None:

@@ -10,9 +10,11 @@ VOCAB = 32000
 TOKEN = 1  # what the null model samples; never EOS (0)
 
 
-def null_executor_info(num_blocks: int, block_size: int, max_model_len: int) -> ExecutorInfo:
+def null_executor_info(num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,
+                       max_num_batched_tokens: int = 8192) -> ExecutorInfo:
     return ExecutorInfo(num_blocks=num_blocks, block_size=block_size, dtype="none", device="none",
-                        vocab_size=VOCAB, max_model_len=max_model_len, eos_token_ids=[0])
+                        vocab_size=VOCAB, max_model_len=max_model_len, eos_token_ids=[0],
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
 
 @dataclass(slots=True)

@@ -9,19 +9,28 @@ from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
 from pagedserve.gateway.request_id import request_id_middleware
 from pagedserve.gateway.state import GATEWAY, Gateway
 from pagedserve.common.tokenizer import Tokenizer
+from pagedserve.common.version import __version__
+
+SERVER = f"pagedserve/{__version__}"
 
 
 async def _close_engine(app: web.Application) -> None:
     await app[GATEWAY].engine.close()
 
 
-def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_name: str | None = None, *,
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    # How `pagedserve serve` tells another pagedserve on its port from any other server.
+    response.headers["Server"] = SERVER
+
+
+def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: list[str] | None = None, *,
               api_key: str | None = None, protect_metrics: bool = False,
               allowed_origins: list[str] | None = None, stream_interval: int = 1,
-              sampling_defaults: dict | None = None) -> web.Application:
+              log_requests: bool = False, sampling_defaults: dict | None = None) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
+    `log_requests` logs one line per finished request (vLLM's --enable-log-requests).
     `sampling_defaults` (the model's generation config) fill the sampling options a request omits.
     """
     middlewares = [request_id_middleware, error_middleware]
@@ -34,8 +43,11 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_name: s
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     if cors:
         app.on_response_prepare.append(cors.on_prepare)
-    app[GATEWAY] = Gateway(EngineClient(scheduler_address), tokenizer, served_model_name=served_model_name,
-                           stream_interval=stream_interval, sampling_defaults=sampling_defaults or {})
+    app.on_response_prepare.append(_server_header)
+    app[GATEWAY] = Gateway(EngineClient(scheduler_address), tokenizer,
+                           served_model_names=list(served_model_names or ()),
+                           stream_interval=stream_interval, log_requests=log_requests,
+                           sampling_defaults=sampling_defaults or {})
     app.on_cleanup.append(_close_engine)
     app.router.add_get("/health", ops_routes.health)
     app.router.add_get("/version", ops_routes.version_info)

@@ -37,6 +37,7 @@ class Choice:
     counts_prompt: bool
     completion_tokens: int = 0
     cached_tokens: int = 0
+    finish_reason: str | None = None
 
 
 def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
@@ -53,7 +54,8 @@ class Generation:
     """Runs the choices of one request concurrently; events() yields their text as it is produced."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, choices: list[Choice],
-                 trace_id: str, metrics: ModelMetrics, arrival: float, stream_interval: int = 1) -> None:
+                 trace_id: str, metrics: ModelMetrics, arrival: float, stream_interval: int = 1,
+                 log_requests: bool = False) -> None:
         self._engine = engine
         self._trace_id = trace_id
         self._tokenizer = tokenizer
@@ -63,6 +65,8 @@ class Generation:
         # from which the latency metrics count.
         self._arrival = arrival
         self._stream_interval = stream_interval
+        # Whether its end is logged at info with its parameters (--enable-log-requests).
+        self.log_requests = log_requests
 
     def usage(self) -> Usage:
         # The n choices of one prompt share it: its tokens count once, as OpenAI counts them.
@@ -94,7 +98,7 @@ class Generation:
         finish_reason = None
         try:
             event = await self._stream(choice, queue, stats)
-            finish_reason = event.finish_reason
+            finish_reason = choice.finish_reason = event.finish_reason
             queue.put_nowait(event)
         except Exception as e:
             queue.put_nowait(e)

@@ -1,5 +1,6 @@
 """HTTP handlers of the OpenAI routes: /v1/models, /v1/completions and /v1/chat/completions."""
 import asyncio
+import dataclasses
 import functools
 import time
 import uuid
@@ -21,6 +22,7 @@ from pagedserve.gateway.schemas import (ChatCompletionRequest, CompletionRequest
 from pagedserve.gateway.sse import SSEWriter
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
 from pagedserve.common.log import get_logger
+from pagedserve.common.sampling_params import SamplingParams
 
 log = get_logger(__name__)
 _encoder = msgspec.json.Encoder()
@@ -38,20 +40,21 @@ async def read_json(request: web.Request, kind: type[msgspec.Struct]) -> msgspec
     return decode_request(await request.read(), kind)
 
 
-async def _card(gateway: Gateway) -> Model:
-    served = await gateway.model()
+def _card(gateway: Gateway, served: ServedModel) -> Model:
     return Model(id=served.name, created=gateway.started, max_model_len=served.spec.max_model_len)
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return json_response(ModelList([await _card(request.app[GATEWAY])]))
+    gateway = request.app[GATEWAY]
+    return json_response(ModelList([_card(gateway, await gateway.model())]))
 
 
 async def get_model(request: web.Request) -> web.Response:
-    card = await _card(request.app[GATEWAY])
-    if request.match_info["model"] != card.id:
+    gateway = request.app[GATEWAY]
+    served = await gateway.model()
+    if served.resolve(request.match_info["model"]) != served.name:
         raise model_not_found(request.match_info["model"])
-    return json_response(card)
+    return json_response(_card(gateway, served))
 
 
 def _counts_rejections(handler: Handler) -> Handler:
@@ -75,7 +78,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, ChatCompletionRequest)
     gateway = request.app[GATEWAY]
     served = await gateway.model()
-    model = params.resolve_model(req.model, served.name)
+    model = params.resolve_model(served.resolve(req.model), served.name)
     params.check_chat_options(req)
     prompts = [params.chat_prompt(gateway.tokenizer, req.messages, req.add_generation_prompt)]
     rid = _new_id()
@@ -90,7 +93,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, CompletionRequest)
     gateway = request.app[GATEWAY]
     served = await gateway.model()
-    model = params.resolve_model(req.model, served.name)
+    model = params.resolve_model(served.resolve(req.model), served.name)
     params.check_completion_options(req)
     prompts, texts = params.completion_prompts(gateway.tokenizer, req.prompt)
     rid = _new_id()
@@ -130,7 +133,7 @@ async def _generate(request: web.Request, builder: ResponseBuilder, choices: lis
     gateway = request.app[GATEWAY]
     start = time.monotonic()
     generation = Generation(gateway.engine, gateway.tokenizer, choices, current_request_id(),
-                            served.metrics, start, gateway.stream_interval)
+                            served.metrics, start, gateway.stream_interval, gateway.log_requests)
     try:
         async with aclosing(generation.events()) as events:
             if stream:
@@ -143,9 +146,22 @@ async def _generate(request: web.Request, builder: ResponseBuilder, choices: lis
 
 def _log_end(event: str, builder: ResponseBuilder, generation: Generation, start: float) -> None:
     usage = generation.usage()
-    # Debug, not info: one line per request is an access log, and a log storm slows serving.
-    log.debug(event, id=builder.id, prompt_tokens=usage.prompt_tokens,
-             completion_tokens=usage.completion_tokens, elapsed_s=round(time.monotonic() - start, 3))
+    summary = dict(id=builder.id, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                   elapsed_s=round(time.monotonic() - start, 3))
+    if not generation.log_requests:
+        # Debug unless asked for: a line per request slows serving under load.
+        log.debug(event, **summary)
+        return
+    choices = generation.choices
+    log.info(event, **summary, finish_reasons=[c.finish_reason for c in choices],
+             params=changed_fields(choices[0].params))
+
+
+def changed_fields(params: SamplingParams) -> dict:
+    """The sampling parameters a request set to other than their defaults."""
+    default = type(params)()
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
+            if getattr(params, f.name) != getattr(default, f.name)}
 
 
 def _client_left(builder: ResponseBuilder, generation: Generation, start: float) -> None:

@@ -1,18 +1,24 @@
 """Gateway entry point: flags, startup and graceful shutdown."""
 import argparse
 import json
+import logging
 import os
+import socket
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 
-from pagedserve.common import aio, service
+from pagedserve.common import aio, arg_types, service
 from pagedserve.common.config import add_engine_args
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.gateway.app import build_app
-from pagedserve.common.tokenizer import Tokenizer
+from pagedserve.common.tokenizer import Tokenizer, read_chat_template
 from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
+# vLLM's --uvicorn-log-level names, as logging levels of the HTTP server's own logs.
+HTTP_LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
+                   "info": logging.INFO, "debug": logging.DEBUG, "trace": logging.DEBUG}
 
 # In-flight requests get this long to finish after SIGTERM before they are cancelled.
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -23,6 +29,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("gateway")
     g.add_argument("--scheduler-address", default="127.0.0.1:50051",
                    help="the scheduler's Engine gRPC address: host:port or unix:///path")
+    g.add_argument("--listen-fd", type=int, default=None,
+                   help="serve on this inherited, bound socket instead of binding --host/--port "
+                        "(`pagedserve serve` binds the port before loading the model)")
     # The scheduler reports its served name; the gateway's flag, when given, overrides it.
     add_engine_args(parser, ("served_model_name",))
     add_serving_args(g)
@@ -35,8 +44,9 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--generation-config", default="auto",
                        help="where default sampling options come from: auto (the model's "
                             "generation_config.json), vllm (none: vLLM's defaults), or a folder")
-    group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--host", default="127.0.0.1",
+                       help="where the REST API listens; 0.0.0.0 for every interface (set --api-key then)")
+    group.add_argument("--port", type=arg_types.port, default=8000, help="the REST API's TCP port")
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                        help="require `Authorization: Bearer KEY` on every route but /health (and "
                             "/metrics); defaults to $PAGEDSERVE_API_KEY, which, unlike a flag, process "
@@ -45,8 +55,31 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--allowed-origins", type=parse_origins, default=[],
                        help="CORS: origins browsers may call the API from, comma-separated or a JSON list; "
                             "* allows any")
-    group.add_argument("--stream-interval", type=int, default=1,
+    group.add_argument("--stream-interval", type=arg_types.positive_int, default=1,
                        help="tokens per streamed chunk; more means fewer writes under load (vLLM's flag)")
+    group.add_argument("--chat-template", type=chat_template, default=None,
+                       help="a Jinja chat template, as a file or inline, used instead of the model's")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request when it ends: id, prompt tokens, sampling parameters, "
+                            "finish reasons, completion tokens and latency")
+    group.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                       default=False, help="no line per request (the default; vLLM's older flag)")
+    group.add_argument("--uvicorn-log-level", choices=list(HTTP_LOG_LEVELS), default="info",
+                       help="level of the HTTP server's own logs (vLLM's uvicorn, aiohttp here): "
+                            "info logs one access line per HTTP request, warning and above none")
+    group.add_argument("--enable-auto-tool-choice", action=arg_types.NotBuilt, nargs=0,
+                       feature="tool calling", help="not built yet; giving it fails")
+    for flag, feature in (("--tool-call-parser", "tool calling"), ("--reasoning-parser", "reasoning output")):
+        group.add_argument(flag, action=arg_types.NotBuilt, nargs=1, metavar="NAME", feature=feature,
+                           help="not built yet; giving it fails")
+
+
+def chat_template(value: str) -> str:
+    """--chat-template's text, from the file it names or as given; checked when parsed."""
+    try:
+        return read_chat_template(value)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_origins(value: str) -> list[str]:
@@ -56,12 +89,27 @@ def parse_origins(value: str) -> list[str]:
     return [o.strip() for o in value.split(",") if o.strip()]
 
 
-async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Starts serving `app`; handler cancellation makes a client disconnect abort its request."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+class AccessLogger(AbstractAccessLogger):
+    """One structured line per HTTP request, as uvicorn writes at --uvicorn-log-level info."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        log.info("http_request", method=request.method, path=request.path, status=response.status,
+                 remote=request.remote, elapsed_ms=round(time * 1000, 1))
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO)
+
+
+async def start(app: web.Application, host: str, port: int, sock: socket.socket | None = None) -> web.AppRunner:
+    """Starts serving `app` on `sock`, else on host:port; handler cancellation makes a client
+    disconnect abort its request."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log_class=AccessLogger,
+                           access_log=logging.getLogger("aiohttp.access"),
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    site = web.TCPSite(runner, host, port) if sock is None else web.SockSite(runner, sock)
+    await site.start()
     return runner
 
 
@@ -69,9 +117,10 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     """Serves until SIGINT or SIGTERM, then stops accepting and drains in-flight requests."""
     app = build_app(tokenizer, args.scheduler_address, args.served_model_name, api_key=args.api_key,
                     protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
-                    stream_interval=args.stream_interval,
+                    stream_interval=args.stream_interval, log_requests=args.enable_log_requests,
                     sampling_defaults=sampling_defaults(args.model, args.generation_config))
-    runner = await start(app, args.host, args.port)
+    sock = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
+    runner = await start(app, args.host, args.port, sock)
     log.info("gateway_listening", host=args.host, port=args.port, scheduler=args.scheduler_address,
              api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins)
     await service.wait_for_signal()
@@ -85,5 +134,6 @@ def run(args: argparse.Namespace) -> None:
     path = args.tokenizer or args.model
     if not path:
         raise SystemExit("gateway: pass the model directory or --tokenizer")
-    aio.run(serve(Tokenizer.load(path), args))
+    logging.getLogger("aiohttp").setLevel(HTTP_LOG_LEVELS[args.uvicorn_log_level])
+    aio.run(serve(Tokenizer.load(path, args.chat_template), args))
 

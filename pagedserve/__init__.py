@@ -2,7 +2,7 @@
 
 from pagedserve.common.version import __version__
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

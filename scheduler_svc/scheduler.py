@@ -26,13 +26,14 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, info: ExecutorInfo) -> None:
-        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_seqs ({config.max_num_seqs}) and max_num_batched_tokens "
-                             f"({config.max_num_batched_tokens}) must be at least 1")
-        # The KV cache's geometry is the executor's (its Describe), never a flag of the scheduler's.
+        if info.max_num_seqs < 1 or info.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs ({info.max_num_seqs}) and max_num_batched_tokens "
+                             f"({info.max_num_batched_tokens}) must be at least 1")
+        # The KV cache's geometry and the batch limits are the executor's (its Describe), never
+        # flags of the scheduler's.
         self.block_size = info.block_size
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = info.max_num_seqs
+        self.max_num_batched_tokens = info.max_num_batched_tokens
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids)
         self.block_manager = BlockManager(info.num_blocks, info.block_size, config.enable_prefix_caching)
@@ -52,6 +53,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Prompt tokens of requests that have produced their first token, and tokens generated.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         self.stats = StepStats()
         # Whether the engine had nothing to do since the last plan: the executor's idle time
         # before the next step is then the wait for requests, not the control path's cost.
@@ -271,6 +275,8 @@ class Scheduler:
                 hash_blocks(request.block_hashes, token_ids, block_size)
                 self._cache_blocks(request)
             num_output_tokens = num_tokens - request.num_prompt_tokens
+            if num_output_tokens == 1:
+                self.num_prompt_tokens += request.num_prompt_tokens
             if token_id in request.stop_ids and num_output_tokens >= request.sampling.min_tokens:
                 self._finish(request, "stop", token_id)
             elif num_tokens >= request.max_num_tokens:
@@ -283,6 +289,7 @@ class Scheduler:
                                  request.num_cached_tokens))
         if num_finished:
             self.running = [r for r in self.running if r.status is running]
+        self.num_generation_tokens += len(outputs)
         return outputs
 
     def _finish(self, request: Request, reason: str, stop_token_id: int | None = None) -> None:

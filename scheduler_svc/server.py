@@ -16,6 +16,7 @@ from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb
 from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
 from pagedserve.scheduler_svc.request import RequestDelta
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.stats_logger import StatsLogger, interval_from_env
 from pagedserve.scheduler_svc.step_stats import BUCKETS_US, Histogram
 
 log = get_logger(__name__)
@@ -122,13 +123,18 @@ async def serve(config: EngineConfig, address: str, executor_address: str,
         running = await service.start("scheduler", address, partial(
             engine_pb2_grpc.add_EngineServicer_to_server, EngineService(loop, config, info)))
         log.info("scheduler_ready", address=address, num_blocks=info.num_blocks,
-                 block_size=info.block_size, max_model_len=info.max_model_len)
+                 block_size=info.block_size, max_model_len=info.max_model_len,
+                 max_num_seqs=info.max_num_seqs, max_num_batched_tokens=info.max_num_batched_tokens)
         stepping = asyncio.create_task(loop.run())
         signalled = asyncio.create_task(service.wait_for_signal())
+        stats = None if config.disable_log_stats else asyncio.create_task(
+            StatsLogger(scheduler, interval_from_env()).run())
         done, _ = await asyncio.wait({stepping, signalled}, return_when=asyncio.FIRST_COMPLETED)
         await running.stop()
         stepping.cancel()
         signalled.cancel()
+        if stats is not None:
+            stats.cancel()
         if stepping in done:
             stepping.result()
 
@@ -137,7 +143,8 @@ def check_geometry(expected: dict[str, int | str], info: ExecutorInfo, executor_
     """Refuses to start on a geometry flag that disagrees with the executor's KV cache: planning
     with another block size corrupts the slot mapping and, with prefix caching, shared blocks."""
     reported = {"block_size": info.block_size, "max_model_len": info.max_model_len,
-                "num_gpu_blocks_override": info.num_blocks, "dtype": info.dtype}
+                "num_gpu_blocks_override": info.num_blocks, "dtype": info.dtype,
+                "max_num_seqs": info.max_num_seqs, "max_num_batched_tokens": info.max_num_batched_tokens}
     for name, value in expected.items():
         if value != reported[name] and not (name == "dtype" and value == "auto"):
             flag = "--" + name.replace("_", "-")

@@ -1,14 +1,19 @@
-"""`pagedserve bench serve`: its statistics on synthetic timings, and one run against the real stack."""
+"""`pagedserve bench serve`: its statistics on synthetic timings, and runs against the real stack."""
+import argparse
+import asyncio
 import json
 import math
 import subprocess
 import sys
 
+import aiohttp
 import numpy as np
 import pytest
 
 from pagedserve.bench.serve import (RequestResult, arrival_times, inter_token_latencies, mark_stable,
-                                    parse_metric, step_stats, step_totals, summarize, time_per_output_token)
+                                    parse_metric, resolve_target, server_vocab_size, step_stats, step_totals,
+                                    summarize, time_per_output_token)
+from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.entrypoints import default_model
 from tests.serving import free_port, run_cli, wait_http
 
@@ -98,7 +103,7 @@ def test_poisson_arrivals():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server():
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--port", str(port),
                                 "--num-gpu-blocks-override", "256", "--max-model-len", "256"])
@@ -112,9 +117,9 @@ def server(tmp_path_factory):
 
 def test_bench_serve_against_the_default_model(server, tmp_path, capsys):
     out = tmp_path / "serve.json"
+    # No --vocab-size: the bench finds the model's on the server (then keeps to the workload's 32000).
     run_cli(["bench", "serve", "--base-url", server, "--num-prompts", "6", "--concurrency", "1,3",
-              "--dataset", "random", "--input-len", "16", "--output-len", "8", "--vocab-size", "256",
-              "--output-json", str(out)])
+              "--dataset", "random", "--input-len", "16", "--output-len", "8", "--output-json", str(out)])
     result = json.loads(out.read_text())
     assert result["model"] == default_model.NAME
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
@@ -129,3 +134,20 @@ def test_bench_serve_against_the_default_model(server, tmp_path, capsys):
         assert step["idle_us_mean"] > 0 and 0 < step["idle_pct"] < 100
     table = capsys.readouterr().out
     assert "concurrency" in table and "TTFT p99" in table and "idle %" in table and "stable" in table
+
+
+def test_bench_serve_finds_the_vocabulary_and_fails_on_failed_requests(server, tmp_path):
+    async def vocab() -> int:
+        async with aiohttp.ClientSession() as session:
+            return await server_vocab_size(session, await resolve_target(session, argparse.Namespace(
+                base_url=server, api_key=None, model=None)))
+
+    assert asyncio.run(vocab()) == Tokenizer.load(default_model.default_model()).vocab_size
+    out = tmp_path / "serve.json"
+    # Ids beyond the model's vocabulary (49,152): every request gets a 400.
+    with pytest.raises(SystemExit) as failed:
+        run_cli(["bench", "serve", "--base-url", server, "--num-prompts", "2", "--concurrency", "1",
+                 "--dataset", "random", "--input-len", "4", "--output-len", "2", "--vocab-size", "200000",
+                 "--output-json", str(out)])
+    assert str(failed.value).startswith("bench serve: 2 of 2 requests failed; the first error: HTTP 400")
+    assert json.loads(out.read_text())["levels"][0]["failed"] == 2

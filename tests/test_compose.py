@@ -1,11 +1,27 @@
+"""compose.yaml: valid against the compose spec, wired by health, and its three commands, taken
+from the file with the environment interpolated as compose does, serve as local processes."""
+import json
+import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
+from tests.serving import free_port, wait_http
+
 ROOT = Path(__file__).resolve().parents[1]
+SERVICES = ("executor", "scheduler", "gateway")
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
 
 
 def test_compose_file_matches_the_compose_spec():
@@ -16,8 +32,8 @@ def test_compose_file_matches_the_compose_spec():
 
 
 def test_compose_wires_three_services_by_health():
-    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
-    assert set(services) == {"gateway", "scheduler", "executor"}
+    services = compose()["services"]
+    assert set(services) == set(SERVICES)
     gpu = services["executor"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert services["scheduler"]["depends_on"]["executor"]["condition"] == "service_healthy"
@@ -25,4 +41,53 @@ def test_compose_wires_three_services_by_health():
     for name, svc in services.items():
         assert svc["healthcheck"]["test"][:3] == ["CMD", "pagedserve", "probe"], name
         assert any(v.endswith(":/models:ro") for v in svc["volumes"]), name
-    assert services["gateway"]["ports"] == ["${PORT:-8000}:8000"]
+        assert svc["entrypoint"] == ["pagedserve"], name
+    assert services["gateway"]["ports"] == ["${BIND_ADDRESS:-127.0.0.1}:${PORT:-8000}:8000"]
+    assert services["gateway"]["environment"]["PAGEDSERVE_API_KEY"] == "${PAGEDSERVE_API_KEY:-}"
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR:-default} and ${VAR:+alternative}, innermost first."""
+    pattern = re.compile(r"\$\{(\w+)(?::([-+])([^${}]*))?\}")
+
+    def value(m: re.Match) -> str:
+        name, op, word = m.group(1), m.group(2), m.group(3) or ""
+        current = env.get(name, "")
+        if op == "+":
+            return word if current else ""
+        return current or (word if op == "-" else "")
+
+    while (expanded := pattern.sub(value, text)) != text:
+        text = expanded
+    return text
+
+
+def test_the_three_commands_serve_locally_with_a_key_from_the_environment(tmp_path):
+    services = compose()["services"]
+    executor, scheduler, port = free_port(), free_port(), free_port()
+    # The compose network's names and the container port, as this machine's loopback.
+    network = {"0.0.0.0:50052": f"127.0.0.1:{executor}", "executor:50052": f"127.0.0.1:{executor}",
+               "0.0.0.0:50051": f"127.0.0.1:{scheduler}", "scheduler:50051": f"127.0.0.1:{scheduler}",
+               "0.0.0.0": "127.0.0.1", "8000": str(port)}
+    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path / "cache"), PAGEDSERVE_API_KEY="sk-compose",
+               SERVED_MODEL_NAME="composed alias", ENGINE_ARGS="--max-model-len 512 --max-num-seqs 4",
+               GATEWAY_ARGS="--enable-log-requests")
+    processes = []
+    try:
+        for name in SERVICES:
+            argv = [network.get(a, a) for a in shlex.split(interpolate(services[name]["command"], env))]
+            processes.append(subprocess.Popen([sys.executable, "-m", "pagedserve", *argv], env=env))
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/health", processes[-1], timeout=180)
+        with pytest.raises(urllib.error.HTTPError) as unauthorized:
+            urllib.request.urlopen(f"{url}/v1/models", timeout=10)
+        assert unauthorized.value.code == 401
+        request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": "Bearer sk-compose"})
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            card = json.loads(reply.read())["data"][0]
+        assert (card["id"], card["max_model_len"]) == ("composed", 512)
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=20)

@@ -1,4 +1,5 @@
-"""The offline API on the default model (SmolLM2): text prompts, n > 1, stop strings, progress of outputs."""
+"""The offline API on the default model (SmolLM2): vLLM's keyword arguments, text prompts, chats,
+n > 1, stop strings, progress of outputs."""
 import pytest
 
 from pagedserve import LLM, SamplingParams
@@ -6,7 +7,41 @@ from pagedserve import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=256)
+    # Keyword arguments as vLLM's examples pass them.
+    return LLM(max_model_len=256, tensor_parallel_size=1, trust_remote_code=True, gpu_memory_utilization=0.5,
+               dtype="float", seed=0)
+
+
+def test_unset_batch_limits_take_vllms_offline_defaults_for_a_cpu(llm):
+    assert (llm.config.max_num_seqs, llm.config.max_num_batched_tokens) == (256, 4096)
+    assert llm.scheduler.max_num_seqs == 256 and llm.scheduler.max_num_batched_tokens == 4096
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size=2: tensor parallelism is not built yet"),
+    (dict(quantization="awq"), "quantization='awq': quantization is not built yet"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5: must be in (0, 1]"),
+    (dict(max_num_seqs=0), "max_num_seqs=0: must be a positive integer"),
+    (dict(dtype="int8"), "dtype='int8': choose from"),
+    (dict(enforce_eager="yes"), "enforce_eager must be True or False"),
+    (dict(max_model_length=4096), "LLM() takes no argument 'max_model_length'; did you mean max_model_len?"),
+])
+def test_unsupported_arguments_are_clear_errors(kwargs, says):
+    with pytest.raises(ValueError) as refused:
+        LLM("/never/loaded", **kwargs)
+    assert says in str(refused.value)
+
+
+def test_chat_renders_the_template_and_generates(llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    out = llm.chat(messages, greedy, use_tqdm=False)[0]
+    prompt = llm.tokenizer.apply_chat_template(messages)
+    assert out.prompt == prompt and out.prompt_token_ids == llm.tokenizer.encode(prompt, add_special_tokens=False)
+    same = llm.generate({"prompt_token_ids": out.prompt_token_ids}, greedy, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].token_ids == same.outputs[0].token_ids
+    two = llm.chat([messages, messages[1:]], greedy, use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
 def test_text_and_token_prompts(llm):

@@ -14,6 +14,8 @@ from pagedserve.bench import control as bench_control, serve as bench_serve, wor
 from pagedserve.common.config import add_engine_args, config_from_args
 from pagedserve.common.model_shapes import SHAPES, write_shape
 
+WARM_UP_REQUESTS = 8
+
 
 @dataclass(slots=True)
 class EngineCallTimes:
@@ -102,7 +104,7 @@ def run_throughput(args: argparse.Namespace) -> None:
     from pagedserve.common.sampling_params import SamplingParams
 
     llm = _make_llm(args)
-    vocab = min(32000, llm.runner.describe().vocab_size)
+    vocab = min(workload.VOCAB, llm.runner.describe().vocab_size)
     if args.dataset == "mixed":
         work = workload.mixed(n=args.num_prompts, seed=args.dataset_seed, vocab=vocab)
     else:
@@ -110,7 +112,7 @@ def run_throughput(args: argparse.Namespace) -> None:
                                output_len=args.output_len, seed=args.dataset_seed, vocab=vocab)
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work.output_lens]
-    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # compile kernels, warm the allocator
+    warm_up(llm, prompts[:WARM_UP_REQUESTS], params[:WARM_UP_REQUESTS])
     times, stats = _attach_timers(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -141,6 +143,15 @@ def run_throughput(args: argparse.Namespace) -> None:
     _emit(result, args.output_json)
 
 
+def warm_up(llm, prompts: list[dict], params: list) -> None:
+    """Runs a few requests first, so that the timed run pays for no kernel compilation or first
+    allocation; says so, since on a GPU it can take a while."""
+    print(f"warming up: {len(prompts)} requests (kernel compilation, allocator), not timed", flush=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    print(f"warm-up done in {time.perf_counter() - start:.1f} s", flush=True)
+
+
 def _attach_timers(llm):
     """Times the engine's calls from here on; returns the timings (EngineCallTimes) and the runner's
     zeroed RunnerStats (imported here: the CLI must not pull in torch to parse arguments)."""
@@ -155,7 +166,7 @@ def run_latency(args: argparse.Namespace) -> None:
     from pagedserve.common.sampling_params import SamplingParams
 
     llm = _make_llm(args)
-    vocab = min(32000, llm.runner.describe().vocab_size)
+    vocab = min(workload.VOCAB, llm.runner.describe().vocab_size)
     work = workload.random(n=args.batch_size, input_len=args.input_len,
                            output_len=args.output_len, vocab=vocab)
     prompts = [{"prompt_token_ids": p} for p in work.prompts]

@@ -77,10 +77,10 @@ def build_scheduler(args: argparse.Namespace) -> tuple[Scheduler, ExecutorInfo]:
     """A scheduler holding every request of the workload, with a pool large enough that none waits."""
     max_model_len = args.input_len + args.output_len
     blocks_per_request = -(-max_model_len // args.block_size)
-    info = null_executor_info(args.num_requests * blocks_per_request + 1, args.block_size, max_model_len)
-    config = EngineConfig(max_num_seqs=args.num_requests, block_size=args.block_size,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          enable_prefix_caching=args.enable_prefix_caching)
+    info = null_executor_info(args.num_requests * blocks_per_request + 1, args.block_size, max_model_len,
+                              max_num_seqs=args.num_requests,
+                              max_num_batched_tokens=args.max_num_batched_tokens)
+    config = EngineConfig(enable_prefix_caching=args.enable_prefix_caching)
     scheduler = Scheduler(config, info)
     work = workload.random(n=args.num_requests, input_len=args.input_len, output_len=args.output_len,
                            vocab=info.vocab_size)
@@ -94,7 +94,12 @@ def measure(args: argparse.Namespace, run) -> dict:
     scheduler, info = build_scheduler(args)
     gc.freeze()  # as the scheduler server does once its block pool exists
     times = PhaseTimes()
-    num_steps, seconds = run(scheduler, info, times, args.num_requests)
+    try:
+        num_steps, seconds = run(scheduler, info, times, args.num_requests)
+    finally:
+        # Frozen objects outlive the interpreter's last collection; Triton's, still in cycles
+        # then, make nanobind report them as leaks at exit.
+        gc.unfreeze()
     summary = {name: summarize(values) for name, values in asdict(times).items() if values}
     return dict(steps=num_steps, seconds=round(seconds, 3), steps_per_s=round(num_steps / seconds, 1),
                 full_batch_steps=len(times.step), us_per_step=summary,

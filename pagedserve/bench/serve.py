@@ -48,6 +48,7 @@ class Target:
     metrics_url: str
     model: str
     headers: dict[str, str]
+    detokenize_url: str
 
 
 def add_serve_args(sub: argparse._SubParsersAction) -> None:
@@ -60,8 +61,9 @@ def add_serve_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=1024, help="random dataset only")
     p.add_argument("--dataset-seed", type=int, default=0,
                    help="level i of the sweep uses seed + i, so no level hits another's prefix cache")
-    p.add_argument("--vocab-size", type=int, default=32000,
-                   help="prompt token ids are drawn below this; lower it for models with a smaller vocabulary")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids are drawn below this; by default below the server's "
+                        "vocabulary size (found with /detokenize), at most 32000 as in bench throughput")
     p.add_argument("--num-prompts", type=int, help="per level; default max(100, 5 x concurrency)")
     p.add_argument("--concurrency", type=concurrency_levels, default=[10, 20, 30, 40, 50],
                    help="comma-separated levels, e.g. 10,20,30,40,50")
@@ -82,6 +84,7 @@ def concurrency_levels(text: str) -> list[int]:
 
 
 def run_serve_bench(args: argparse.Namespace) -> None:
+    """Runs the sweep and reports it; exits non-zero when any request failed."""
     if args.plot:
         require_matplotlib()
     result = asyncio.run(sweep(args))
@@ -92,6 +95,11 @@ def run_serve_bench(args: argparse.Namespace) -> None:
     if args.plot:
         plot(result, args.plot)
         print(f"plot: {args.plot}")
+    failed = sum(lv["failed"] for lv in result["levels"])
+    if failed:
+        first = next(e for lv in result["levels"] for e in lv["errors"])
+        total = sum(lv["num_prompts"] for lv in result["levels"])
+        raise SystemExit(f"bench serve: {failed} of {total} requests failed; the first error: {first}")
 
 
 async def sweep(args: argparse.Namespace) -> dict:
@@ -99,6 +107,8 @@ async def sweep(args: argparse.Namespace) -> dict:
     # limit=0: the connector would otherwise queue requests beyond 100 connections.
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         target = await resolve_target(session, args)
+        if args.vocab_size is None:
+            args.vocab_size = min(workload.VOCAB, await server_vocab_size(session, target))
         levels = []
         for i, concurrency in enumerate(args.concurrency):
             num_prompts = args.num_prompts or max(100, 5 * concurrency)
@@ -131,7 +141,29 @@ async def resolve_target(session: aiohttp.ClientSession, args: argparse.Namespac
             reply.raise_for_status()
             model = (await reply.json())["data"][0]["id"]
     root = base.removesuffix("/v1")
-    return Target(f"{base}/completions", f"{root}/metrics", model, headers)
+    return Target(f"{base}/completions", f"{root}/metrics", model, headers, f"{root}/detokenize")
+
+
+async def server_vocab_size(session: aiohttp.ClientSession, target: Target) -> int:
+    """The number of token ids the server takes: the first id /detokenize refuses, found by
+    doubling and then bisecting (a few dozen small requests)."""
+    async def valid(token_id: int) -> bool:
+        body = dict(model=target.model, tokens=[token_id])
+        async with session.post(target.detokenize_url, json=body, headers=target.headers) as reply:
+            if reply.status not in (200, 400):
+                raise SystemExit(f"bench serve: {target.detokenize_url} answered HTTP {reply.status}; "
+                                 "pass --vocab-size")
+            return reply.status == 200
+
+    if not await valid(0):
+        raise SystemExit(f"bench serve: {target.detokenize_url} refuses token id 0; pass --vocab-size")
+    low, high = 0, 1
+    while await valid(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if await valid(mid) else (low, mid)
+    return high
 
 
 async def run_level(session: aiohttp.ClientSession, target: Target, work: workload.Workload,

@@ -4,6 +4,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Prompt token ids are drawn from [100, VOCAB) unless a model's vocabulary is smaller.
+VOCAB = 32000
+
 
 @dataclass(slots=True)
 class Workload:
@@ -20,7 +23,7 @@ class Workload:
 
 
 def mixed(n: int = 512, in_lo: int = 128, in_hi: int = 1024, out_lo: int = 64, out_hi: int = 512,
-          seed: int = 0, vocab: int = 32000) -> Workload:
+          seed: int = 0, vocab: int = VOCAB) -> Workload:
     """n requests, prompt length ~U[in_lo, in_hi], output length ~U[out_lo, out_hi]."""
     rs = np.random.RandomState(seed)
     ins = rs.randint(in_lo, in_hi + 1, size=n)
@@ -30,7 +33,7 @@ def mixed(n: int = 512, in_lo: int = 128, in_hi: int = 1024, out_lo: int = 64, o
 
 
 def random(n: int = 512, input_len: int = 1024, output_len: int = 1024, seed: int = 0,
-           vocab: int = 32000) -> Workload:
+           vocab: int = VOCAB) -> Workload:
     """n requests of fixed prompt and output lengths, random token ids."""
     rs = np.random.RandomState(seed)
     prompts = [rs.randint(100, vocab, size=input_len).tolist() for _ in range(n)]

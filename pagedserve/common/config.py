@@ -1,19 +1,25 @@
 """Engine configuration shared by the CLI, the services and the offline API (vLLM's flag names).
 
-Each flag belongs to the process that owns its fact. The executor owns the model and the KV cache:
-its Describe reports the geometry that results (block size, number of blocks, dtype, context
-length), and the scheduler plans with that report. The scheduler owns batching."""
+Each flag belongs to the process that owns its fact. The executor owns the model, the device and
+the KV cache, and so the batch limits it sizes its buffers, CUDA graphs and memory profile for:
+its Describe reports the results (block size, number of blocks, dtype, context length,
+max_num_seqs, max_num_batched_tokens), and the scheduler plans with that report. The scheduler
+owns batching policy (prefix caching, async scheduling) and the served name."""
 import argparse
+import difflib
 from dataclasses import dataclass, fields
+
+from pagedserve.common import arg_types
 
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str = ""
-    served_model_name: str | None = None
+    served_model_name: list[str] | None = None
     max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: chosen by the device, as vLLM does (executor_svc/batch_limits.py).
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -25,67 +31,145 @@ class EngineConfig:
     device: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = True
+    disable_log_stats: bool = False
 
     @property
     def name(self) -> str:
-        return self.served_model_name or self.model
+        """The served name that the engine reports: the first --served-model-name, else the path."""
+        return self.served_model_name[0] if self.served_model_name else self.model
 
 
-SCHEDULER_FLAGS = ("served_model_name", "max_num_seqs", "max_num_batched_tokens",
-                   "enable_prefix_caching", "async_scheduling")
-EXECUTOR_FLAGS = ("max_model_len", "block_size", "gpu_memory_utilization", "num_gpu_blocks_override",
-                  "kv_cache_memory_bytes", "dtype", "seed", "load_format", "device", "enforce_eager")
+SCHEDULER_FLAGS = ("served_model_name", "enable_prefix_caching", "async_scheduling", "disable_log_stats")
+EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                  "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes", "dtype",
+                  "seed", "load_format", "device", "enforce_eager")
 # Executor flags whose value Describe reports back; a scheduler given one checks it against that.
-GEOMETRY_FLAGS = ("max_model_len", "block_size", "num_gpu_blocks_override", "dtype")
+GEOMETRY_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                  "num_gpu_blocks_override", "dtype")
+# vLLM flags accepted for what pagedserve does anyway; any other value fails, naming what is not
+# built. Checked where they are given, carried to no process.
+COMPAT_FLAGS = ("tensor_parallel_size", "quantization", "kv_cache_dtype", "trust_remote_code")
+ENGINE_FLAGS = SCHEDULER_FLAGS + EXECUTOR_FLAGS + COMPAT_FLAGS
+DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 def _flag_specs() -> dict[str, dict]:
     d = EngineConfig()
     toggle = argparse.BooleanOptionalAction
+    by_device = "; by default vLLM's for the device: "
     return {
-        "served_model_name": dict(default=d.served_model_name),
-        "max_model_len": dict(type=int, default=d.max_model_len,
-                              help="context length; defaults to the model's max_position_embeddings"),
-        "max_num_seqs": dict(type=int, default=d.max_num_seqs),
-        "max_num_batched_tokens": dict(type=int, default=d.max_num_batched_tokens,
-                                       help="token budget of one step (prefill chunks plus decodes)"),
-        "block_size": dict(type=int, default=d.block_size),
-        "gpu_memory_utilization": dict(type=float, default=d.gpu_memory_utilization),
-        "num_gpu_blocks_override": dict(type=int, default=d.num_gpu_blocks_override),
-        "kv_cache_memory_bytes": dict(type=int, default=d.kv_cache_memory_bytes,
-                                      help="KV cache size in bytes; on the CPU it defaults to 1 GiB"),
-        "enable_prefix_caching": dict(action=toggle, default=d.enable_prefix_caching),
-        "dtype": dict(default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"]),
-        "seed": dict(type=int, default=d.seed),
-        "load_format": dict(default=d.load_format, choices=["auto", "safetensors", "dummy"]),
-        "device": dict(default=d.device, help="auto, cpu or cuda"),
+        "served_model_name": dict(nargs="+", default=d.served_model_name, metavar="NAME",
+                                  help="names clients may send as `model` (the first is the one "
+                                       "reported); defaults to the model path"),
+        "max_model_len": dict(type=arg_types.size, default=d.max_model_len,
+                              help="context length, e.g. 8192 or 8k; defaults to the model's "
+                                   "max_position_embeddings, and may not exceed it"),
+        "max_num_seqs": dict(type=arg_types.positive_int, default=d.max_num_seqs,
+                             help="requests running at once" + by_device + "1024 on GPUs of 70 GiB "
+                                  "or more (A100s excepted), else 256; 128 (server) or 256 (offline) "
+                                  "on a CPU"),
+        "max_num_batched_tokens": dict(type=arg_types.size, default=d.max_num_batched_tokens,
+                                       help="token budget of one step (prefill chunks plus decodes)"
+                                            + by_device + "8192 (server) or 16384 (offline) on GPUs "
+                                            "of 70 GiB or more, else 2048 or 8192; 2048 or 4096 on "
+                                            "a CPU"),
+        "block_size": dict(type=arg_types.positive_int, default=d.block_size, help="tokens per KV-cache block"),
+        "gpu_memory_utilization": dict(type=arg_types.fraction, default=d.gpu_memory_utilization,
+                                       help="share of GPU memory, in (0, 1], for weights, activations "
+                                            "and the KV cache"),
+        "num_gpu_blocks_override": dict(type=arg_types.positive_int, default=d.num_gpu_blocks_override,
+                                        help="number of KV-cache blocks, skipping memory profiling"),
+        "kv_cache_memory_bytes": dict(type=arg_types.size, default=d.kv_cache_memory_bytes,
+                                      help="KV cache size in bytes (e.g. 4G); on a CPU it defaults to 1 GiB"),
+        "enable_prefix_caching": dict(action=toggle, default=d.enable_prefix_caching,
+                                      help="reuse the KV blocks of shared prompt prefixes"),
+        "dtype": dict(type=arg_types.dtype, default=d.dtype, choices=DTYPES,
+                      help="weights and activations; also half, float, bf16. auto: the checkpoint's on "
+                           "a GPU, float32 on a CPU"),
+        "seed": dict(type=int, default=d.seed, help="engine random seed"),
+        "load_format": dict(default=d.load_format, choices=["auto", "safetensors", "dummy"],
+                            help="dummy: random weights of the model's shapes"),
+        "device": dict(default=d.device, help="auto, cpu or cuda (auto: cuda if torch sees a GPU)"),
         "enforce_eager": dict(action="store_true", help="disable CUDA graphs"),
         "async_scheduling": dict(action=toggle, default=d.async_scheduling,
                                  help="plan the next step before the previous one's result arrives, "
                                       "so the GPU does not wait for the control path"),
+        "disable_log_stats": dict(action="store_true",
+                                  help="no periodic line of throughput, running and waiting requests "
+                                       "and KV-cache usage (every 10 s while busy)"),
+        "tensor_parallel_size": dict(flags=("-tp",), default=1,
+                                     type=arg_types.only(1, "tensor parallelism", "pagedserve runs a model on one GPU"),
+                                     help="GPUs per model; only 1 until tensor parallelism is built"),
+        "quantization": dict(flags=("-q",), default=None,
+                             type=arg_types.only(None, "quantization", "pagedserve runs unquantized weights"),
+                             help="not built yet: pagedserve runs unquantized weights; any value fails"),
+        "kv_cache_dtype": dict(default="auto", type=arg_types.only("auto", "a KV-cache dtype of its own",
+                                                                   "the KV cache takes the model's dtype"),
+                               help="only auto (the model's dtype) until FP8 KV caches are built"),
+        "trust_remote_code": dict(action="store_true",
+                                  help="accepted for vLLM's commands; pagedserve never runs code from a "
+                                       "model directory, so it changes nothing"),
     }
 
 
-def add_engine_args(parser: argparse.ArgumentParser,
-                    names: tuple[str, ...] = SCHEDULER_FLAGS + EXECUTOR_FLAGS) -> None:
-    """Adds the named EngineConfig fields as --flags with vLLM's spelling (all of them by default)."""
+def add_engine_args(parser: argparse.ArgumentParser, names: tuple[str, ...] = ENGINE_FLAGS) -> None:
+    """Adds the named flags with vLLM's spelling (all engine flags by default)."""
     specs = _flag_specs()
     g = parser.add_argument_group("engine")
     for name in names:
-        g.add_argument("--" + name.replace("_", "-"), **specs[name])
+        spec = dict(specs[name])
+        g.add_argument(_flag(name), *spec.pop("flags", ()), **spec)
 
 
 def add_geometry_checks(parser: argparse.ArgumentParser) -> None:
     """The executor's geometry flags, for a scheduler: unset by default, checked when given."""
     specs = _flag_specs()
-    g = parser.add_argument_group("KV-cache geometry (the executor's; checked against its Describe)")
+    g = parser.add_argument_group("KV-cache geometry and batch limits (the executor's; checked "
+                                  "against its Describe)")
     for name in GEOMETRY_FLAGS:
-        g.add_argument("--" + name.replace("_", "-"), **{**specs[name], "default": None})
+        g.add_argument(_flag(name), **{**specs[name], "default": None})
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
+def config_from_kwargs(model: str, kwargs: dict) -> EngineConfig:
+    """An EngineConfig from vLLM's `LLM(...)` keyword arguments, each checked as its flag is;
+    raises ValueError naming the argument for an unknown one or a value that is not taken."""
+    specs = _flag_specs()
+    names = {f.name for f in fields(EngineConfig)}
+    values = {}
+    for name, value in kwargs.items():
+        if name not in specs:
+            close = difflib.get_close_matches(name, specs, n=1)
+            hint = f"; did you mean {close[0]}?" if close else "."
+            raise ValueError(f"LLM() takes no argument {name!r}{hint} It takes the engine flags as "
+                             f"keywords: {', '.join(sorted(specs))}")
+        values[name] = _checked(name, value, specs[name])
+    return EngineConfig(model=model, **{k: v for k, v in values.items() if k in names and v is not None})
+
+
+def _checked(name: str, value: object, spec: dict) -> object:
+    if value is None:
+        return None
+    if spec.get("action") in ("store_true", argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+        return value
+    if spec.get("nargs") == "+" and isinstance(value, str):
+        value = [value]
+    kind = spec.get("type")
+    if kind is not None:
+        try:
+            value = kind(value)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"{name}={value!r}: {e}") from None
+    choices = spec.get("choices")
+    if choices and value not in choices:
+        raise ValueError(f"{name}={value!r}: choose from {', '.join(choices)}")
+    return value
 
 
 def config_to_argv(config: EngineConfig, names: tuple[str, ...]) -> list[str]:
@@ -96,9 +180,15 @@ def config_to_argv(config: EngineConfig, names: tuple[str, ...]) -> list[str]:
         value = getattr(config, name)
         if value == getattr(default, name):
             continue
-        flag = "--" + name.replace("_", "-")
+        flag = _flag(name)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -1,27 +1,41 @@
-"""Structured logging: one key=value event per line, bound request ids."""
+"""Structured logging: one event per line on stderr, readable or JSON, with bound request ids.
+Libraries' standard-library logs go through the same renderer."""
 import logging
+import os
 import sys
 
 import structlog
 
+# Loggers of gRPC's Python layer; its C core obeys GRPC_VERBOSITY.
+GRPC_LOGGERS = ("grpc", "grpc._cython", "grpc.aio")
 
-def configure(level: str = "info", service: str = "pagedserve") -> None:
-    """Configures structlog for this process; call once at start."""
-    logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
+
+def configure(level: str = "info", service: str = "pagedserve", fmt: str = "text") -> None:
+    """Configures structlog and the standard library's logging for this process; call once at start."""
+    shared = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+              structlog.processors.TimeStamper(fmt="iso", utc=True)]
+    renderer = (structlog.processors.JSONRenderer() if fmt == "json"
+                else structlog.dev.ConsoleRenderer(colors=False, pad_event_to=0, pad_level=False,
+                                                   exception_formatter=structlog.dev.plain_traceback))
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        processor=renderer, foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name]))
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level.upper())
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.KeyValueRenderer(key_order=["timestamp", "level", "event"],
-                                                  drop_missing=True),
-        ],
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)
+    # gRPC's own chatter (event loops, polling engines, channel states) was most of a debug log:
+    # it shows only when asked for with gRPC's own variable, GRPC_VERBOSITY=debug (or info).
+    if os.environ.get("GRPC_VERBOSITY", "").lower() not in ("debug", "info"):
+        os.environ["GRPC_VERBOSITY"] = "ERROR"
+        for name in GRPC_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

@@ -88,6 +88,9 @@ class ExecutorInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int]
+    # The batch limits the executor sized its buffers and CUDA graphs for; the scheduler's.
+    max_num_seqs: int
+    max_num_batched_tokens: int
     gpu_memory_utilization: float = 0.0
 
 
@@ -147,9 +150,12 @@ def logprobs_from_proto(m: pb.StepLogprobs) -> StepLogprobs:
 def info_to_proto(i: ExecutorInfo) -> pb.ExecutorInfo:
     return pb.ExecutorInfo(num_blocks=i.num_blocks, block_size=i.block_size, dtype=i.dtype,
                            device=i.device, vocab_size=i.vocab_size, max_model_len=i.max_model_len,
-                           eos_token_ids=i.eos_token_ids, gpu_memory_utilization=i.gpu_memory_utilization)
+                           eos_token_ids=i.eos_token_ids, max_num_seqs=i.max_num_seqs,
+                           max_num_batched_tokens=i.max_num_batched_tokens,
+                           gpu_memory_utilization=i.gpu_memory_utilization)
 
 
 def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
     return ExecutorInfo(m.num_blocks, m.block_size, m.dtype, m.device, m.vocab_size,
-                        m.max_model_len, list(m.eos_token_ids), m.gpu_memory_utilization)
+                        m.max_model_len, list(m.eos_token_ids), m.max_num_seqs,
+                        m.max_num_batched_tokens, m.gpu_memory_utilization)

@@ -54,6 +54,24 @@ def _compile(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file or inline, as vLLM's --chat-template takes it; raises
+    ValueError (OSError for an unreadable file) when it is neither, or does not compile."""
+    path = Path(value)
+    if path.is_file():
+        source = path.read_text()
+    elif not any(c in value for c in "{}\n"):
+        raise ValueError(f"{value} is neither a file nor a Jinja template; pass the template's file "
+                         "or its text")
+    else:
+        source = value
+    try:
+        _compile(source)
+    except TemplateError as e:
+        raise ValueError(f"the chat template does not compile: {e}") from None
+    return source
+
+
 class Tokenizer:
     """Encodes, decodes and renders chats the way transformers' fast tokenizers do."""
 
@@ -71,8 +89,9 @@ class Tokenizer:
                              and probe[:1] != [self.bos_token_id])
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
-        """Loads tokenizer.json, tokenizer_config.json and chat_template.jinja from a model dir."""
+    def from_dir(cls, path: str | Path, chat_template: str | None = None) -> "Tokenizer":
+        """Loads tokenizer.json, tokenizer_config.json and chat_template.jinja from a model dir;
+        `chat_template` (--chat-template's text) replaces the model's template."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path} has no tokenizer.json; pass a model directory "
@@ -80,34 +99,37 @@ class Tokenizer:
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         template_file = path / "chat_template.jinja"
-        if template_file.is_file():
+        if chat_template is not None:
+            template = chat_template
+        elif template_file.is_file():
             template = template_file.read_text()
         else:
             template = _select_template(config.get("chat_template"))
         return cls(RustTokenizer.from_file(str(path / "tokenizer.json")), config, template)
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> "Tokenizer":
-        """Builds the tokenizer and chat template from a GGUF file's metadata, as transformers does."""
+    def from_gguf(cls, path: str | Path, chat_template: str | None = None) -> "Tokenizer":
+        """Builds the tokenizer and chat template from a GGUF file's metadata, as transformers does;
+        `chat_template` replaces the file's template."""
         loaded = load_gguf_tokenizer(path)
-        return cls(loaded.tokenizer, loaded.config, loaded.chat_template)
+        return cls(loaded.tokenizer, loaded.config, chat_template or loaded.chat_template)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Tokenizer":
+    def load(cls, path: str | Path, chat_template: str | None = None) -> "Tokenizer":
         """Loads a model's tokenizer: a .gguf file, a directory with tokenizer.json, or a directory
-        holding one .gguf file and no tokenizer.json."""
+        holding one .gguf file and no tokenizer.json; `chat_template` replaces the model's."""
         path = Path(path)
         if path.is_file():
-            return cls.from_gguf(path)
+            return cls.from_gguf(path, chat_template)
         if not path.is_dir():
             raise FileNotFoundError(f"{path} does not exist; pass a model directory or a .gguf file")
         ggufs = sorted(path.glob("*.gguf"))
         if (path / "tokenizer.json").is_file() or not ggufs:
-            return cls.from_dir(path)
+            return cls.from_dir(path, chat_template)
         if len(ggufs) > 1:
             raise FileNotFoundError(f"{path} has no tokenizer.json and {len(ggufs)} .gguf files "
                                     f"({', '.join(g.name for g in ggufs)}); pass the .gguf file to use")
-        return cls.from_gguf(ggufs[0])
+        return cls.from_gguf(ggufs[0], chat_template)
 
     @property
     def has_chat_template(self) -> bool:

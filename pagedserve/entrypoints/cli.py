@@ -5,39 +5,53 @@ import os
 import sys
 
 from pagedserve.common import aio
-from pagedserve.common.config import (EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_FLAGS, add_engine_args,
-                                      add_geometry_checks, config_from_args, config_to_argv)
+from pagedserve.common.config import (COMPAT_FLAGS, EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_FLAGS,
+                                      EngineConfig, add_engine_args, add_geometry_checks,
+                                      config_from_args, config_to_argv)
 from pagedserve.common.log import configure
-from pagedserve.entrypoints import default_model
 from pagedserve.common.model_shapes import SHAPES, write_shape
+from pagedserve.entrypoints import default_model
+from pagedserve.entrypoints.arg_parser import Parser
+
+# Errors whose message says all a user needs; any other also names its type.
+USER_ERRORS = (ValueError, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure(args.log_level, service=args.command)
-    return args.run(args) or 0
+    configure(args.log_level, service=args.command, fmt=args.log_format)
+    try:
+        return args.run(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if args.log_level == "debug":
+            raise
+        reason = (str(e) if isinstance(e, USER_ERRORS)
+                  else f"{type(e).__name__}: {e} (--log-level debug shows where)")
+        sys.stderr.write(f"pagedserve: error: {reason}\n")
+        return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    model = argparse.ArgumentParser(add_help=False)
+def build_parser(prog: str = "pagedserve") -> Parser:
+    common = Parser(add_help=False)
+    common.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="least severe log level shown; debug also shows tracebacks of errors")
+    common.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="logs on stderr as readable lines, or one JSON object per line")
+    model = Parser(add_help=False)
     model.add_argument("model", nargs="?", default=None,
                        help=f"a Hugging Face model directory or a .gguf file; {default_model.NAME} if omitted")
 
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    parser = Parser(prog=prog, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", parents=[common, model], help="run gateway, scheduler and executor")
-    serve.add_argument("--scheduler-address", default=None,
-                       help="also expose the scheduler's gRPC Engine service here (e.g. 127.0.0.1:50051)")
-    serve.add_argument("--startup-timeout", type=float, default=900.0)
-    from pagedserve.gateway.server import add_gateway_args, add_serving_args
-    add_serving_args(serve)
-    add_engine_args(serve)
+    serve = sub.add_parser("serve", parents=[common], help="run gateway, scheduler and executor")
+    add_serve_args(serve)
     serve.set_defaults(run=run_serve)
 
     gateway = sub.add_parser("gateway", parents=[common, model], help="run the OpenAI REST gateway")
+    from pagedserve.gateway.server import add_gateway_args
     add_gateway_args(gateway)
     gateway.set_defaults(run=run_gateway)
 
@@ -51,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     executor = sub.add_parser("executor", parents=[common, model], help="run the GPU executor")
     executor.add_argument("--address", default="127.0.0.1:50052",
                           help="where the executor listens (host:port or unix:///path)")
-    add_engine_args(executor, EXECUTOR_FLAGS)
+    add_engine_args(executor, EXECUTOR_FLAGS + COMPAT_FLAGS)
     executor.set_defaults(run=run_executor)
 
     probe = sub.add_parser("probe", parents=[common], help="exit 0 if a service is healthy (compose)")
@@ -66,44 +80,75 @@ def build_parser() -> argparse.ArgumentParser:
 
     shape = sub.add_parser("make-shape-model", parents=[common],
                            help="write a config-only model of a named shape, for --load-format dummy")
-    shape.add_argument("name", choices=sorted(SHAPES))
-    shape.add_argument("dir")
+    shape.add_argument("name", choices=sorted(SHAPES), help="the shape")
+    shape.add_argument("dir", help="where to write it")
     shape.add_argument("--with-tokenizer", action="store_true",
                        help="add a synthetic tokenizer, so that `serve` can run on it")
     shape.set_defaults(run=run_make_shape_model)
     return parser
 
 
+def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    """`serve`'s flags: vLLM's `vllm serve` and `python -m vllm.entrypoints.openai.api_server`."""
+    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                       help=f"a Hugging Face model directory or .gguf file; {default_model.NAME} "
+                            "if neither this nor --model is given")
+    serve.add_argument("--model", default=None, help="the same as MODEL, as vLLM's api_server takes it")
+    serve.add_argument("--scheduler-address", default=None,
+                       help="also expose the scheduler's gRPC Engine service here (e.g. 127.0.0.1:50051)")
+    serve.add_argument("--startup-timeout", type=float, default=900.0,
+                       help="seconds each process may take to become ready")
+    from pagedserve.gateway.server import add_serving_args
+    add_serving_args(serve)
+    add_engine_args(serve)
+
+
 def _model_dir(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
     if getattr(args, "served_model_name", None) is None:
-        args.served_model_name = default_model.NAME
+        args.served_model_name = [default_model.NAME]
     return str(default_model.default_model())
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pagedserve.entrypoints.launcher import serve
+    from pagedserve.entrypoints import preflight
+    if args.model and args.model_path and args.model != args.model_path:
+        raise ValueError(f"two models given, {args.model_path} and --model {args.model}: pass one")
+    args.model = args.model or args.model_path
     args.model = _model_dir(args)
+    preflight.check_model(args.model, args.max_model_len)
+    listener = preflight.bind(args.host, args.port)
     config = config_from_args(args)
-    gateway_argv = ["--served-model-name", config.name, "--log-level", args.log_level]
     if args.api_key:
         # The gateway child inherits the environment; in its argv the key would show in process listings.
         os.environ["PAGEDSERVE_API_KEY"] = args.api_key
+    logs = ["--log-level", args.log_level, "--log-format", args.log_format]
+    argv = {"executor": config_to_argv(config, EXECUTOR_FLAGS) + logs,
+            "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + logs,
+            "gateway": _gateway_argv(args, config) + logs}
+    from pagedserve.entrypoints.launcher import serve
+    return serve(args.model, argv, listener, args.scheduler_address, args.startup_timeout)
+
+
+def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
+    argv = ["--served-model-name", *(config.served_model_name or [config.name]),
+            "--uvicorn-log-level", args.uvicorn_log_level]
     if args.protect_metrics:
-        gateway_argv.append("--protect-metrics")
+        argv.append("--protect-metrics")
     if args.allowed_origins:
-        gateway_argv += ["--allowed-origins", json.dumps(args.allowed_origins)]
+        argv += ["--allowed-origins", json.dumps(args.allowed_origins)]
     if args.tokenizer:
-        gateway_argv += ["--tokenizer", args.tokenizer]
+        argv += ["--tokenizer", args.tokenizer]
     if args.generation_config != "auto":
-        gateway_argv += ["--generation-config", args.generation_config]
+        argv += ["--generation-config", args.generation_config]
     if args.stream_interval != 1:
-        gateway_argv += ["--stream-interval", str(args.stream_interval)]
-    log_level = ["--log-level", args.log_level]
-    argv = {"executor": config_to_argv(config, EXECUTOR_FLAGS) + log_level,
-            "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + log_level, "gateway": gateway_argv}
-    return serve(args.model, argv, args.host, args.port, args.scheduler_address, args.startup_timeout)
+        argv += ["--stream-interval", str(args.stream_interval)]
+    if args.chat_template is not None:
+        argv.append(f"--chat-template={args.chat_template}")
+    if args.enable_log_requests:
+        argv.append("--enable-log-requests")
+    return argv
 
 
 def run_gateway(args: argparse.Namespace) -> None:

@@ -3,7 +3,9 @@
 If any child exits, all stop. SIGINT/SIGTERM stop the gateway first (no new requests), then the
 scheduler, then the executor. Children die with the launcher even if it is killed (PDEATHSIG)."""
 import ctypes
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.common.log import get_logger
+from pagedserve.entrypoints.preflight import connect_host
 
 log = get_logger(__name__)
 STOP_TIMEOUT_S = 5.0
@@ -36,16 +39,22 @@ class Launcher:
     def socket(self, name: str) -> str:
         return f"unix://{self.socket_dir}/{name}.sock"
 
-    def start(self, name: str, argv: list[str], ready: Callable[[], bool], timeout: float) -> None:
+    def start(self, name: str, argv: list[str], ready: Callable[[], bool], timeout: float,
+              pass_fds: tuple[int, ...] = ()) -> None:
         """Starts `pagedserve <argv>` and waits until `ready()` holds or the child dies."""
         command = [sys.executable, "-m", "pagedserve", *argv]
-        process = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent,
+                                   pass_fds=pass_fds)
         self.children.append(Child(name, process))
         deadline = time.monotonic() + timeout
         while not self.stopping:
-            if process.poll() is not None:
-                raise SystemExit(f"pagedserve: the {name} exited with code {process.returncode} "
-                                 "during start-up; see its log above")
+            code = process.poll()
+            if code is not None and code > 0:
+                # The child said why, in one line; another would only repeat it.
+                raise SystemExit(code)
+            if code is not None:
+                raise SystemExit(f"pagedserve: error: the {name} was killed by signal {-code} "
+                                 "during start-up")
             if ready():
                 log.info("service_ready", service=name, pid=process.pid)
                 return
@@ -68,7 +77,8 @@ class Launcher:
         self.stopping = True
 
     def stop(self) -> None:
-        """Stops children in reverse start order: gateway, scheduler, executor."""
+        """Stops children in reverse start order (gateway, scheduler, executor), then removes
+        their sockets' folder."""
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.terminate()
@@ -78,6 +88,7 @@ class Launcher:
                     log.warning("service_killed", service=child.name)
                     child.process.kill()
                     child.process.wait()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def grpc_ready(address: str) -> Callable[[], bool]:
@@ -107,10 +118,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def serve(model: str, argv: dict[str, list[str]], host: str, port: int, scheduler_address: str | None,
+def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, scheduler_address: str | None,
           startup_timeout: float) -> int:
     """Runs the whole stack on this machine until a signal; returns the exit code. `argv` holds each
-    child's own flags, by child ("executor", "scheduler", "gateway")."""
+    child's own flags, by child ("executor", "scheduler", "gateway"); the gateway serves on
+    `listener`, bound already, so that only it can answer on that port."""
+    host, port = listener.getsockname()[:2]
     launcher = Launcher()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, launcher.request_stop)
@@ -123,14 +136,13 @@ def serve(model: str, argv: dict[str, list[str]], host: str, port: int, schedule
                                      "--executor-address", executor_address, *argv["scheduler"]],
                        grpc_ready(scheduler_address), startup_timeout)
         launcher.start("gateway", ["gateway", model, "--host", host, "--port", str(port),
+                                   "--listen-fd", str(listener.fileno()),
                                    "--scheduler-address", scheduler_address, *argv["gateway"]],
-                       http_ready(f"http://{_connect_host(host)}:{port}/health"), startup_timeout)
+                       http_ready(f"http://{connect_host(host)}:{port}/health"), startup_timeout,
+                       pass_fds=(listener.fileno(),))
         if not launcher.stopping:
-            log.info("pagedserve_ready", url=f"http://{host}:{port}/v1")
+            log.info("pagedserve_ready", url=f"http://{connect_host(host)}:{port}/v1")
         return launcher.supervise()
     finally:
+        listener.close()
         launcher.stop()
-
-
-def _connect_host(host: str) -> str:
-    return {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, host)

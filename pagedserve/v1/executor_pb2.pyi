@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "dtype", "device", "vocab_size", "max_model_len", "eos_token_ids", "gpu_memory_utilization")
+    __slots__ = ("num_blocks", "block_size", "dtype", "device", "vocab_size", "max_model_len", "eos_token_ids", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class ExecutorInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     dtype: str
@@ -29,7 +31,9 @@ class ExecutorInfo(_message.Message):
     max_model_len: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     gpu_memory_utilization: float
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., gpu_memory_utilization: _Optional[float] = ...) -> None: ...
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., gpu_memory_utilization: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "num_scheduled_tokens", "block_ids", "sampling", "num_prompt_tokens", "min_tokens_mask_ids")

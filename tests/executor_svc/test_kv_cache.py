@@ -23,7 +23,8 @@ def test_override_then_bytes_then_cpu_default():
     per_block = bytes_per_block(LLAMA_8B, 16, torch.float32)
 
     def sized(**flags) -> int:
-        return determine_num_blocks(EngineConfig(**flags), per_block, 1024, CPU, never_profiled)
+        limits = dict(max_num_seqs=256, max_num_batched_tokens=2048)
+        return determine_num_blocks(EngineConfig(**{**limits, **flags}), per_block, 1024, CPU, never_profiled)
 
     assert sized(num_gpu_blocks_override=100, kv_cache_memory_bytes=GiB) == 100
     assert sized(kv_cache_memory_bytes=GiB) == GiB // per_block

@@ -62,17 +62,19 @@ async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
             await process.wait()
 
 
-def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch):
+def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch, tmp_path):
+    from pagedserve.common.model_shapes import write_shape
     from pagedserve.entrypoints import cli, launcher
 
     calls = []
-    monkeypatch.setattr(launcher, "serve", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(launcher, "serve", lambda *a: calls.append(a) or a[2].close() or 0)
     # setenv, unlike delenv of an unset name, makes monkeypatch restore the variable run_serve sets.
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "")
-    assert cli.main(["serve", "/models/m", "--api-key", "sk-secret", "--protect-metrics",
+    model = write_shape("llama-3.1-8b", str(tmp_path))
+    assert cli.main(["serve", model, "--port", "0", "--api-key", "sk-secret", "--protect-metrics",
                      "--allowed-origins", "https://a.example,https://b.example"]) == 0
     gateway_argv = calls[0][1]["gateway"]
     assert "sk-secret" not in " ".join(gateway_argv) and os.environ["PAGEDSERVE_API_KEY"] == "sk-secret"
-    parsed = cli.build_parser().parse_args(["gateway", "/models/m", *gateway_argv])
+    parsed = cli.build_parser().parse_args(["gateway", model, *gateway_argv])
     assert parsed.api_key == "sk-secret" and parsed.protect_metrics
     assert parsed.allowed_origins == ["https://a.example", "https://b.example"]

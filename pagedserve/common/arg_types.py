@@ -1,0 +1,94 @@
+"""Flag value types with vLLM's value forms (`8k`, `1M`, `half`), range-checked when parsed.
+
+Each type takes the flag's text or, for the offline LLM's keyword arguments, a Python value, and
+raises argparse.ArgumentTypeError with a one-line reason; argparse prefixes the flag's name."""
+import argparse
+import re
+from collections.abc import Callable
+
+# vLLM's human_readable_int: lowercase suffixes are decimal, uppercase binary.
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                 "fp32": "float32"}
+
+
+def positive_int(value: str | int) -> int:
+    number = _integer(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return number
+
+
+def size(value: str | int) -> int:
+    """A positive integer, also as vLLM writes sizes: 8k = 8000, 8K = 8192, 1.5m = 1500000."""
+    if isinstance(value, str):
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value.strip())
+        if match:
+            number, suffix = match.groups()
+            if suffix.isupper() and "." in number:
+                raise argparse.ArgumentTypeError(
+                    f"decimals do not go with binary suffixes like {suffix}: write {number}{suffix.lower()}")
+            value = int(float(number) * _SUFFIXES[suffix])
+    return positive_int(value)
+
+
+def fraction(value: str | float) -> float:
+    """A share in (0, 1], as --gpu-memory-utilization takes."""
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {value!r}") from None
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value!r}: it is a share of the "
+                                         "GPU's memory, 0.9 = 90%")
+    return share
+
+
+def port(value: str | int) -> int:
+    number = _integer(value)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {value!r}")
+    return number
+
+
+def dtype(value: str) -> str:
+    """vLLM's dtype names and aliases (half, float, ...) to torch's names; checked by `choices`."""
+    return DTYPE_ALIASES.get(value, value)
+
+
+def only(supported: object, feature: str, what_runs: str) -> Callable[[object], object]:
+    """A flag whose one supported value is `supported` until `feature` is built; others fail."""
+    def check(value: object) -> object:
+        if str(value).lower() != str(supported).lower():
+            raise argparse.ArgumentTypeError(f"{feature} is not built yet ({what_runs}); drop {value!r}")
+        return supported
+    return check
+
+
+class NotBuilt(argparse.Action):
+    """A vLLM flag whose feature pagedserve has not built yet: giving it fails at start."""
+
+    def __init__(self, option_strings: list[str], dest: str, feature: str, nargs: int | str | None = None,
+                 **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=nargs, default=None, **kwargs)
+        self.feature = feature
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        raise argparse.ArgumentError(self, f"{self.feature} is not built yet; drop {option_string}")
+
+
+def _integer(value: str | int) -> int:
+    if isinstance(value, bool):
+        raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}")
+    try:
+        return int(value) if isinstance(value, str) else _exact_int(value)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
+
+
+def _exact_int(value: object) -> int:
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(value)
+    return int(value)

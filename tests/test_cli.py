@@ -1,0 +1,123 @@
+"""The command line as a vLLM user types it: flag names, value forms, range checks and errors
+(parsed only; tests/e2e/test_vllm_cli.py starts servers)."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pagedserve.common.config import EXECUTOR_FLAGS, SCHEDULER_FLAGS, config_from_args, config_to_argv
+from pagedserve.entrypoints.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def refused(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exited:
+        parse(*argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+def test_vllm_value_forms():
+    args = parse("--max-model-len", "8k", "--max-num-batched-tokens", "1M", "--kv-cache-memory-bytes", "4G",
+                 "--dtype", "half", "--gpu-memory-utilization", "0.85", "--max-num-seqs", "16")
+    assert (args.max_model_len, args.max_num_batched_tokens) == (8000, 2**20)
+    assert args.kv_cache_memory_bytes == 4 * 2**30 and args.dtype == "float16"
+    assert args.gpu_memory_utilization == 0.85 and args.max_num_seqs == 16
+    assert parse("--max-model-len", "1.5k").max_model_len == 1500
+    assert [parse("--dtype", d).dtype for d in ("float", "bfloat16", "float32", "auto")] == \
+        ["float32", "bfloat16", "float32", "auto"]
+
+
+def test_model_positional_or_flag_and_several_served_names():
+    assert parse("/models/a").model_path == "/models/a" and parse("--model", "/models/a").model == "/models/a"
+    args = parse("--model", "/models/a", "--served-model-name", "llama", "llama-3.1-8b")
+    assert args.served_model_name == ["llama", "llama-3.1-8b"]
+    assert config_from_args(args).name == "llama"
+
+
+@pytest.mark.parametrize("argv", [["-tp", "1"], ["--tensor-parallel-size", "1"], ["--trust-remote-code"],
+                                  ["--disable-log-requests"], ["--enable-log-requests"], ["--disable-log-stats"],
+                                  ["--uvicorn-log-level", "warning"], ["--kv-cache-dtype", "auto"],
+                                  ["--enable-prefix-caching"], ["--enforce-eager"]])
+def test_accepted_vllm_flags(argv):
+    parse(*argv)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["-tp", "2"], "tensor parallelism is not built yet"),
+    (["--quantization", "awq"], "quantization is not built yet"),
+    (["--kv-cache-dtype", "fp8"], "is not built yet"),
+    (["--enable-auto-tool-choice"], "tool calling is not built yet"),
+    (["--tool-call-parser", "hermes"], "tool calling is not built yet"),
+    (["--reasoning-parser", "deepseek_r1"], "reasoning output is not built yet"),
+    (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+    (["--gpu-memory-utilization", "0"], "must be in (0, 1]"),
+    (["--max-num-seqs", "0"], "must be a positive integer"),
+    (["--max-model-len", "1.5K"], "decimals do not go with binary suffixes"),
+    (["--port", "70000"], "must be a TCP port"),
+    (["--dtype", "int8"], "invalid choice"),
+    (["--gpu", "0.5"], "unrecognized argument --gpu; did you mean --gpu-memory-utilization?"),
+    (["--max-num-seq", "8"], "did you mean --max-num-seqs?"),
+    (["--gpu-memory-utlization", "0.5"], "did you mean --gpu-memory-utilization?"),
+])
+def test_refused_in_one_line_naming_the_flag(capsys, argv, says):
+    assert says in refused(capsys, *argv)
+
+
+def test_help_shows_defaults_and_says_no_remote_code_runs(capsys):
+    with pytest.raises(SystemExit):
+        parse("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--gpu-memory-utilization GPU_MEMORY_UTILIZATION" in text and "(default: 0.9)" in text
+    assert "never runs code from a model directory" in text
+    assert "--block-size BLOCK_SIZE tokens per KV-cache block (default: 16)" in text
+
+
+def test_each_child_gets_its_own_flags():
+    config = config_from_args(parse("--max-num-seqs", "16", "--max-model-len", "4k", "--no-enable-prefix-caching",
+                                    "--served-model-name", "a", "b"))
+    executor, scheduler = config_to_argv(config, EXECUTOR_FLAGS), config_to_argv(config, SCHEDULER_FLAGS)
+    assert executor == ["--max-model-len", "4000", "--max-num-seqs", "16"]
+    assert scheduler == ["--served-model-name", "a", "b", "--no-enable-prefix-caching"]
+    build_parser().parse_args(["executor", *executor])
+    build_parser().parse_args(["scheduler", *scheduler])
+
+
+def dockerfile_entrypoint() -> list[str]:
+    line = next(l for l in (ROOT / "Dockerfile").read_text().splitlines() if l.startswith("ENTRYPOINT"))
+    return json.loads(line.removeprefix("ENTRYPOINT"))
+
+
+@pytest.mark.parametrize("user_args", [["--model", "/models/X"], ["/models/X"],
+                                       ["/models/X", "--max-model-len", "8k", "-tp", "1"]])
+def test_docker_run_arguments_follow_serve(user_args):
+    entrypoint = dockerfile_entrypoint()
+    assert entrypoint[0] == "pagedserve"
+    args = build_parser().parse_args(entrypoint[1:] + user_args)
+    assert args.command == "serve" and args.host == "0.0.0.0"
+    assert (args.model or args.model_path) == "/models/X"
+
+
+def test_dockerfile_pins_a_cuda_torch():
+    text = (ROOT / "Dockerfile").read_text()
+    version = re.search(r"ARG TORCH_VERSION=(\S+)", text).group(1)
+    index = re.search(r"ARG TORCH_INDEX_URL=(\S+)", text).group(1)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version) and re.search(r"/whl/cu\d+$", index)
+    assert '"torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"' in text
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path, capsys):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert parse("--chat-template", str(tmp_path / "t.jinja")).chat_template == template
+    assert parse("--chat-template", template).chat_template == template
+    assert "neither a file nor a Jinja template" in refused(capsys, "--chat-template", str(tmp_path / "none.jinja"))
+    assert "does not compile" in refused(capsys, "--chat-template", "{% for %}")
