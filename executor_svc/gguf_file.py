@@ -9,6 +9,8 @@ import gguf
 import numpy as np
 import torch
 
+from pagedserve.common.gguf_metadata import GGUFTensorInfo, read_gguf_header
+
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # convert_hf_to_gguf permutes q/k rows into llama.cpp's rope layout only for llama-arch models
 # (LlamaModel.undo_permute); Qwen's converters write them as they are.
@@ -50,10 +52,10 @@ def find_gguf(model: str | Path) -> Path | None:
 
 def read_gguf_config(path: Path) -> dict:
     """The config.json (plus generation_config's eos_token_id) of the model in a GGUF file."""
-    reader = open_gguf(path)
-    arch = _architecture(reader, path)
-    meta = functools.partial(_arch_field, reader, arch)
-    tensors = {t.name: t for t in reader.tensors}
+    header = read_gguf_header(path)
+    arch = _architecture(header.metadata, path)
+    meta = functools.partial(_arch_field, header.metadata, arch)
+    tensors = {t.name: t for t in header.tensors}
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     head_dim = meta("attention.key_length", hidden // heads)
     if meta("rope.dimension_count", head_dim) != head_dim:
@@ -61,7 +63,7 @@ def read_gguf_config(path: Path) -> dict:
                          "dimensions; pagedserve implements full-head rope only")
     return {
         "architectures": [ARCHITECTURES[arch]],
-        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "vocab_size": tensors["token_embd.weight"].shape[0],
         "hidden_size": hidden,
         "intermediate_size": meta("feed_forward_length"),
         "num_hidden_layers": meta("block_count"),
@@ -70,42 +72,37 @@ def read_gguf_config(path: Path) -> dict:
         "head_dim": head_dim,
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
         "rope_parameters": {"rope_theta": meta("rope.freq_base", 10000.0),
-                            **_rope_scaling(meta, tensors.get(ROPE_FREQS))},
+                            **_rope_scaling(meta, path, tensors.get(ROPE_FREQS))},
         "max_position_embeddings": meta("context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
         "dtype": _dtype(tensors.values()),
-        "eos_token_id": _eos_token_ids(reader),
+        "eos_token_id": _eos_token_ids(header.metadata),
     }
 
 
 def read_gguf_tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     """(Hugging Face name, reader) for each tensor; a reader dequantizes its tensor to float32 on
     the host when called. A name this module does not know is passed on as it is."""
-    reader = open_gguf(path)
-    arch = _architecture(reader, path)
+    header = read_gguf_header(path)
+    data = map_gguf(path)
+    arch = _architecture(header.metadata, path)
     rope_heads = {}
     if arch in PERMUTED_ARCHITECTURES:
-        heads = _arch_field(reader, arch, "attention.head_count")
-        rope_heads = {"q_proj": heads, "k_proj": _arch_field(reader, arch, "attention.head_count_kv", heads)}
-    for tensor in reader.tensors:
+        heads = _arch_field(header.metadata, arch, "attention.head_count")
+        rope_heads = {"q_proj": heads,
+                      "k_proj": _arch_field(header.metadata, arch, "attention.head_count_kv", heads)}
+    for tensor in header.tensors:
         if tensor.name == ROPE_FREQS:
             continue
         name = hf_name(tensor.name)
         module = name.rpartition(".")[0].rpartition(".")[2]
-        yield name, functools.partial(dequantize, tensor, rope_heads.get(module))
+        yield name, functools.partial(dequantize, data, tensor, rope_heads.get(module))
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    """The file's parsed header (tensors stay memory-mapped), shared by the config and the weight
-    reads of one load."""
-    stat = path.stat()
-    return _open_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
-
-
-# Parsing the header takes seconds (the reader builds an array per vocabulary token and merge).
-@functools.lru_cache(maxsize=1)
-def _open_gguf(path: Path, mtime_ns: int, size: int) -> gguf.GGUFReader:
-    return gguf.GGUFReader(path)
+def map_gguf(path: Path) -> np.memmap:
+    """The whole file as read-only bytes, mapped rather than read: a tensor's pages are read when
+    it is dequantized."""
+    return np.memmap(path, dtype=np.uint8, mode="r")
 
 
 def hf_name(name: str) -> str:
@@ -119,19 +116,22 @@ def hf_name(name: str) -> str:
     return name
 
 
-def dequantize(tensor: gguf.ReaderTensor, rope_heads: int | None = None) -> torch.Tensor:
-    """The tensor as float32 in numpy's dimension order, its rows un-permuted when `rope_heads`."""
+def dequantize(data: np.memmap, tensor: GGUFTensorInfo, rope_heads: int | None = None) -> torch.Tensor:
+    """The tensor of the mapped file `data` as float32 in numpy's dimension order, its rows
+    un-permuted when `rope_heads`."""
+    raw = data[tensor.offset:tensor.offset + tensor.n_bytes]
+    # Quantized blocks are dequantized from rows of bytes: a row of blocks per row of weights.
+    raw = raw.reshape(gguf.quant_shape_to_byte_shape(tensor.shape, tensor.ggml_type))
     try:
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        values = gguf.quants.dequantize(raw, tensor.ggml_type)
     except NotImplementedError:
-        raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which "
+        raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.ggml_type.name}, which "
                          "pagedserve cannot dequantize; use a GGUF of a float or llama.cpp quant "
                          "type (F16, Q8_0, Q4_K_M, ...)") from None
     # F32 data comes back as a view of the read-only file mapping, which torch will not wrap.
-    if not data.flags.writeable:
-        data = data.copy()
-    # GGUF lists dimensions innermost first (ggml's ne); numpy and torch outermost first.
-    weights = torch.from_numpy(data).reshape([int(n) for n in reversed(tensor.shape)])
+    if not values.flags.writeable:
+        values = values.copy()
+    weights = torch.from_numpy(values)
     return weights if rope_heads is None else unpermute(weights, rope_heads)
 
 
@@ -142,17 +142,17 @@ def unpermute(weights: torch.Tensor, heads: int) -> torch.Tensor:
     return weights.reshape(heads, half, 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape)
 
 
-def _architecture(reader: gguf.GGUFReader, path: Path) -> str:
-    arch = _field(reader, "general.architecture")
+def _architecture(metadata: dict, path: Path) -> str:
+    arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}: pagedserve runs "
                          f"{', '.join(ARCHITECTURES)}")
     return arch
 
 
-def _rope_scaling(meta: Callable[..., Any], rope_freqs: gguf.ReaderTensor | None) -> dict:
+def _rope_scaling(meta: Callable[..., Any], path: Path, rope_freqs: GGUFTensorInfo | None) -> dict:
     if rope_freqs is not None:
-        return {"rope_type": "llama3", "freq_factors": dequantize(rope_freqs).tolist()}
+        return {"rope_type": "llama3", "freq_factors": dequantize(map_gguf(path), rope_freqs).tolist()}
     rope_type = meta("rope.scaling.type", "none")
     if rope_type == "none":
         return {}
@@ -161,28 +161,22 @@ def _rope_scaling(meta: Callable[..., Any], rope_freqs: gguf.ReaderTensor | None
 
 
 def _dtype(tensors) -> str:
-    types = {t.tensor_type for t in tensors if len(t.shape) > 1}
+    types = {t.ggml_type for t in tensors if len(t.shape) > 1}
     if len(types) == 1 and (only := types.pop()) in FLOAT_TYPES:
         return FLOAT_TYPES[only]
     # F16 weights and the scales of quantized blocks are float16.
     return "float16"
 
 
-def _eos_token_ids(reader: gguf.GGUFReader) -> list[int]:
-    ids = (_field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot"))
+def _eos_token_ids(metadata: dict) -> list[int]:
+    ids = (metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot"))
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
-def _arch_field(reader: gguf.GGUFReader, arch: str, key: str, default: Any = None) -> Any:
-    return _field(reader, f"{arch}.{key}", default)
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    if field.types == [gguf.GGUFValueType.FLOAT32]:
-        # The shortest decimal that rounds to the stored float32, as config.json would write it:
-        # 1e-06 rather than 9.99999997e-07.
-        return float(str(np.float32(field.contents())))
-    return field.contents()
+def _arch_field(metadata: dict, arch: str, key: str, default: Any = None) -> Any:
+    value = metadata.get(f"{arch}.{key}", default)
+    if isinstance(value, float):
+        # GGUF stores these hyperparameters as float32: the shortest decimal that rounds to the
+        # stored float32, as config.json would write it (1e-06 rather than 9.99999997e-07).
+        return float(str(np.float32(value)))
+    return value

@@ -2,17 +2,19 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
 from pagedserve.common.detokenizer import IncrementalDetokenizer
-from pagedserve.common.gguf_metadata import read_gguf_metadata
+from pagedserve.common.gguf_metadata import read_gguf_header, read_gguf_metadata
 from pagedserve.common.gguf_tokenizer import load_gguf_tokenizer
 from pagedserve.common.tokenizer import Tokenizer
 from tests.real_model import smollm2_path
 
 gguf = pytest.importorskip("gguf", reason="gguf (a dev dependency) writes the small test GGUF files")
+Q = gguf.GGMLQuantizationType
 transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
 
 
@@ -269,12 +271,56 @@ def test_file_without_tokenizer_is_a_clear_error(tmp_path):
         Tokenizer.from_gguf(tmp_path / "bare.gguf")
 
 
+def _write_tensors(path: Path) -> Path:
+    """Tensors of float and quantized types, 2-D and 1-D, after a header that is no multiple of 64."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_string("general.name", "x" * 5)
+    rows = np.linspace(-1, 1, 6 * 64, dtype=np.float32).reshape(6, 64)
+    writer.add_tensor("a.weight", rows)
+    writer.add_tensor("b.weight", rows.astype(np.float16))
+    for qtype in (Q.Q8_0, Q.Q4_1):
+        writer.add_tensor(f"{qtype.name}.weight", gguf.quants.quantize(rows, qtype), raw_dtype=qtype)
+    writer.add_tensor("norm.weight", np.ones(7, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_reader_header(path: Path) -> tuple[dict, list[tuple]]:
+    reader = gguf.GGUFReader(str(path))
+    metadata = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    tensors = [(t.name, tuple(int(n) for n in reversed(t.shape)), t.tensor_type, t.data_offset, t.n_bytes)
+               for t in reader.tensors]
+    return metadata, tensors
+
+
+def _assert_header_equals_gguf_reader(path: Path) -> dict:
+    expected_metadata, expected_tensors = _gguf_reader_header(path)
+    header = read_gguf_header(path)
+    assert read_gguf_metadata(path) == header.metadata == expected_metadata
+    assert [(t.name, t.shape, t.ggml_type, t.offset, t.n_bytes) for t in header.tensors] == expected_tensors
+    return expected_metadata
+
+
 def test_metadata_equals_gguf_reader(tmp_path):
-    path = _write_sentencepiece(tmp_path / "sp.gguf", add_bos_token=False)
-    fields = gguf.GGUFReader(str(path)).fields
-    expected = {key: field.contents() for key, field in fields.items() if not key.startswith("GGUF.")}
-    assert read_gguf_metadata(path) == expected
+    expected = _assert_header_equals_gguf_reader(_write_sentencepiece(tmp_path / "sp.gguf", add_bos_token=False))
     assert expected["tokenizer.ggml.add_bos_token"] is False and len(expected["tokenizer.ggml.scores"]) > 300
+
+
+def test_tensor_infos_equal_gguf_reader(tmp_path):
+    path = _write_tensors(tmp_path / "tensors.gguf")
+    _assert_header_equals_gguf_reader(path)
+    tensors = read_gguf_header(path).tensors
+    assert [t.shape for t in tensors] == [(6, 64)] * 4 + [(7,)]
+    assert all(t.offset % 64 == 0 for t in tensors)
+
+
+def test_smollm2_header_equals_gguf_reader(smollm2):
+    _assert_header_equals_gguf_reader(smollm2)
+    assert {t.ggml_type for t in read_gguf_header(smollm2).tensors} == {Q.F32, Q.Q8_0, Q.Q4_1}
 
 
 def test_metadata_errors(tmp_path):
@@ -288,6 +334,19 @@ def test_metadata_errors(tmp_path):
     (tmp_path / "v1.gguf").write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(16))
     with pytest.raises(ValueError, match="version 1"):
         read_gguf_metadata(tmp_path / "v1.gguf")
+
+
+def test_header_errors(tmp_path):
+    path = _write_tensors(tmp_path / "tensors.gguf")
+    data, tensors = path.read_bytes(), read_gguf_header(path).tensors
+    (tmp_path / "short.gguf").write_bytes(data[:tensors[-1].offset + 1])
+    with pytest.raises(ValueError, match="short.gguf is truncated: tensor norm.weight runs past the end"):
+        read_gguf_header(tmp_path / "short.gguf")
+    assert read_gguf_metadata(tmp_path / "short.gguf") == read_gguf_metadata(path)
+    # Inside the tensor infos: under 64 bytes of padding separate them from the first tensor.
+    (tmp_path / "cut.gguf").write_bytes(data[:tensors[0].offset - 70])
+    with pytest.raises(ValueError, match="cut.gguf is truncated or corrupt"):
+        read_gguf_header(tmp_path / "cut.gguf")
 
 
 def test_load_picks_the_gguf_or_the_tokenizer_json(tmp_path):

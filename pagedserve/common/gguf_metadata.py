@@ -1,35 +1,64 @@
-"""The key-value metadata at the head of a GGUF file (llama.cpp's model format), without its tensors."""
+"""The header of a GGUF file (llama.cpp's model format): its key-value metadata and the table of
+its tensors, without reading any tensor's data."""
+import math
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 # GGUF value types: the scalars by their struct format, then string and array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 # v1 counted in 32 bits and predates every file still in use.
 _VERSIONS = (2, 3)
+_DEFAULT_ALIGNMENT = 32
+_LENGTH = struct.Struct("<Q")
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True, frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor's data lies in its file, and how to read it."""
+    name: str
+    shape: tuple[int, ...]  # numpy's order, outermost first (GGUF lists ggml's ne, innermost first)
+    ggml_type: "GGMLQuantizationType"
+    offset: int  # from the start of the file
+    n_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class GGUFHeader:
+    metadata: dict
+    tensors: list[GGUFTensorInfo]
 
 
 class _Cursor:
     """Reads little-endian GGUF values one after another from a buffer."""
 
     def __init__(self, blob: mmap.mmap) -> None:
-        self._blob = blob
-        self._pos = 0
+        self.blob = blob
+        self.pos = 0
 
     def unpack(self, fmt: str) -> tuple:
         fmt = "<" + fmt
-        values = struct.unpack_from(fmt, self._blob, self._pos)
-        self._pos += struct.calcsize(fmt)
+        values = struct.unpack_from(fmt, self.blob, self.pos)
+        self.pos += struct.calcsize(fmt)
         return values
 
     def string(self) -> str:
-        (length,) = self.unpack("Q")
-        end = self._pos + length
-        if end > len(self._blob):
+        # Vocabularies hold ~10^5 strings: the length's format is compiled once.
+        (length,) = _LENGTH.unpack_from(self.blob, self.pos)
+        start = self.pos + _LENGTH.size
+        end = start + length
+        if end > len(self.blob):
             raise struct.error("string runs past the end of the file")
-        text = self._blob[self._pos:end].decode("utf-8")
-        self._pos = end
+        text = self.blob[start:end].decode("utf-8")
+        self.pos = end
         return text
 
     def value(self, kind: int):
@@ -45,30 +74,88 @@ class _Cursor:
         kind, count = self.unpack("IQ")
         if kind in _SCALARS:
             return list(self.unpack(f"{count}{_SCALARS[kind]}"))
+        if kind == _STRING:
+            return [self.string() for _ in range(count)]
         return [self.value(kind) for _ in range(count)]
 
 
 def read_gguf_metadata(path: str | Path) -> dict:
     """Every metadata key of a GGUF file with its value (arrays as lists); no tensor is read."""
+    return _parse(path, lambda cursor: _key_values(cursor, _counts(cursor, path)[1]))
+
+
+def read_gguf_header(path: str | Path) -> GGUFHeader:
+    """The metadata of a GGUF file and the table of its tensors, in the file's order."""
+    return _parse(path, lambda cursor: _header(cursor, path))
+
+
+def _parse(path: str | Path, read: Callable[[_Cursor], T]) -> T:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
             try:
-                return _read(_Cursor(blob), path)
+                return read(_Cursor(blob))
             except struct.error as e:
-                raise ValueError(f"{path} is truncated or corrupt: its metadata cannot be read ({e})") from e
+                raise ValueError(f"{path} is truncated or corrupt: its header cannot be read ({e})") from e
 
 
-def _read(cursor: _Cursor, path: str | Path) -> dict:
+def _counts(cursor: _Cursor, path: str | Path) -> tuple[int, int]:
     cursor.unpack("4s")
     (version,) = cursor.unpack("I")
     if version not in _VERSIONS:
         raise ValueError(f"{path} is GGUF version {version}; only versions 2 and 3 (little-endian) "
                          "can be read: convert it again with a current llama.cpp")
-    _, count = cursor.unpack("QQ")
+    return cursor.unpack("QQ")
+
+
+def _key_values(cursor: _Cursor, count: int) -> dict:
     metadata = {}
     for _ in range(count):
         key = cursor.string()
         metadata[key] = cursor.value(cursor.unpack("I")[0])
     return metadata
+
+
+def _header(cursor: _Cursor, path: str | Path) -> GGUFHeader:
+    n_tensors, n_key_values = _counts(cursor, path)
+    metadata = _key_values(cursor, n_key_values)
+    entries = [_tensor_entry(cursor) for _ in range(n_tensors)]
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    data_start = -(-cursor.pos // alignment) * alignment
+    tensors = [_tensor_info(path, data_start, *entry) for entry in entries]
+    _check_tensors(path, tensors, len(cursor.blob))
+    return GGUFHeader(metadata, tensors)
+
+
+def _tensor_entry(cursor: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
+    name = cursor.string()
+    (n_dims,) = cursor.unpack("I")
+    dims = cursor.unpack(f"{n_dims}Q")
+    ggml_type, offset = cursor.unpack("IQ")
+    return name, dims, ggml_type, offset
+
+
+def _tensor_info(path: str | Path, data_start: int, name: str, dims: tuple[int, ...], ggml_type: int,
+                 offset: int) -> GGUFTensorInfo:
+    # Imported here: the tokenizer (the gateway's only reader) needs no tensor, numpy nor gguf.
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+    except ValueError:
+        raise ValueError(f"GGUF tensor {name} in {path} has ggml type {ggml_type}, which the gguf "
+                         "package does not know: upgrade gguf or convert the model again") from None
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    return GGUFTensorInfo(name, tuple(reversed(dims)), qtype, data_start + offset,
+                          math.prod(dims) * type_size // block_size)
+
+
+def _check_tensors(path: str | Path, tensors: list[GGUFTensorInfo], file_size: int) -> None:
+    names = set()
+    for tensor in tensors:
+        if tensor.name in names:
+            raise ValueError(f"{path} holds two tensors named {tensor.name}: convert the model again")
+        if tensor.offset + tensor.n_bytes > file_size:
+            raise ValueError(f"{path} is truncated: tensor {tensor.name} runs past the end of the file")
+        names.add(tensor.name)
