@@ -49,6 +49,8 @@ class InputBatch:
         self.stop_ids: dict[int, np.ndarray] = {}
         self.penalised: set[int] = set()
         self.logprob_rows: set[int] = set()
+        # Row -> [2, n] float32 (token ids, exact below 2**24, and their bias).
+        self.logit_bias: dict[int, np.ndarray] = {}
         self._update_rows: list[int] = []
         self._update_cols: list[int] = []
         self._update_ids: list[int] = []
@@ -98,6 +100,9 @@ class InputBatch:
         self.num_logprobs[row] = -1 if s.logprobs is None else s.logprobs
         if s.logprobs is not None:
             self.logprob_rows.add(row)
+        if s.logit_bias:
+            self.logit_bias[row] = np.array((list(s.logit_bias), list(s.logit_bias.values())),
+                                            dtype=np.float32)
         self.min_tokens[row] = 0
         if s.min_tokens and request.min_tokens_mask_ids:
             self.min_tokens[row] = s.min_tokens
@@ -111,6 +116,7 @@ class InputBatch:
         self.stop_ids.pop(row, None)
         self.penalised.discard(row)
         self.logprob_rows.discard(row)
+        self.logit_bias.pop(row, None)
         self.free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -145,6 +151,12 @@ class InputBatch:
             return None
         ids = [self.stop_ids[row] for row in rows[short].tolist()]
         return np.stack((np.repeat(short, [len(i) for i in ids]), np.concatenate(ids)))
+
+    def bias_table(self, rows: np.ndarray) -> np.ndarray | None:
+        """[3, n] float32 (index into rows, token id, bias) of the rows with a logit_bias."""
+        tables = [np.vstack((np.full(t.shape[1], i, dtype=np.float32), t))
+                  for i, row in enumerate(rows.tolist()) if (t := self.logit_bias.get(row)) is not None]
+        return np.hstack(tables) if tables else None
 
     def padded_tokens(self, rows: np.ndarray, pad: int) -> np.ndarray:
         """[len(rows), longest] int32: each row's prompt and outputs, padded with `pad`."""

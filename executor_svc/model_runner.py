@@ -14,13 +14,14 @@ from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_de
 from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
 from pagedserve.executor_svc.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
-from pagedserve.executor_svc.logits import LogprobRows, Penalties, SampledLogprobs, step_logprobs
+from pagedserve.executor_svc.logits import GrammarMask, LogprobRows, Penalties, SampledLogprobs, step_logprobs
 from pagedserve.executor_svc.memory_profile import profile_peak_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.models.llama import KVCache, LlamaForCausalLM
 from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
 from pagedserve.executor_svc.step_buffers import StepBuffers, upload_pinned
 from pagedserve.executor_svc.step_clock import StepClock
+from pagedserve.executor_svc.structured_outputs import StructuredOutputs
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
@@ -100,6 +101,8 @@ class ModelRunner:
                             -(-config.max_num_batched_tokens // self.max_model_len))
         max_tokens = max([config.max_num_batched_tokens, *self.graph_sizes])
         self.batch = InputBatch(self.max_seqs, self.max_model_len, self.block_size, self.device)
+        self.structured = StructuredOutputs(config.model, self.model_config.vocab_size,
+                                            list(self.model_config.eos_token_ids), self.max_seqs)
         max_blocks = self.batch.max_blocks
         self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
         self.slots = [HostSlot.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
@@ -142,7 +145,7 @@ class ModelRunner:
         self.launched.clear()
         self.last_end = None
         for seq_id in list(self.batch.rows):
-            self.batch.remove(seq_id)
+            self._remove(seq_id)
 
     def run(self, plan: StepPlan) -> StepResult:
         """Launches the plan's step and returns its result: one step at a time."""
@@ -160,9 +163,6 @@ class ModelRunner:
         host_start = time.perf_counter_ns()
         rows, query_lens, seq_ids = self._apply(plan)
         batch = self.batch
-        if batch.stop_ids or batch.penalised:
-            # Stop masks and penalties read each request's outputs on the host.
-            self._settle()
         self.slot = self.slots[self.num_launched % MAX_STEPS_IN_FLIGHT]
         self.num_launched += 1
         if not len(rows):
@@ -172,6 +172,10 @@ class ModelRunner:
             start = self.clock.mark()
             step = self._prepare(rows, query_lens)
             hidden = self._forward(step, self.kv_caches)
+            if batch.stop_ids or batch.penalised or self.structured:
+                # Stop masks, penalties and grammars read each request's outputs on the host: wait
+                # for the step in flight, whose forward ran before the one just queued.
+                self._settle()
             sample_rows = rows[step.sample_rows]
             # Built while the device runs the forward.
             sampling = self._sampling(sample_rows)
@@ -222,7 +226,10 @@ class ModelRunner:
         wait = time.perf_counter_ns()
         self.wait(step)
         self.stats.wait_ns += time.perf_counter_ns() - wait
-        self.batch.append_sampled(step.rows, step.seq_ids, step.tokens.numpy())
+        tokens = step.tokens.numpy()
+        self.batch.append_sampled(step.rows, step.seq_ids, tokens)
+        if self.structured:
+            self.structured.accept(step.seq_ids, tokens)
         step.applied = True
 
     def _settle(self) -> None:
@@ -264,8 +271,10 @@ class ModelRunner:
         of the sequences with tokens scheduled, in plan order."""
         batch = self.batch
         for seq_id in plan.dropped:
-            batch.remove(seq_id)
+            self._remove(seq_id)
         new_rows = [batch.add(r) for r in plan.new_requests]
+        for r in plan.new_requests:
+            self.structured.add(r)
         continuing = plan.continuing
         index = batch.rows
         try:
@@ -284,6 +293,10 @@ class ModelRunner:
         if not scheduled.all():
             return rows[scheduled], query_lens[scheduled], seq_ids[scheduled]
         return rows, query_lens, seq_ids
+
+    def _remove(self, seq_id: int) -> None:
+        self.batch.remove(seq_id)
+        self.structured.remove(seq_id)
 
     def _prepare(self, rows: np.ndarray, query_lens: np.ndarray) -> Step:
         """Builds the step's inputs on the host and copies them into the StepBuffers."""
@@ -374,6 +387,11 @@ class ModelRunner:
             mask = b.stop_mask(rows)
             # Unbounded (a request may name many stop ids), so not through the staging buffer.
             sampling.stop_mask = None if mask is None else upload_pinned(mask, self.device)
+        if self.structured:
+            sampling.grammar = self._grammar(rows)
+        if b.logit_bias:
+            bias = b.bias_table(rows)
+            sampling.logit_bias = None if bias is None else upload_pinned(bias, self.device)
         if b.penalised:
             sampling.penalties = self._penalties(rows)
         if b.logprob_rows:
@@ -382,6 +400,14 @@ class ModelRunner:
             if len(index):
                 sampling.logprobs = LogprobRows(index, self.slot.staging.upload(index), num_top[index])
         return sampling
+
+    def _grammar(self, rows: np.ndarray) -> GrammarMask | None:
+        filled = self.structured.fill(self.batch.seq_ids[rows])
+        if filled is None:
+            return None
+        index, bitmask = filled
+        # Through pinned memory of its own: the next step refills the bitmask buffer.
+        return GrammarMask(self.slot.staging.upload(index), upload_pinned(bitmask, self.device))
 
     def _penalties(self, rows: np.ndarray) -> Penalties | None:
         b, upload = self.batch, self.slot.staging.upload

@@ -17,10 +17,12 @@ async def _close_engine(app: web.Application) -> None:
 
 def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_name: str | None = None, *,
               api_key: str | None = None, protect_metrics: bool = False,
-              allowed_origins: list[str] | None = None, stream_interval: int = 1) -> web.Application:
+              allowed_origins: list[str] | None = None, stream_interval: int = 1,
+              tool_parser: str | None = None, reasoning_parser: str | None = None) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
+    `tool_parser` reads tool calls under tool_choice "auto"; `reasoning_parser` splits off thinking.
     """
     middlewares = [request_id_middleware, error_middleware]
     cors = CORS(allowed_origins) if allowed_origins else None
@@ -33,7 +35,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_name: s
     if cors:
         app.on_response_prepare.append(cors.on_prepare)
     app[GATEWAY] = Gateway(EngineClient(scheduler_address), tokenizer, served_model_name=served_model_name,
-                           stream_interval=stream_interval)
+                           stream_interval=stream_interval, tool_parser=tool_parser,
+                           reasoning_parser=reasoning_parser)
     app.on_cleanup.append(_close_engine)
     app.router.add_get("/health", ops_routes.health)
     app.router.add_get("/version", ops_routes.version_info)

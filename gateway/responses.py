@@ -4,6 +4,7 @@ from abc import ABC, abstractmethod
 
 from msgspec import UNSET, Struct
 
+from pagedserve.gateway.chat_output import ChatOutputOptions, ChoiceOutput
 from pagedserve.gateway.generation import ChoiceEvent
 from pagedserve.gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from pagedserve.gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
@@ -53,20 +54,38 @@ class ChatResponses(ResponseBuilder):
     id_prefix = "chatcmpl-"
     chunk_type = ChatCompletionChunk
 
+    def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
+                 logprobs: bool, options: ChatOutputOptions | None = None) -> None:
+        super().__init__(request_id, model, num_choices, include_usage, logprobs)
+        self._options = options or ChatOutputOptions()
+        self._outputs = [ChoiceOutput(self._options) for _ in range(num_choices)]
+
     def openings(self) -> list[Struct]:
         return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))])
                 for i in range(self.num_choices)]
 
     def chunk(self, event: ChoiceEvent) -> Struct:
-        delta = Delta(content=event.text or None)
-        return self._chunk([ChatChunkChoice(event.index, delta, event.finish_reason, event.stop_reason,
+        output = self._outputs[event.index]
+        finish_reason = event.finish_reason
+        delta = output.delta(event.text, finish_reason is not None)
+        if finish_reason is not None:
+            finish_reason = output.finish_reason(finish_reason)
+        return self._chunk([ChatChunkChoice(event.index, delta, finish_reason, event.stop_reason,
                                             self._logprobs(event.logprobs))])
 
     def response(self, texts: list[str], logprobs: list[list[TokenLogprob]], finals: list[ChoiceEvent],
                  usage: Usage) -> Struct:
-        choices = [ChatChoice(f.index, ChatMessageOut(texts[f.index]), f.finish_reason, f.stop_reason,
+        choices = [ChatChoice(f.index, self._message(f.index, texts[f.index]),
+                              self._outputs[f.index].finish_reason(f.finish_reason), f.stop_reason,
                               self._logprobs(logprobs[f.index])) for f in finals]
         return ChatCompletion(self.id, self.created, self.model, choices, usage)
+
+    def _message(self, index: int, text: str) -> ChatMessageOut:
+        m = self._outputs[index].message(text)
+        out = ChatMessageOut(m.content, tool_calls=m.tool_calls)
+        if self._options.reasoning:
+            out.reasoning = out.reasoning_content = m.reasoning
+        return out
 
     def _logprobs(self, tokens: list[TokenLogprob]) -> ChatLogprobs | None:
         return chat_logprobs(tokens) if self.logprobs else None

@@ -7,6 +7,7 @@ from aiohttp import web
 
 from pagedserve.common import aio, service
 from pagedserve.common.config import add_engine_args
+from pagedserve.gateway import reasoning, tool_parsers
 from pagedserve.gateway.app import build_app
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.log import get_logger
@@ -43,6 +44,20 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                             "* allows any")
     group.add_argument("--stream-interval", type=int, default=1,
                        help="tokens per streamed chunk; more means fewer writes under load (vLLM's flag)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto"); needs '
+                            "--tool-call-parser")
+    group.add_argument("--tool-call-parser", choices=tool_parsers.PARSERS, default=None,
+                       help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes) or llama3_json")
+    group.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
+                       help="return a reasoning model's <think> text as `reasoning` / `reasoning_content`")
+
+
+def tool_parser(args: argparse.Namespace) -> str | None:
+    """The parser for tool_choice "auto", None when it is off; exits on a half-given pair."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def parse_origins(value: str) -> list[str]:
@@ -65,7 +80,8 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     """Serves until SIGINT or SIGTERM, then stops accepting and drains in-flight requests."""
     app = build_app(tokenizer, args.scheduler_address, args.served_model_name, api_key=args.api_key,
                     protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
-                    stream_interval=args.stream_interval)
+                    stream_interval=args.stream_interval, tool_parser=tool_parser(args),
+                    reasoning_parser=args.reasoning_parser)
     runner = await start(app, args.host, args.port)
     log.info("gateway_listening", host=args.host, port=args.port, scheduler=args.scheduler_address,
              api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins)

@@ -23,6 +23,9 @@ class Gateway:
     metrics: Metrics = field(default_factory=Metrics)
     served_model_name: str | None = None
     stream_interval: int = 1
+    # --tool-call-parser when --enable-auto-tool-choice is on (else None), and --reasoning-parser.
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
     started: int = field(default_factory=lambda: int(time.time()))
 
     async def model(self) -> ServedModel:

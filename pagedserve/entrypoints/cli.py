@@ -84,6 +84,7 @@ def _model_dir(args: argparse.Namespace) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.entrypoints.launcher import serve
+    from pagedserve.gateway.server import tool_parser
     args.model = _model_dir(args)
     config = config_from_args(args)
     gateway_argv = ["--served-model-name", config.name, "--log-level", args.log_level]
@@ -98,6 +99,10 @@ def run_serve(args: argparse.Namespace) -> int:
         gateway_argv += ["--tokenizer", args.tokenizer]
     if args.stream_interval != 1:
         gateway_argv += ["--stream-interval", str(args.stream_interval)]
+    if tool_parser(args):
+        gateway_argv += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        gateway_argv += ["--reasoning-parser", args.reasoning_parser]
     log_level = ["--log-level", args.log_level]
     argv = {"executor": config_to_argv(config, EXECUTOR_FLAGS) + log_level,
             "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + log_level, "gateway": gateway_argv}
