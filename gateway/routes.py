@@ -17,7 +17,7 @@ from pagedserve.gateway.generation import Choice, ChoiceEvent, Generation, fan_o
 from pagedserve.gateway.logprobs import TokenLogprob
 from pagedserve.gateway.metrics import rejection_reason
 from pagedserve.gateway.request_id import current_request_id
-from pagedserve.gateway.responses import ChatResponses, CompletionResponses, ResponseBuilder
+from pagedserve.gateway.responses import ChatResponses, CompletionResponses, PromptLogprobs, ResponseBuilder
 from pagedserve.gateway.schemas import (ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields,
                              decode_request)
 from pagedserve.gateway.sse import SSEWriter
@@ -91,7 +91,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     logprobs = params.chat_logprobs(req)
     choices = _choices(rid, req, [prompt], req.max_completion_tokens or req.max_tokens, logprobs, served,
                        constraint, req.prompt_logprobs)
-    builder = ChatResponses(rid, model, len(choices), _include_usage(req), logprobs is not None, options)
+    prompt_lp = None
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise bad_request("`prompt_logprobs` on chat completions is returned without `stream` only; "
+                              "remove one of them.", param="prompt_logprobs")
+        prompt_lp = PromptLogprobs(gateway.tokenizer, [c.prompt_token_ids for c in choices], vllm=True, echo=False)
+    builder = ChatResponses(rid, model, len(choices), _include_usage(req), logprobs is not None, options,
+                            prompt_lp)
     return await _generate(request, builder, choices, req.stream, served)
 
 
@@ -115,14 +122,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params.check_completion_options(req)
     prompts, texts = params.completion_prompts(gateway.tokenizer, req.prompt)
     rid = _new_id()
-    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
+    # Echo with logprobs shows the prompt's tokens as OpenAI does, prompt_logprobs as vLLM does.
+    asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(asked) if asked else None
     choices = _choices(rid, req, prompts, req.max_tokens, req.logprobs, served, request_constraint(req),
                        prompt_logprobs)
     echo = [""] * len(choices)
     if req.echo:
         echo = [texts[c.index // req.n] or gateway.tokenizer.decode(c.prompt_token_ids) for c in choices]
+    prompt_lp = None
+    if prompt_logprobs is not None:
+        prompt_lp = PromptLogprobs(gateway.tokenizer, [c.prompt_token_ids for c in choices],
+                                   vllm=req.prompt_logprobs is not None, echo=bool(req.echo and req.logprobs is not None))
     builder = CompletionResponses(rid, model, len(choices), _include_usage(req), req.logprobs is not None,
-                                  echo)
+                                  echo, prompt_lp)
     return await _generate(request, builder, choices, req.stream, served)
 
 
@@ -183,16 +196,19 @@ async def _collect(builder: ResponseBuilder, generation: Generation, events: Asy
                    start: float) -> web.Response:
     texts: list[list[str]] = [[] for _ in generation.choices]
     logprobs: list[list[TokenLogprob]] = [[] for _ in generation.choices]
+    prompts: list = [None] * len(generation.choices)
     finals = []
     async for event in events:
         texts[event.index].append(event.text)
         logprobs[event.index] += event.logprobs
+        if event.prompt_logprobs is not None:
+            prompts[event.index] = event.prompt_logprobs
         if event.finish_reason is not None:
             finals.append(event)
     finals.sort(key=lambda e: e.index)
     _log_end("request_finished", builder, generation, start)
     return json_response(builder.response(["".join(t) for t in texts], logprobs, finals,
-                                          generation.usage()))
+                                          generation.usage(), prompts))
 
 
 async def _stream(request: web.Request, builder: ResponseBuilder, generation: Generation,

@@ -252,10 +252,21 @@ class ChatLogprobs(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
+    # Null for the first prompt token under `echo`.
+    token_logprobs: list[float | None]
     # The most likely tokens of each position, with the sampled one (so up to logprobs + 1).
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(Struct):
+    """vLLM's entry of prompt_logprobs."""
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class ChatChoice(Struct):
@@ -273,6 +284,8 @@ class ChatCompletion(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    # Only with vLLM's prompt_logprobs.
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
 
 
 class DeltaFunction(Struct, omit_defaults=True):
@@ -320,6 +333,8 @@ class CompletionChoice(Struct):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: CompletionLogprobs | None = None
+    # Only with vLLM's prompt_logprobs (on the first chunk of a stream).
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
 
 
 class Completion(Struct):
