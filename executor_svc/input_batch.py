@@ -43,12 +43,16 @@ class InputBatch:
         self.frequency = np.zeros(max_num_seqs, dtype=np.float32)
         self.presence = np.zeros(max_num_seqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)  # -1: none asked
+        self.num_prompt_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
         # 0 unless the row has stop ids to mask until min_tokens (held in stop_ids).
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         # The rows that use each feature, so that a batch where none does skips it without a look.
         self.stop_ids: dict[int, np.ndarray] = {}
         self.penalised: set[int] = set()
         self.logprob_rows: set[int] = set()
+        self.prompt_logprob_rows: set[int] = set()
+        # Row -> [2, n] float32 (token ids, exact below 2**24, and their bias).
+        self.logit_bias: dict[int, np.ndarray] = {}
         self._update_rows: list[int] = []
         self._update_cols: list[int] = []
         self._update_ids: list[int] = []
@@ -98,6 +102,14 @@ class InputBatch:
         self.num_logprobs[row] = -1 if s.logprobs is None else s.logprobs
         if s.logprobs is not None:
             self.logprob_rows.add(row)
+        # After a preemption (outputs known) the scheduler has had the prompt's logprobs already.
+        asks = s.prompt_logprobs is not None and self.num_prompt[row] == len(request.token_ids)
+        self.num_prompt_logprobs[row] = s.prompt_logprobs if asks else -1
+        if asks:
+            self.prompt_logprob_rows.add(row)
+        if s.logit_bias:
+            self.logit_bias[row] = np.array((list(s.logit_bias), list(s.logit_bias.values())),
+                                            dtype=np.float32)
         self.min_tokens[row] = 0
         if s.min_tokens and request.min_tokens_mask_ids:
             self.min_tokens[row] = s.min_tokens
@@ -111,6 +123,8 @@ class InputBatch:
         self.stop_ids.pop(row, None)
         self.penalised.discard(row)
         self.logprob_rows.discard(row)
+        self.prompt_logprob_rows.discard(row)
+        self.logit_bias.pop(row, None)
         self.free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -145,6 +159,29 @@ class InputBatch:
             return None
         ids = [self.stop_ids[row] for row in rows[short].tolist()]
         return np.stack((np.repeat(short, [len(i) for i in ids]), np.concatenate(ids)))
+
+    def prompt_positions(self, rows: np.ndarray, query_lens: np.ndarray) -> tuple[np.ndarray, ...] | None:
+        """For a step computing query_lens tokens of each row from its num_computed on: the
+        indices into rows that asked for prompt logprobs and compute positions that predict a
+        prompt token, each one's first such position and count, the step's token index of every
+        such position, and the prompt token it predicts. None when there are none."""
+        computed = self.num_computed[rows]
+        ends = np.minimum(computed + query_lens, self.num_prompt[rows] - 1)
+        index = np.flatnonzero((self.num_prompt_logprobs[rows] >= 0) & (ends > computed))
+        if not len(index):
+            return None
+        offsets = np.cumsum(query_lens) - query_lens
+        starts, counts = computed[index], ends[index] - computed[index]
+        first = np.repeat(offsets[index] - starts, counts)
+        positions = np.concatenate([np.arange(s, s + c) for s, c in zip(starts.tolist(), counts.tolist())])
+        targets = self.token_ids[np.repeat(rows[index], counts), positions + 1]
+        return index, starts, counts, first + positions, targets
+
+    def bias_table(self, rows: np.ndarray) -> np.ndarray | None:
+        """[3, n] float32 (index into rows, token id, bias) of the rows with a logit_bias."""
+        tables = [np.vstack((np.full(t.shape[1], i, dtype=np.float32), t))
+                  for i, row in enumerate(rows.tolist()) if (t := self.logit_bias.get(row)) is not None]
+        return np.hstack(tables) if tables else None
 
     def padded_tokens(self, rows: np.ndarray, pad: int) -> np.ndarray:
         """[len(rows), longest] int32: each row's prompt and outputs, padded with `pad`."""

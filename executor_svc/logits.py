@@ -1,6 +1,7 @@
-"""Logits processing around sampling, in vLLM's order: raw logprobs first, then stop tokens masked
-until min_tokens, then repetition, frequency and presence penalties. Batched tensor functions with
-no host sync; rows that use none of this cost nothing."""
+"""Logits processing around sampling: raw logprobs first, then stop tokens masked until
+min_tokens, the structured-output grammar's token bitmask, logit_bias, and repetition, frequency
+and presence penalties (vLLM's order; a masked token stays at -inf whatever its bias). Batched
+tensor functions with no host sync; rows that use none of this cost nothing."""
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,27 @@ def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tenso
     rows that have fewer than min_tokens outputs."""
     # index_fill_ takes the value as a scalar; index_put_ would copy it to the device and sync.
     logits.view(-1).index_fill_(0, rows * logits.shape[1] + token_ids, float("-inf"))
+
+
+@dataclass(slots=True)
+class GrammarMask:
+    """The constrained rows of a batch (indices into its logits) and their packed token bitmask."""
+    rows: torch.Tensor     # [k] int64
+    bitmask: torch.Tensor  # [k, ceil(vocab / 32)] int32, bit j of word w allows token 32 w + j
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Sets the logits of the tokens each constrained row's grammar refuses to -inf, in place."""
+        vocab = logits.shape[1]
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((self.bitmask[:, :, None] >> shifts) & 1).view(len(self.bitmask), -1)[:, :vocab]
+        masked = logits[self.rows].masked_fill(allowed == 0, float("-inf"))
+        logits.index_copy_(0, self.rows, masked)
+
+
+def add_bias(logits: torch.Tensor, bias: torch.Tensor) -> None:
+    """Adds logit_bias in place: bias [3, n] float32 holds (row, token id, value) triples."""
+    flat = bias[0].long() * logits.shape[1] + bias[1].long()
+    logits.view(-1).index_add_(0, flat, bias[2])
 
 
 @dataclass(slots=True)

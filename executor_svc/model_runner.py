@@ -15,17 +15,19 @@ from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_de
 from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
 from pagedserve.executor_svc.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
-from pagedserve.executor_svc.logits import LogprobRows, Penalties, SampledLogprobs, step_logprobs
+from pagedserve.executor_svc.logits import (GrammarMask, LogprobRows, Penalties, SampledLogprobs, gather_logprobs,
+                                            step_logprobs)
 from pagedserve.executor_svc.memory_profile import profile_peak_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.models.llama import KVCache, LlamaForCausalLM
 from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
 from pagedserve.executor_svc.step_buffers import StepBuffers, upload_pinned
 from pagedserve.executor_svc.step_clock import StepClock
+from pagedserve.executor_svc.structured_outputs import StructuredOutputs
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
-from pagedserve.common.plan import (MAX_STEPS_IN_FLIGHT, ExecutorInfo, NewRequest,
+from pagedserve.common.plan import (MAX_STEPS_IN_FLIGHT, ExecutorInfo, NewRequest, PromptLogprobs,
                              StepPlan, StepResult)
 from pagedserve.common.sampling_params import SamplingParams
 
@@ -41,6 +43,22 @@ class Step:
     sample_rows: np.ndarray
     # The hidden-state rows to sample; None when they are the first len(sample_rows) rows.
     logits_indices: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class PendingPrompt:
+    """The prompt logprobs a launched step computes (see PromptLogprobs), on the host once the
+    device passes the step's end."""
+    seq_ids: list[int]
+    starts: list[int]
+    counts: list[int]
+    num_top: np.ndarray
+    logprobs: SampledLogprobs
+
+    def result(self) -> PromptLogprobs:
+        lp = self.logprobs
+        entries = step_logprobs(np.arange(len(self.num_top)), self.num_top, lp.values.numpy(), lp.ids.numpy())
+        return PromptLogprobs(self.seq_ids, self.starts, self.counts, entries)
 
 
 @dataclass(slots=True)
@@ -60,6 +78,7 @@ class Launched:
     after: object = None
     # Whether its tokens are in the batch already (see ModelRunner._settle).
     applied: bool = False
+    prompt: PendingPrompt | None = None
 
 
 @dataclass(slots=True)
@@ -104,6 +123,8 @@ class ModelRunner:
                             -(-config.max_num_batched_tokens // self.max_model_len))
         max_tokens = max([config.max_num_batched_tokens, *self.graph_sizes])
         self.batch = InputBatch(self.max_seqs, self.max_model_len, self.block_size, self.device)
+        self.structured = StructuredOutputs(config.model, self.model_config.vocab_size,
+                                            list(self.model_config.eos_token_ids), self.max_seqs)
         max_blocks = self.batch.max_blocks
         self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
         self.slots = [HostSlot.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
@@ -159,7 +180,7 @@ class ModelRunner:
         self.launched.clear()
         self.last_end = None
         for seq_id in list(self.batch.rows):
-            self.batch.remove(seq_id)
+            self._remove(seq_id)
 
     def run(self, plan: StepPlan) -> StepResult:
         """Launches the plan's step and returns its result: one step at a time."""
@@ -177,9 +198,6 @@ class ModelRunner:
         host_start = time.perf_counter_ns()
         rows, query_lens, seq_ids = self._apply(plan)
         batch = self.batch
-        if batch.stop_ids or batch.penalised:
-            # Stop masks and penalties read each request's outputs on the host.
-            self._settle()
         self.slot = self.slots[self.num_launched % MAX_STEPS_IN_FLIGHT]
         self.num_launched += 1
         if not len(rows):
@@ -189,12 +207,18 @@ class ModelRunner:
             start = self.clock.mark()
             step = self._prepare(rows, query_lens)
             hidden = self._forward(step, self.kv_caches)
+            prompt = self._prompt_logprobs(rows, query_lens, seq_ids, hidden) if batch.prompt_logprob_rows else None
+            if batch.stop_ids or batch.penalised or self.structured:
+                # Stop masks, penalties and grammars read each request's outputs on the host: wait
+                # for the step in flight, whose forward ran before the one just queued.
+                self._settle()
             sample_rows = rows[step.sample_rows]
             # Built while the device runs the forward.
             sampling = self._sampling(sample_rows)
             tokens, logprobs = self._sample(step, hidden, sampling, sample_rows)
             launched = Launched(plan.step_id, sample_rows, seq_ids[step.sample_rows], tokens,
-                                logprobs, sampling.logprobs, start, self.clock.mark(), self.last_end)
+                                logprobs, sampling.logprobs, start, self.clock.mark(), self.last_end,
+                                prompt=prompt)
             self.last_end = launched.end
             batch.num_computed[rows] += query_lens
         self.launched.append(launched)
@@ -228,7 +252,7 @@ class ModelRunner:
             logprobs = step_logprobs(asked.index, asked.num_top, step.logprobs.values.numpy(),
                                      step.logprobs.ids.numpy())
         result = StepResult(step.step_id, step.seq_ids.tolist(), step.tokens.tolist(), forward_ns,
-                            idle_ns, logprobs)
+                            idle_ns, logprobs, None if step.prompt is None else step.prompt.result())
         self.stats.host_ns += time.perf_counter_ns() - host_start
         return result
 
@@ -239,7 +263,10 @@ class ModelRunner:
         wait = time.perf_counter_ns()
         self.wait(step)
         self.stats.wait_ns += time.perf_counter_ns() - wait
-        self.batch.append_sampled(step.rows, step.seq_ids, step.tokens.numpy())
+        tokens = step.tokens.numpy()
+        self.batch.append_sampled(step.rows, step.seq_ids, tokens)
+        if self.structured:
+            self.structured.accept(step.seq_ids, tokens)
         step.applied = True
 
     def _settle(self) -> None:
@@ -281,8 +308,10 @@ class ModelRunner:
         of the sequences with tokens scheduled, in plan order."""
         batch = self.batch
         for seq_id in plan.dropped:
-            batch.remove(seq_id)
+            self._remove(seq_id)
         new_rows = [batch.add(r) for r in plan.new_requests]
+        for r in plan.new_requests:
+            self.structured.add(r)
         continuing = plan.continuing
         index = batch.rows
         try:
@@ -301,6 +330,10 @@ class ModelRunner:
         if not scheduled.all():
             return rows[scheduled], query_lens[scheduled], seq_ids[scheduled]
         return rows, query_lens, seq_ids
+
+    def _remove(self, seq_id: int) -> None:
+        self.batch.remove(seq_id)
+        self.structured.remove(seq_id)
 
     def _prepare(self, rows: np.ndarray, query_lens: np.ndarray) -> Step:
         """Builds the step's inputs on the host and copies them into the StepBuffers."""
@@ -391,6 +424,11 @@ class ModelRunner:
             mask = b.stop_mask(rows)
             # Unbounded (a request may name many stop ids), so not through the staging buffer.
             sampling.stop_mask = None if mask is None else upload_pinned(mask, self.device)
+        if self.structured:
+            sampling.grammar = self._grammar(rows)
+        if b.logit_bias:
+            bias = b.bias_table(rows)
+            sampling.logit_bias = None if bias is None else upload_pinned(bias, self.device)
         if b.penalised:
             sampling.penalties = self._penalties(rows)
         if b.logprob_rows:
@@ -399,6 +437,29 @@ class ModelRunner:
             if len(index):
                 sampling.logprobs = LogprobRows(index, self.slot.staging.upload(index), num_top[index])
         return sampling
+
+    def _prompt_logprobs(self, rows: np.ndarray, query_lens: np.ndarray, seq_ids: np.ndarray,
+                         hidden: torch.Tensor) -> PendingPrompt | None:
+        """Queues the logprobs of the prompt tokens that this step's positions predict, for the
+        requests that asked: the logits of every such position, not only the last."""
+        found = self.batch.prompt_positions(rows, query_lens)
+        if found is None:
+            return None
+        index, starts, counts, token_index, targets = found
+        num_top = np.repeat(self.batch.num_prompt_logprobs[rows[index]], counts)
+        logits = self.model.compute_logits(hidden[upload_pinned(token_index, self.device)])
+        lp = gather_logprobs(logits.log_softmax(dim=-1), upload_pinned(targets, self.device), int(num_top.max()))
+        if self.device.type == "cuda":
+            lp = SampledLogprobs(_to_host(lp.values), _to_host(lp.ids))
+        return PendingPrompt(seq_ids[index].tolist(), (starts + 1).tolist(), counts.tolist(), num_top, lp)
+
+    def _grammar(self, rows: np.ndarray) -> GrammarMask | None:
+        filled = self.structured.fill(self.batch.seq_ids[rows])
+        if filled is None:
+            return None
+        index, bitmask = filled
+        # Through pinned memory of its own: the next step refills the bitmask buffer.
+        return GrammarMask(self.slot.staging.upload(index), upload_pinned(bitmask, self.device))
 
     def _penalties(self, rows: np.ndarray) -> Penalties | None:
         b, upload = self.batch, self.slot.staging.upload
@@ -465,6 +526,13 @@ def _copy_to_host(tensor: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
     """Starts copying `tensor` into the front of a flat pinned buffer (contiguous, so no hidden
     sync); the returned view holds it after the next device sync."""
     host = pinned[:tensor.numel()].view(tensor.shape)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Starts copying `tensor` into pinned memory of its own (sizes vary with the prompts)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     return host
 

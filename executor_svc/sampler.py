@@ -1,12 +1,14 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, no host sync;
-before it min_tokens stop masking and penalties, around it logprobs (executor_svc/logits.py)."""
+before it min_tokens stop masking, the grammar mask, logit_bias and penalties, around it logprobs
+(executor_svc/logits.py)."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from pagedserve.executor_svc.logits import LogprobRows, Penalties, SampledLogprobs, gather_logprobs, mask_tokens
+from pagedserve.executor_svc.logits import (GrammarMask, LogprobRows, Penalties, SampledLogprobs, add_bias,
+                                            gather_logprobs, mask_tokens)
 from pagedserve.kernels.argmax import argmax
 
 GREEDY_TEMPERATURE = 1e-5
@@ -27,6 +29,9 @@ class SamplingBatch:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # [2, n] (row, token id): stop tokens of rows with fewer than min_tokens outputs.
     stop_mask: torch.Tensor | None = None
+    grammar: GrammarMask | None = None
+    # [3, n] float32 (row, token id, bias): logit_bias of the rows that set one.
+    logit_bias: torch.Tensor | None = None
     penalties: Penalties | None = None
     logprobs: LogprobRows | None = None
 
@@ -73,6 +78,10 @@ class Sampler:
             raw = logits[batch.logprobs.device_index].log_softmax(dim=-1)
         if batch.stop_mask is not None:
             mask_tokens(logits, batch.stop_mask[0], batch.stop_mask[1])
+        if batch.grammar is not None:
+            batch.grammar.apply(logits)
+        if batch.logit_bias is not None:
+            add_bias(logits, batch.logit_bias)
         if batch.penalties is not None:
             batch.penalties.apply(logits)
         tokens = self._sample(logits, batch)

@@ -26,12 +26,14 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
 def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: list[str] | None = None, *,
               api_key: str | None = None, protect_metrics: bool = False,
               allowed_origins: list[str] | None = None, stream_interval: int = 1,
-              log_requests: bool = False, sampling_defaults: dict | None = None) -> web.Application:
+              log_requests: bool = False, sampling_defaults: dict | None = None,
+              tool_parser: str | None = None, reasoning_parser: str | None = None) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
     `log_requests` logs one line per finished request (vLLM's --enable-log-requests).
     `sampling_defaults` (the model's generation config) fill the sampling options a request omits.
+    `tool_parser` reads tool calls under tool_choice "auto"; `reasoning_parser` splits off thinking.
     """
     middlewares = [request_id_middleware, error_middleware]
     cors = CORS(allowed_origins) if allowed_origins else None
@@ -47,7 +49,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app[GATEWAY] = Gateway(EngineClient(scheduler_address), tokenizer,
                            served_model_names=list(served_model_names or ()),
                            stream_interval=stream_interval, log_requests=log_requests,
-                           sampling_defaults=sampling_defaults or {})
+                           sampling_defaults=sampling_defaults or {}, tool_parser=tool_parser,
+                           reasoning_parser=reasoning_parser)
     app.on_cleanup.append(_close_engine)
     app.router.add_get("/health", ops_routes.health)
     app.router.add_get("/version", ops_routes.version_info)

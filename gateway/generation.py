@@ -26,6 +26,8 @@ class ChoiceEvent:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With prompt_logprobs, on the choice's first event: one per prompt token after the first.
+    prompt_logprobs: list[pb.TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -111,7 +113,7 @@ class Generation:
         detok = IncrementalDetokenizer(self._tokenizer, p.skip_special_tokens, p.stop,
                                        p.include_stop_str_in_output, choice.prompt_token_ids)
         logprobs: list[TokenLogprob] = []
-        text, pending_tokens, sent = "", 0, False
+        text, pending_tokens, sent, prompt = "", 0, False, None
         async with aclosing(self._engine.generate(choice.request_id, choice.prompt_token_ids, p,
                                                    self._trace_id)) as stream:
             async for response in stream:
@@ -120,17 +122,21 @@ class Generation:
                 choice.cached_tokens = max(choice.cached_tokens, response.cached_tokens)
                 if response.logprobs:
                     logprobs += decode_logprobs(self._tokenizer, response.token_ids, response.logprobs)
+                if response.prompt_logprobs:
+                    prompt = list(response.prompt_logprobs)
                 text += detok.add(response.token_ids)
                 pending_tokens += len(response.token_ids)
                 if detok.stopped:
                     # Leaving the block cancels the call, which the scheduler turns into an abort.
-                    return ChoiceEvent(choice.index, text, "stop", detok.stop_reason, logprobs)
+                    return ChoiceEvent(choice.index, text, "stop", detok.stop_reason, logprobs, prompt)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    return self._finish(choice, response, text + detok.flush(), logprobs)
+                    event = self._finish(choice, response, text + detok.flush(), logprobs)
+                    event.prompt_logprobs = prompt
+                    return event
                 # The first text goes out at once: the interval must not delay the time to first token.
                 if text and (pending_tokens >= self._stream_interval or not sent):
-                    queue.put_nowait(ChoiceEvent(choice.index, text, logprobs=logprobs))
-                    text, logprobs, pending_tokens, sent = "", [], 0, True
+                    queue.put_nowait(ChoiceEvent(choice.index, text, logprobs=logprobs, prompt_logprobs=prompt))
+                    text, logprobs, pending_tokens, sent, prompt = "", [], 0, True, None
         raise internal("The scheduler ended a generation without a finish reason.")
 
     def _finish(self, choice: Choice, response: pb.GenerateResponse, text: str,

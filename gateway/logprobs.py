@@ -2,7 +2,7 @@
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedserve.gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagedserve.gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.v1 import engine_pb2 as pb
 
@@ -12,9 +12,10 @@ _FLOOR = -9999.0
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """One output token as text, its logprob, and the most likely tokens' (most likely first)."""
+    """One token as text, its logprob, and the most likely tokens' (most likely first); a prompt's
+    first token has no logprob (None)."""
     token: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[str, float]]
 
 
@@ -28,6 +29,29 @@ def decode_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
     return [TokenLogprob(text(token_id), max(lp.logprob, _FLOOR),
                          [(text(t), max(p, _FLOOR)) for t, p in zip(lp.top_token_ids, lp.top_logprobs)])
             for token_id, lp in zip(token_ids, logprobs)]
+
+
+def echo_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
+                  logprobs: Sequence[pb.TokenLogprobs]) -> list[TokenLogprob]:
+    """The prompt's tokens for `echo`: the first without a logprob, as OpenAI returns it."""
+    first = TokenLogprob(tokenizer.decode(prompt_ids[:1], skip_special_tokens=False), None, [])
+    return [first, *decode_logprobs(tokenizer, prompt_ids[1:], logprobs)]
+
+
+def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
+                    logprobs: Sequence[pb.TokenLogprobs]) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's prompt_logprobs: None for the first token, then per token {id: its logprob, rank and
+    text}, the prompt token first and then the top ones."""
+    def entry(token_id: int, logprob: float, rank: int) -> PromptLogprob:
+        return PromptLogprob(max(logprob, _FLOOR), rank, tokenizer.decode([token_id], skip_special_tokens=False))
+
+    out: list[dict[str, PromptLogprob] | None] = [None]
+    for token_id, lp in zip(prompt_ids[1:], logprobs):
+        position = {str(token_id): entry(token_id, lp.logprob, lp.rank)}
+        for rank, (t, p) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), 1):
+            position.setdefault(str(t), entry(t, p, rank))
+        out.append(position)
+    return out
 
 
 def _bytes(token: str) -> list[int]:
@@ -49,5 +73,6 @@ def completion_logprobs(tokens: list[TokenLogprob], text_offset: int) -> tuple[C
         text_offset += len(t.token)
     # OpenAI's legacy format includes the sampled token among the top ones.
     body = CompletionLogprobs([t.token for t in tokens], [t.logprob for t in tokens],
-                              [dict(t.top) | {t.token: t.logprob} for t in tokens], offsets)
+                              [None if t.logprob is None else dict(t.top) | {t.token: t.logprob}
+                               for t in tokens], offsets)
     return body, text_offset

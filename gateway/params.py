@@ -1,8 +1,12 @@
 """Turns a decoded OpenAI request into prompt token ids and SamplingParams, rejecting what cannot run."""
-from pagedserve.gateway.errors import bad_request, model_not_found, unsupported
-from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+import json
+
+import msgspec
+
+from pagedserve.gateway.errors import bad_request, model_not_found
+from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
 from pagedserve.common.tokenizer import ChatTemplateError, Tokenizer
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def resolve_model(requested: str | None, served: str) -> str:
@@ -15,18 +19,10 @@ def check_chat_options(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("`top_logprobs` needs `logprobs: true`; set it or remove `top_logprobs`.",
                           param="top_logprobs")
-    if req.tools:
-        raise unsupported("Tool calling", "tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"'response_format' of type '{req.response_format.type}' is not supported "
-                          "yet; only 'text' is. Remove `response_format`.", param="response_format")
     check_stream_options(req)
 
 
 def check_completion_options(req: CompletionRequest) -> None:
-    if req.echo and req.logprobs is not None:
-        raise bad_request("Prompt logprobs (`echo` together with `logprobs`) are not supported yet; "
-                          "remove `echo` or `logprobs`.", param="echo")
     check_stream_options(req)
 
 
@@ -50,18 +46,51 @@ def _message_text(content: str | list | None, index: int) -> str | None:
     return "\n".join(part.text for part in content)
 
 
+def _tool_calls(m: ChatMessage, index: int) -> list[dict]:
+    """The assistant's calls as templates expect them: arguments as an object (vLLM does this),
+    so that a template's `tojson` does not encode a string twice."""
+    calls = []
+    for j, call in enumerate(m.tool_calls):
+        arguments = call.function.arguments
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as e:
+                raise bad_request(f"The arguments of tool call {j} are not JSON ({e}); send a JSON object.",
+                                  param=f"messages[{index}].tool_calls[{j}].function.arguments") from e
+        calls.append({"id": call.id, "type": call.type,
+                      "function": {"name": call.function.name, "arguments": arguments}})
+    return calls
+
+
+def _chat_message(m: ChatMessage, index: int) -> dict:
+    message = {"role": m.role, "content": _message_text(m.content, index)}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = _tool_calls(m, index)
+        # OpenAI lets a message that calls tools have no content; templates concatenate it.
+        message["content"] = message["content"] or ""
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning or m.reasoning_content
+    if reasoning is not None:
+        # Both names, as vLLM passes them: templates read either.
+        message["reasoning"] = message["reasoning_content"] = reasoning
+    return message
+
+
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, tools: list[Tool] | None = None,
+                template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
     """The templated chat's token ids; the template writes the special tokens (BOS included), so
-    add_special_tokens=True would add them twice (vLLM's /tokenize offers it all the same)."""
-    rendered = []
-    for i, m in enumerate(messages):
-        message = {"role": m.role, "content": _message_text(m.content, i)}
-        if m.name is not None:
-            message["name"] = m.name
-        rendered.append(message)
+    add_special_tokens=True would add them twice (vLLM's /tokenize offers it all the same). Tools
+    reach the template as transformers passes them (OpenAI's tool objects)."""
+    rendered = [_chat_message(m, i) for i, m in enumerate(messages)]
+    tool_dicts = None if not tools else [msgspec.to_builtins(t) for t in tools]
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt)
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt, tools=tool_dicts,
+                                             template=chat_template, **(template_kwargs or {}))
     except ChatTemplateError as e:
         raise bad_request(f"Cannot build a prompt from these messages: {e}", param="messages") from e
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -98,6 +127,13 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
                           f"[0, {vocab_size}).", param=param)
 
 
+def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
+    for key in bias or ():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            raise bad_request(f"`logit_bias` key {key!r} is not a token id; keys must be token ids in "
+                              f"[0, {vocab_size}), written as strings.", param="logit_bias")
+
+
 def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> None:
     """400 when a prompt plus the requested output does not fit the context window."""
     longest = max(len(p) for p in prompts)
@@ -120,16 +156,23 @@ _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "fre
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    defaults: dict) -> SamplingParams:
+                    defaults: dict, structured: StructuredOutputsParams | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """max_tokens None lets the scheduler fill the remaining context of each prompt; logprobs is the
-    number of top logprobs per token (None: none); `defaults` stand in for omitted options. The
+    number of top logprobs per token (None: none); `defaults` stand in for omitted options;
+    `structured` is the output's constraint. The
     ranges were checked when `req` was decoded."""
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).",
                           param="min_tokens")
+    if structured is not None and req.ignore_eos:
+        raise bad_request("`ignore_eos` would let a structured output run past its end; remove it.",
+                          param="ignore_eos")
     given = defaults | {name: getattr(req, name) for name in _DEFAULTED if getattr(req, name) is not None}
     return SamplingParams(
         n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
         stop=[] if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or [],
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, **given)
+        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured,
+        logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None, **given)

@@ -10,17 +10,21 @@ from contextlib import aclosing, suppress
 import msgspec
 from aiohttp import web
 
-from pagedserve.gateway import params
+from pagedserve.common.sampling_params import StructuredOutputsParams
+from pagedserve.gateway import params, reasoning
+from pagedserve.gateway.chat_output import ChatOutputOptions
 from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found
 from pagedserve.gateway.generation import Choice, ChoiceEvent, Generation, fan_out
 from pagedserve.gateway.logprobs import TokenLogprob
 from pagedserve.gateway.metrics import rejection_reason
 from pagedserve.gateway.request_id import current_request_id
-from pagedserve.gateway.responses import ChatResponses, CompletionResponses, ResponseBuilder
+from pagedserve.gateway.responses import ChatResponses, CompletionResponses, PromptLogprobs, ResponseBuilder
 from pagedserve.gateway.schemas import (ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields,
                              decode_request)
 from pagedserve.gateway.sse import SSEWriter
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
+from pagedserve.gateway.structured import request_constraint
+from pagedserve.gateway.tools import tool_options
 from pagedserve.common.log import get_logger
 from pagedserve.common.sampling_params import SamplingParams
 
@@ -80,12 +84,36 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     served = await gateway.model()
     model = params.resolve_model(served.resolve(req.model), served.name)
     params.check_chat_options(req)
-    prompts = [params.chat_prompt(gateway.tokenizer, req.messages, req.add_generation_prompt)]
+    options = ChatOutputOptions(reasoning=gateway.reasoning_parser is not None)
+    constraint = _chat_constraint(req, gateway, options)
+    prompt = params.chat_prompt(gateway.tokenizer, req.messages, req.add_generation_prompt, tools=req.tools,
+                                template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template)
+    if options.reasoning and reasoning.ended_in_prompt(gateway.tokenizer.decode(prompt, False)):
+        options.reasoning = False
     rid = _new_id()
     logprobs = params.chat_logprobs(req)
-    choices = _choices(rid, req, prompts, req.max_completion_tokens or req.max_tokens, logprobs, served)
-    builder = ChatResponses(rid, model, len(choices), _include_usage(req), logprobs is not None)
+    choices = _choices(rid, req, [prompt], req.max_completion_tokens or req.max_tokens, logprobs, served,
+                       constraint, req.prompt_logprobs)
+    prompt_lp = None
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise bad_request("`prompt_logprobs` on chat completions is returned without `stream` only; "
+                              "remove one of them.", param="prompt_logprobs")
+        prompt_lp = PromptLogprobs(gateway.tokenizer, [c.prompt_token_ids for c in choices], vllm=True, echo=False)
+    builder = ChatResponses(rid, model, len(choices), _include_usage(req), logprobs is not None, options,
+                            prompt_lp)
     return await _generate(request, builder, choices, req.stream, served)
+
+
+def _chat_constraint(req: ChatCompletionRequest, gateway: Gateway,
+                     options: ChatOutputOptions) -> StructuredOutputsParams | None:
+    """What tool_choice forces, or else what the request asks for."""
+    forced = tool_options(req, gateway.tool_parser, options)
+    requested = request_constraint(req)
+    if forced is not None and requested is not None:
+        raise bad_request("tool_choice \"required\" or a named function constrains the output already; "
+                          "remove `response_format` (or the structured outputs field).", param="tool_choice")
+    return forced or requested
 
 
 @_counts_rejections
@@ -97,12 +125,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params.check_completion_options(req)
     prompts, texts = params.completion_prompts(gateway.tokenizer, req.prompt)
     rid = _new_id()
-    choices = _choices(rid, req, prompts, req.max_tokens, req.logprobs, served)
+    # Echo with logprobs shows the prompt's tokens as OpenAI does, prompt_logprobs as vLLM does.
+    asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(asked) if asked else None
+    choices = _choices(rid, req, prompts, req.max_tokens, req.logprobs, served, request_constraint(req),
+                       prompt_logprobs)
     echo = [""] * len(choices)
     if req.echo:
         echo = [texts[c.index // req.n] or gateway.tokenizer.decode(c.prompt_token_ids) for c in choices]
+    prompt_lp = None
+    if prompt_logprobs is not None:
+        prompt_lp = PromptLogprobs(gateway.tokenizer, [c.prompt_token_ids for c in choices],
+                                   vllm=req.prompt_logprobs is not None, echo=bool(req.echo and req.logprobs is not None))
     builder = CompletionResponses(rid, model, len(choices), _include_usage(req), req.logprobs is not None,
-                                  echo)
+                                  echo, prompt_lp)
     return await _generate(request, builder, choices, req.stream, served)
 
 
@@ -116,12 +152,16 @@ def _include_usage(req: SamplingFields) -> bool:
 
 
 def _choices(rid: str, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
-             logprobs: int | None, served: ServedModel) -> list[Choice]:
+             logprobs: int | None, served: ServedModel, constraint: StructuredOutputsParams | None = None,
+             prompt_logprobs: int | None = None) -> list[Choice]:
     spec = served.spec
     params.check_prompts(prompts, spec.vocab_size)
     params.check_token_ids(req.stop_token_ids or [], spec.vocab_size, "stop_token_ids")
+    params.check_logit_bias(req.logit_bias, spec.vocab_size)
     params.check_context(prompts, max_tokens, spec.max_model_len)
-    choices = fan_out(rid, prompts, params.sampling_params(req, max_tokens, logprobs, served.sampling_defaults))
+    sampling = params.sampling_params(req, max_tokens, logprobs, served.sampling_defaults, constraint,
+                                      prompt_logprobs)
+    choices = fan_out(rid, prompts, sampling)
     served.metrics.request_params_n.observe(req.n)
     served.metrics.request_params_max_tokens.observe(
         max_tokens or spec.max_model_len - max(len(p) for p in prompts))
@@ -173,16 +213,19 @@ async def _collect(builder: ResponseBuilder, generation: Generation, events: Asy
                    start: float) -> web.Response:
     texts: list[list[str]] = [[] for _ in generation.choices]
     logprobs: list[list[TokenLogprob]] = [[] for _ in generation.choices]
+    prompts: list = [None] * len(generation.choices)
     finals = []
     async for event in events:
         texts[event.index].append(event.text)
         logprobs[event.index] += event.logprobs
+        if event.prompt_logprobs is not None:
+            prompts[event.index] = event.prompt_logprobs
         if event.finish_reason is not None:
             finals.append(event)
     finals.sort(key=lambda e: e.index)
     _log_end("request_finished", builder, generation, start)
     return json_response(builder.response(["".join(t) for t in texts], logprobs, finals,
-                                          generation.usage()))
+                                          generation.usage(), prompts))
 
 
 async def _stream(request: web.Request, builder: ResponseBuilder, generation: Generation,

@@ -24,8 +24,26 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
-class ResponseFormat(Struct):
-    type: str = "text"
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    # Its own name in the API; `schema` would shadow nothing in a Struct, but reads as a keyword.
+    json_schema: dict | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(Struct, kw_only=True):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class ContentPart(Struct):
@@ -33,10 +51,47 @@ class ContentPart(Struct):
     text: str | None = None
 
 
+class FunctionCallIn(Struct):
+    name: str
+    # A JSON string, as OpenAI sends it; some clients send the object itself.
+    arguments: str | dict = "{}"
+
+
+class ToolCallIn(Struct):
+    function: FunctionCallIn
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDefinition(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -63,6 +118,16 @@ class SamplingFields(Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # Token id (as a string, OpenAI's form) -> bias in [-100, 100]; larger ones are clamped.
+    logit_bias: dict[str, float] | None = None
+    # vLLM's: top logprobs per prompt token.
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    # vLLM's older spellings of structured_outputs' kinds.
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
 
     def __post_init__(self) -> None:
@@ -80,10 +145,16 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # Accepted; the parsers return every call the model writes.
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    # Extra variables for the chat template (e.g. enable_thinking), and a template of the
+    # request's own in place of the model's.
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -98,6 +169,9 @@ class TokenizeRequest(Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     add_generation_prompt: bool = True
     # Unset means vLLM's defaults: true for a prompt, false for messages (the template adds them).
     add_special_tokens: bool | None = None
@@ -137,10 +211,25 @@ class Usage(Struct):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessageOut(Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
     refusal: None = None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    # Only with --reasoning-parser: the thinking, under vLLM's newer and older names.
+    reasoning: str | None | UnsetType = UNSET
+    reasoning_content: str | None | UnsetType = UNSET
 
 
 class TopLogprob(Struct):
@@ -163,10 +252,21 @@ class ChatLogprobs(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
+    # Null for the first prompt token under `echo`.
+    token_logprobs: list[float | None]
     # The most likely tokens of each position, with the sampled one (so up to logprobs + 1).
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(Struct):
+    """vLLM's entry of prompt_logprobs."""
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class ChatChoice(Struct):
@@ -184,11 +284,29 @@ class ChatCompletion(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    # Only with vLLM's prompt_logprobs.
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
+
+
+class DeltaFunction(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """One tool call's part in a chunk: index on every one; id, type and name on its first only."""
+    index: int
+    function: DeltaFunction
+    id: str | None = None
+    type: str | None = None
 
 
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -215,6 +333,8 @@ class CompletionChoice(Struct):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: CompletionLogprobs | None = None
+    # Only with vLLM's prompt_logprobs (on the first chunk of a stream).
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
 
 
 class Completion(Struct):

@@ -11,6 +11,7 @@ from aiohttp.abc import AbstractAccessLogger
 from pagedserve.common import aio, arg_types, service
 from pagedserve.common.config import add_engine_args
 from pagedserve.common.generation_config import sampling_defaults
+from pagedserve.gateway import reasoning, tool_parsers
 from pagedserve.gateway.app import build_app
 from pagedserve.common.tokenizer import Tokenizer, read_chat_template
 from pagedserve.common.log import get_logger
@@ -67,11 +68,20 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--uvicorn-log-level", choices=list(HTTP_LOG_LEVELS), default="info",
                        help="level of the HTTP server's own logs (vLLM's uvicorn, aiohttp here): "
                             "info logs one access line per HTTP request, warning and above none")
-    group.add_argument("--enable-auto-tool-choice", action=arg_types.NotBuilt, nargs=0,
-                       feature="tool calling", help="not built yet; giving it fails")
-    for flag, feature in (("--tool-call-parser", "tool calling"), ("--reasoning-parser", "reasoning output")):
-        group.add_argument(flag, action=arg_types.NotBuilt, nargs=1, metavar="NAME", feature=feature,
-                           help="not built yet; giving it fails")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto"); needs '
+                            "--tool-call-parser")
+    group.add_argument("--tool-call-parser", choices=tool_parsers.PARSERS, default=None,
+                       help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes) or llama3_json")
+    group.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
+                       help="return a reasoning model's <think> text as `reasoning` / `reasoning_content`")
+
+
+def tool_parser(args: argparse.Namespace) -> str | None:
+    """The parser for tool_choice "auto", None when it is off; exits on a half-given pair."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def chat_template(value: str) -> str:
@@ -118,7 +128,8 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     app = build_app(tokenizer, args.scheduler_address, args.served_model_name, api_key=args.api_key,
                     protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
                     stream_interval=args.stream_interval, log_requests=args.enable_log_requests,
-                    sampling_defaults=sampling_defaults(args.model, args.generation_config))
+                    sampling_defaults=sampling_defaults(args.model, args.generation_config),
+                    tool_parser=tool_parser(args), reasoning_parser=args.reasoning_parser)
     sock = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
     runner = await start(app, args.host, args.port, sock)
     log.info("gateway_listening", host=args.host, port=args.port, scheduler=args.scheduler_address,

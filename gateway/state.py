@@ -33,6 +33,9 @@ class Gateway:
     stream_interval: int = 1
     log_requests: bool = False
     sampling_defaults: dict = field(default_factory=dict)
+    # --tool-call-parser when --enable-auto-tool-choice is on (else None), and --reasoning-parser.
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
     started: int = field(default_factory=lambda: int(time.time()))
 
     async def model(self) -> ServedModel:

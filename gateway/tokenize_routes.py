@@ -17,7 +17,8 @@ async def tokenize(request: web.Request) -> web.Response:
         raise bad_request("Send exactly one of `prompt` (text) or `messages` (a chat).", param="prompt")
     if req.messages is not None:
         tokens = params.chat_prompt(gateway.tokenizer, req.messages, req.add_generation_prompt,
-                                    bool(req.add_special_tokens))
+                                    bool(req.add_special_tokens), req.tools, req.chat_template_kwargs,
+                                    req.chat_template)
     else:
         tokens = gateway.tokenizer.encode(req.prompt, req.add_special_tokens is not False)
     return json_response(TokenizeResponse(len(tokens), served.spec.max_model_len, tokens))

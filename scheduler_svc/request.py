@@ -40,6 +40,9 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_token_id: int | None = None
+    # With prompt_logprobs: those received so far (token 1 on), and whether they went out.
+    prompt_logprobs: list["TokenLogprobs"] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -76,3 +79,5 @@ class RequestDelta(msgspec.Struct, gc=False):
     num_cached_tokens: int
     # One per new token when the request asked for logprobs.
     logprobs: list[TokenLogprobs] | None = None
+    # With prompt_logprobs, on the first output: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None

@@ -4,7 +4,8 @@ from collections import deque
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
-from pagedserve.common.plan import ContinuingRequest, ExecutorInfo, NewRequest, StepPlan, StepResult
+from pagedserve.common.plan import (ContinuingRequest, ExecutorInfo, NewRequest, PromptLogprobs, StepPlan,
+                                   StepResult, StepLogprobs)
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
 from pagedserve.scheduler_svc.step_stats import StepStats
@@ -194,7 +195,11 @@ class Scheduler:
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_tokens = len(request.token_ids)
-            cached, num_cached = block_manager.lookup(request.block_hashes, num_tokens)
+            if request.sampling.prompt_logprobs is None or request.prompt_logprobs_sent:
+                cached, num_cached = block_manager.lookup(request.block_hashes, num_tokens)
+            else:
+                # Prompt logprobs need every prompt position computed, cached or not.
+                cached, num_cached = [], 0
             n = min(num_tokens - num_cached, budget)
             num_new = (num_cached + n + block_size - 1) // block_size - len(cached)
             # Head-of-line blocking: when the oldest waiting request does not fit, nothing behind
@@ -247,6 +252,8 @@ class Scheduler:
         start = time.perf_counter_ns()
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} does not match plan {plan.step_id}")
+        if result.prompt_logprobs is not None:
+            self._gather_prompt_logprobs(result.prompt_logprobs)
         outputs = self._append_tokens(result)
         if result.logprobs is not None:
             _attach_logprobs(outputs, result)
@@ -284,13 +291,30 @@ class Scheduler:
             reason = request.finish_reason
             if reason:
                 num_finished += 1
-            append(RequestDelta(seq_id, request.request_id, [token_id], reason is not None, reason,
-                                 request.stop_token_id, request.num_prompt_tokens, num_output_tokens,
-                                 request.num_cached_tokens))
+            out = RequestDelta(seq_id, request.request_id, [token_id], reason is not None, reason,
+                               request.stop_token_id, request.num_prompt_tokens, num_output_tokens,
+                               request.num_cached_tokens)
+            if request.prompt_logprobs and not request.prompt_logprobs_sent:
+                out.prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+            append(out)
         if num_finished:
             self.running = [r for r in self.running if r.status is running]
         self.num_generation_tokens += len(outputs)
         return outputs
+
+    def _gather_prompt_logprobs(self, prompt: PromptLogprobs) -> None:
+        """Keeps each request's prompt logprobs until its first output; a preempted request's
+        recomputed prompt brings entries it has already, which are skipped."""
+        entries = _unpack(prompt.logprobs)
+        end = 0
+        for seq_id, start, count in zip(prompt.seq_ids, prompt.starts, prompt.counts):
+            first, end = end, end + count
+            request = self.requests.get(seq_id)
+            if request is None or request.prompt_logprobs_sent:
+                continue
+            have = len(request.prompt_logprobs) + 1
+            if start <= have:
+                request.prompt_logprobs += entries[first + have - start:end]
 
     def _finish(self, request: Request, reason: str, stop_token_id: int | None = None) -> None:
         if request.status is RequestStatus.RUNNING:
@@ -304,14 +328,20 @@ class Scheduler:
         del self.request_ids[request.request_id]
 
 
+def _unpack(lp: StepLogprobs) -> list[TokenLogprobs]:
+    """One TokenLogprobs per entry of the packed form, in its order."""
+    tokens = []
+    end = 0
+    for i in range(len(lp.rows)):
+        start, end = end, end + lp.num_top[i]
+        tokens.append(TokenLogprobs(lp.logprobs[i], lp.ranks[i], lp.top_token_ids[start:end],
+                                    lp.top_logprobs[start:end]))
+    return tokens
+
+
 def _attach_logprobs(outputs: list[RequestDelta], result: StepResult) -> None:
     lp = result.logprobs
-    by_seq = {}
-    end = 0
-    for i, row in enumerate(lp.rows):
-        start, end = end, end + lp.num_top[i]
-        by_seq[result.seq_ids[row]] = TokenLogprobs(lp.logprobs[i], lp.ranks[i],
-                                                    lp.top_token_ids[start:end], lp.top_logprobs[start:end])
+    by_seq = {result.seq_ids[row]: token for row, token in zip(lp.rows, _unpack(lp))}
     for out in outputs:
         token = by_seq.get(out.seq_id)
         if token is not None:

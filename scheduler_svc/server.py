@@ -102,6 +102,9 @@ def response_from_outputs(outs: list[RequestDelta]) -> engine_pb2.GenerateRespon
         for t in out.logprobs or ():
             response.logprobs.add(logprob=t.logprob, rank=t.rank, top_token_ids=t.top_token_ids,
                                   top_logprobs=t.top_logprobs)
+        for t in out.prompt_logprobs or ():
+            response.prompt_logprobs.add(logprob=t.logprob, rank=t.rank, top_token_ids=t.top_token_ids,
+                                         top_logprobs=t.top_logprobs)
     return response
 
 

@@ -5,7 +5,7 @@ from dataclasses import fields
 import pytest
 
 from pagedserve.common.sampling_params import (INT32_MAX, RANGES, OutOfRange, SamplingParams,
-                                               sampling_from_proto, sampling_to_proto)
+                                               StructuredOutputsParams, sampling_from_proto, sampling_to_proto)
 from pagedserve.v1 import sampling_pb2 as pb
 
 WIRE_FIELDS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields]
@@ -14,7 +14,9 @@ GATEWAY_FIELDS = {"n", "stop", "include_stop_str_in_output", "skip_special_token
 # Every wire field away from its default; the floats are exact in float32, as on the wire.
 EVERY_FIELD_SET = SamplingParams(temperature=0.5, top_p=0.75, top_k=4, min_p=0.125, seed=-7, max_tokens=9,
                                  min_tokens=3, stop_token_ids=[2, 9], ignore_eos=True, presence_penalty=0.5,
-                                 frequency_penalty=-1.5, repetition_penalty=1.25, logprobs=0)
+                                 frequency_penalty=-1.5, repetition_penalty=1.25, logprobs=0,
+                                 prompt_logprobs=2, logit_bias={3: 1.5, 7: -100.0},
+                                 structured_outputs=StructuredOutputsParams(json='{"type": "object"}'))
 
 
 def through_the_wire(params: SamplingParams) -> SamplingParams:
@@ -95,3 +97,27 @@ def test_choice_params_offset_and_wrap_the_seed():
     assert [c.seed for c in children] == [2**63 - 2, 2**63 - 1, -2**63]
     assert all(c.n == 1 and c.temperature == 0.5 for c in children)
     assert [c.seed for c in choice_params(SamplingParams(n=2))] == [None, None]
+
+
+@pytest.mark.parametrize("structured", [StructuredOutputsParams(regex=r"\d+"), StructuredOutputsParams(choice=["a", "b"]),
+                                        StructuredOutputsParams(grammar='start: "x"'),
+                                        StructuredOutputsParams(json_object=True)])
+def test_every_constraint_kind_survives_the_wire(structured):
+    assert through_the_wire(SamplingParams(structured_outputs=structured)).structured_outputs == structured
+
+
+def test_a_schema_given_as_a_dict_travels_as_its_text():
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    assert through_the_wire(params).structured_outputs.json == '{"type": "object"}'
+
+
+@pytest.mark.parametrize("kinds", [{}, {"regex": "a", "choice": ["a"]}, {"json_object": False}])
+def test_a_constraint_takes_exactly_one_kind(kinds):
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(**kinds)
+
+
+def test_logit_bias_is_clamped_and_its_ids_checked():
+    assert SamplingParams(logit_bias={5: 250, 6: -1e9}).logit_bias == {5: 100.0, 6: -100.0}
+    with pytest.raises(OutOfRange):
+        SamplingParams(logit_bias={-1: 1.0})

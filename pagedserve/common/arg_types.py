@@ -66,19 +66,6 @@ def only(supported: object, feature: str, what_runs: str) -> Callable[[object], 
     return check
 
 
-class NotBuilt(argparse.Action):
-    """A vLLM flag whose feature pagedserve has not built yet: giving it fails at start."""
-
-    def __init__(self, option_strings: list[str], dest: str, feature: str, nargs: int | str | None = None,
-                 **kwargs) -> None:
-        super().__init__(option_strings, dest, nargs=nargs, default=None, **kwargs)
-        self.feature = feature
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
-        raise argparse.ArgumentError(self, f"{self.feature} is not built yet; drop {option_string}")
-
-
 def _integer(value: str | int) -> int:
     if isinstance(value, bool):
         raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}")

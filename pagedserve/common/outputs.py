@@ -29,3 +29,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then each one's and the
+    # top tokens' (as for outputs).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -68,6 +68,17 @@ class StepLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Log probabilities of the prompt tokens a step computed, for the requests that asked:
+    seq_ids[i]'s counts[i] entries describe its prompt tokens from index starts[i] on, and follow
+    the previous requests' entries in `logprobs` (whose rows are entry indices)."""
+    seq_ids: list[int]
+    starts: list[int]
+    counts: list[int]
+    logprobs: StepLogprobs
+
+
+@dataclass(slots=True)
 class StepResult:
     step_id: int
     seq_ids: list[int] = field(default_factory=list)
@@ -77,6 +88,7 @@ class StepResult:
     forward_ns: int = 0
     idle_ns: int = 0
     logprobs: StepLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -127,14 +139,22 @@ def plan_from_proto(m: pb.StepPlan) -> StepPlan:
 
 
 def result_to_proto(r: StepResult) -> pb.StepResult:
+    prompt = r.prompt_logprobs
     return pb.StepResult(step_id=r.step_id, seq_ids=r.seq_ids, token_ids=r.token_ids,
                          forward_ns=r.forward_ns, idle_ns=r.idle_ns,
-                         logprobs=None if r.logprobs is None else logprobs_to_proto(r.logprobs))
+                         logprobs=None if r.logprobs is None else logprobs_to_proto(r.logprobs),
+                         prompt_logprobs=None if prompt is None else pb.PromptLogprobs(
+                             seq_ids=prompt.seq_ids, starts=prompt.starts, counts=prompt.counts,
+                             logprobs=logprobs_to_proto(prompt.logprobs)))
 
 
 def result_from_proto(m: pb.StepResult) -> StepResult:
+    prompt = None
+    if m.HasField("prompt_logprobs"):
+        p = m.prompt_logprobs
+        prompt = PromptLogprobs(p.seq_ids[:], p.starts[:], p.counts[:], logprobs_from_proto(p.logprobs))
     return StepResult(m.step_id, list(m.seq_ids), list(m.token_ids), m.forward_ns, m.idle_ns,
-                      logprobs_from_proto(m.logprobs) if m.HasField("logprobs") else None)
+                      logprobs_from_proto(m.logprobs) if m.HasField("logprobs") else None, prompt)
 
 
 def logprobs_to_proto(lp: StepLogprobs) -> pb.StepLogprobs:

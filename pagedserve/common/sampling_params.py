@@ -1,5 +1,6 @@
 """Per-request generation options, with vLLM's names and defaults; the range each may take; and
 their wire form (pagedserve.v1.SamplingParams), which the scheduler and the executor share."""
+import json
 import math
 from dataclasses import dataclass, field, replace
 
@@ -65,7 +66,11 @@ RANGES: dict[str, Range] = {
     "frequency_penalty": Range(-2, 2),
     "repetition_penalty": Range(0, low_open=True, note="1 = off"),
     "logprobs": Range(0, MAX_LOGPROBS),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS),
 }
+
+# OpenAI's bound on a logit_bias value; a larger one is clamped to it, as OpenAI does.
+MAX_LOGIT_BIAS = 100.0
 
 
 def check_ranges(params: object, ranges: dict[str, Range]) -> None:
@@ -77,6 +82,39 @@ def check_ranges(params: object, ranges: dict[str, Range]) -> None:
             value = next((v for v in value if not allowed.least <= v <= allowed.high), None)
         if value is not None and not allowed.least <= value <= allowed.high:
             raise OutOfRange(name, allowed, value)
+
+
+# The kinds of StructuredOutputsParams, in the order its fields are listed.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's StructuredOutputsParams), exactly one kind set: a JSON
+    schema (a dict or its text), a regex, one of a list of strings, a Lark or GBNF grammar, or
+    any JSON object."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError("structured outputs take exactly one of json, regex, choice, grammar or "
+                             f"json_object; got {', '.join(kinds) or 'none'}")
+
+    def kinds(self) -> list[str]:
+        return [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+    def schema_text(self) -> str | None:
+        """The JSON schema as text (None unless the kind is json)."""
+        return self.json if self.json is None or isinstance(self.json, str) else json.dumps(self.json)
 
 
 @dataclass(slots=True)
@@ -99,12 +137,26 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # The number of top logprobs to return per output token (0: the sampled token's only); None: none.
     logprobs: int | None = None
+    # The number of top logprobs to return per prompt token (0: the prompt token's only); None: none.
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # Token id -> what to add to its logit, clamped to [-100, 100].
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         check_ranges(self, RANGES)
         self.top_k = max(self.top_k, 0)
+        if self.logit_bias:
+            self.logit_bias = _clamped_bias(self.logit_bias)
+
+
+def _clamped_bias(bias: dict[int, float]) -> dict[int, float]:
+    bad = next((t for t in bias if not 0 <= int(t) <= INT32_MAX), None)
+    if bad is not None:
+        raise OutOfRange("logit_bias", Range(0, INT32_MAX, note="token ids"), bad)
+    return {int(t): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b))) for t, b in bias.items()}
 
 
 def choice_params(params: SamplingParams) -> list[SamplingParams]:
@@ -122,11 +174,22 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         max_tokens=p.max_tokens, min_tokens=p.min_tokens, stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-        logprobs=p.logprobs)
+        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, logit_bias=p.logit_bias,
+        structured_outputs=None if p.structured_outputs is None else _structured_to_proto(p.structured_outputs))
+
+
+def _structured_to_proto(s: StructuredOutputsParams) -> pb.StructuredOutputs:
+    return pb.StructuredOutputs(json=s.schema_text(), regex=s.regex, choice=s.choice, grammar=s.grammar,
+                                json_object=s.json_object)
+
+
+def _structured_from_proto(m: pb.StructuredOutputs) -> StructuredOutputsParams:
+    present = {k: getattr(m, k) for k in ("json", "regex", "grammar") if m.HasField(k)}
+    return StructuredOutputsParams(choice=m.choice[:] or None, json_object=m.json_object, **present)
 
 
 # The message's optional fields that, absent, take SamplingParams' default; absent max_tokens is None.
-_DEFAULTED = ("top_p", "seed", "repetition_penalty", "logprobs")
+_DEFAULTED = ("top_p", "seed", "repetition_penalty", "logprobs", "prompt_logprobs")
 
 
 def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
@@ -136,4 +199,7 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         temperature=m.temperature, top_k=m.top_k, min_p=m.min_p,
         max_tokens=m.max_tokens if m.HasField("max_tokens") else None, min_tokens=m.min_tokens,
         stop_token_ids=m.stop_token_ids[:], ignore_eos=m.ignore_eos,
-        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty, **present)
+        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
+        logit_bias=dict(m.logit_bias) or None,
+        structured_outputs=(_structured_from_proto(m.structured_outputs)
+                            if m.HasField("structured_outputs") else None), **present)

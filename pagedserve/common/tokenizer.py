@@ -1,6 +1,7 @@
 """Tokenizer and chat template on the `tokenizers` library and jinja2, without transformers."""
 import json
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 
 import jinja2.ext
@@ -45,6 +46,8 @@ def _select_template(value: str | list[dict] | None) -> str | None:
     return value
 
 
+# Templates that requests bring (`chat_template`) are compiled once each.
+@lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
@@ -141,17 +144,31 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def to_json(self) -> str:
+        """The `tokenizers` JSON of this tokenizer (added tokens included)."""
+        return self._tokenizer.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Renders a chat to the prompt text; encode it with add_special_tokens=False."""
-        if self._template is None:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, template: str | None = None,
+                            **kwargs: object) -> str:
+        """Renders a chat to the prompt text; encode it with add_special_tokens=False. `tools` and
+        the keyword arguments (e.g. enable_thinking) are template variables, as in transformers;
+        `template` replaces the model's own."""
+        try:
+            compiled = self._template if template is None else _compile(template)
+        except TemplateError as e:
+            raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+        if compiled is None:
             raise ChatTemplateError("this model has no chat template (neither tokenizer_config.json, "
                                     "chat_template.jinja nor the GGUF metadata hold one); use "
                                     "/v1/completions with a plain prompt instead")
+        variables = {**kwargs, "messages": messages, "tools": tools, "documents": None,
+                     "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
+                     "eos_token": self.eos_token or ""}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return compiled.render(**variables)
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e

@@ -132,6 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
+    from pagedserve.gateway.server import tool_parser
     argv = ["--served-model-name", *(config.served_model_name or [config.name]),
             "--uvicorn-log-level", args.uvicorn_log_level]
     if args.protect_metrics:
@@ -148,6 +149,10 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv.append(f"--chat-template={args.chat_template}")
     if args.enable_log_requests:
         argv.append("--enable-log-requests")
+    if tool_parser(args):
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        argv += ["--reasoning-parser", args.reasoning_parser]
     return argv
 
 

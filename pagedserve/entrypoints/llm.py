@@ -132,6 +132,9 @@ class LLM:
             child.completion.token_ids += out.new_token_ids
             if out.logprobs:
                 child.completion.logprobs += map(self._logprobs, out.new_token_ids, out.logprobs)
+            if out.prompt_logprobs and child.output.prompt_logprobs is None:
+                prompt = child.output.prompt_token_ids
+                child.output.prompt_logprobs = [None, *map(self._logprobs, prompt[1:], out.prompt_logprobs)]
             if child.detokenizer is not None:
                 child.detokenizer.add(out.new_token_ids)
                 if child.detokenizer.stopped and not out.finished:

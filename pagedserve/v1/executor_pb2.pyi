@@ -78,20 +78,34 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "forward_ns", "idle_ns", "logprobs")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "forward_ns", "idle_ns", "logprobs", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     IDLE_NS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     forward_ns: int
     idle_ns: int
     logprobs: StepLogprobs
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., logprobs: _Optional[_Union[StepLogprobs, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobs
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., logprobs: _Optional[_Union[StepLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("seq_ids", "starts", "counts", "logprobs")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: StepLogprobs
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[StepLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepLogprobs(_message.Message):
     __slots__ = ("rows", "logprobs", "ranks", "num_top", "top_token_ids", "top_logprobs")

@@ -3,7 +3,8 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from pagedserve.executor_svc.logits import apply_penalties, gather_logprobs, mask_tokens, step_logprobs
+from pagedserve.executor_svc.logits import (GrammarMask, add_bias, apply_penalties, gather_logprobs, mask_tokens,
+                                            step_logprobs)
 
 VOCAB = 50
 
@@ -106,3 +107,32 @@ def test_step_logprobs_keep_each_rows_own_count():
     assert packed.top_token_ids == [10, 11, 12, 20]
     np.testing.assert_allclose(packed.logprobs, [-0.1, -1.0])
     np.testing.assert_allclose(packed.top_logprobs, [-0.2, -0.3, -0.4, -0.5])
+
+
+def pack(allowed: list[set[int]], vocab: int) -> torch.Tensor:
+    """The packed int32 bitmask of each row's allowed tokens."""
+    words = np.zeros((len(allowed), -(-vocab // 32)), dtype=np.uint32)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            words[row, t // 32] |= np.uint32(1 << (t % 32))
+    return torch.from_numpy(words.view(np.int32))
+
+
+def test_grammar_mask_refuses_what_the_bitmask_does_not_allow_in_its_rows_only():
+    vocab = 70
+    logits = torch.randn(4, vocab)
+    before = logits.clone()
+    allowed = [{0, 31, 32, 69}, {5}]
+    GrammarMask(torch.tensor([1, 3]), pack(allowed, vocab)).apply(logits)
+    for row, tokens in zip((1, 3), allowed):
+        assert set(torch.isfinite(logits[row]).nonzero().flatten().tolist()) == tokens
+        assert torch.equal(logits[row, sorted(tokens)], before[row, sorted(tokens)])
+    assert torch.equal(logits[[0, 2]], before[[0, 2]])
+
+
+def test_logit_bias_adds_to_the_named_tokens():
+    logits = torch.zeros(2, 6)
+    add_bias(logits, torch.tensor([[1.0, 1.0, 0.0], [2.0, 5.0, 2.0], [100.0, -100.0, 3.0]]))
+    expected = torch.zeros(2, 6)
+    expected[1, 2], expected[1, 5], expected[0, 2] = 100.0, -100.0, 3.0
+    assert torch.equal(logits, expected)

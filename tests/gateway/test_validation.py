@@ -9,6 +9,7 @@ COMPLETIONS = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
 
 # (path, body, expected param or None); bodies are JSON unless bytes.
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
 CASES = {
     "temperature above 2": (CHAT, {"messages": MSG, "temperature": 2.5}, "temperature"),
     "temperature negative": (COMPLETIONS, {"prompt": "x", "temperature": -0.1}, "temperature"),
@@ -54,13 +55,33 @@ CASES = {
     "top_logprobs above 20": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     "negative top_logprobs": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     "completion logprobs above 5": (COMPLETIONS, {"prompt": "x", "logprobs": 6}, "logprobs"),
-    "echo with logprobs": (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     "presence_penalty above 2": (CHAT, {"messages": MSG, "presence_penalty": 2.5}, "presence_penalty"),
     "frequency_penalty below -2": (COMPLETIONS, {"prompt": "x", "frequency_penalty": -3},
                                    "frequency_penalty"),
     "repetition_penalty zero": (CHAT, {"messages": MSG, "repetition_penalty": 0}, "repetition_penalty"),
-    "tools": (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    "json_schema": (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
+    "tools without the auto flags": (CHAT, {"messages": MSG, "tools": TOOLS}, "tool_choice"),
+    "tool_choice without tools": (CHAT, {"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    "unknown named tool": (CHAT, {"messages": MSG, "tools": TOOLS,
+                                  "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    "forced tool and response_format": (CHAT, {"messages": MSG, "tools": TOOLS, "tool_choice": "required",
+                                               "response_format": {"type": "json_object"}}, "tool_choice"),
+    "json_schema without schema": (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}},
+                                   "response_format"),
+    "unsupported schema": (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "format": "no-such-format"}}}}, "response_format"),
+    "unknown response_format type": (CHAT, {"messages": MSG, "response_format": {"type": "xml"}},
+                                     "response_format.type"),
+    "bad regex": (COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+    "two kinds": (COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}},
+                  "structured_outputs"),
+    "two constraints": (CHAT, {"messages": MSG, "guided_choice": ["a"], "response_format": {"type": "json_object"}},
+                        "response_format"),
+    "bad guided_grammar": (COMPLETIONS, {"prompt": "x", "guided_grammar": "root ::= ("}, "guided_grammar"),
+    "empty guided_choice": (COMPLETIONS, {"prompt": "x", "guided_choice": [""]}, "guided_choice"),
+    "ignore_eos with a constraint": (COMPLETIONS, {"prompt": "x", "guided_choice": ["a"], "ignore_eos": True},
+                                     "ignore_eos"),
+    "logit_bias outside the vocabulary": (COMPLETIONS, {"prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias"),
+    "logit_bias key not an id": (CHAT, {"messages": MSG, "logit_bias": {"a": 1}}, "logit_bias"),
 }
 
 
@@ -92,9 +113,9 @@ async def test_range_errors_say_what_sampling_params_says(http, base_url):
 
 async def test_unsupported_messages_say_what_to_do(http, base_url):
     async with http.post(base_url + CHAT, json={"messages": MSG, "response_format": {"type": "json_schema"}}) as r:
-        assert "'response_format' of type 'json_schema' is not supported" in (await r.json())["error"]["message"]
-    async with http.post(base_url + COMPLETIONS, json={"prompt": "x", "echo": True, "logprobs": 0}) as r:
-        assert "not supported yet" in (await r.json())["error"]["message"]
+        assert "needs `json_schema.schema`" in (await r.json())["error"]["message"]
+    async with http.post(base_url + CHAT, json={"messages": MSG, "tools": TOOLS, "tool_choice": "auto"}) as r:
+        assert "--enable-auto-tool-choice and --tool-call-parser" in (await r.json())["error"]["message"]
 
 
 async def test_null_means_default(http, base_url, engine):

@@ -1,0 +1,155 @@
+"""Tool-call and reasoning parsing: the text cut at every character and streamed through a
+ChoiceOutput rebuilds exactly what the non-stream message holds (after vLLM's
+StreamingToolReconstructor), with the delta rules clients depend on."""
+import json
+
+import pytest
+
+from pagedserve.gateway import tool_parsers
+from pagedserve.gateway.chat_output import ChatOutputOptions, ChoiceOutput
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Dallas", "state": "TX"}}'
+HERMES = {
+    "one call": f"<tool_call>\n{WEATHER}\n</tool_call>",
+    "text before": f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>",
+    "braces in strings": '<tool_call>\n{"name": "say", "arguments": {"text": "a } b { \\" c ]"}}\n</tool_call>',
+    "non-ASCII": '<tool_call>\n{"name": "greet", "arguments": {"who": "Grüße 😀"}}\n</tool_call>',
+    "empty arguments then a second call": ('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n'
+                                           f"<tool_call>\n{WEATHER}\n</tool_call>"),
+    "no call": "Just an answer with a < sign and <tool maybe.",
+}
+
+
+def stream(options: ChatOutputOptions, text: str, cuts: list[int]) -> tuple[dict, list]:
+    """Streams `text` in pieces ending at `cuts`; returns the merged fields and every delta."""
+    out = ChoiceOutput(options)
+    deltas, start = [], 0
+    for end in [*cuts, len(text)]:
+        deltas.append(out.delta(text[start:end], final=end == len(text)))
+        start = end
+    merged = {"content": "", "reasoning": "", "calls": {}}
+    for d in deltas:
+        merged["content"] += d.content or ""
+        merged["reasoning"] += d.reasoning or ""
+        for call in d.tool_calls or ():
+            entry = merged["calls"].setdefault(call.index, {"id": None, "name": None, "arguments": ""})
+            for key, value in (("id", call.id), ("name", call.function.name)):
+                if value is not None:
+                    assert entry[key] is None, f"{key} sent twice for call {call.index}"
+                    entry[key] = value
+            if call.function.arguments is not None:
+                assert entry["name"] is not None, "arguments before the call's name"
+                entry["arguments"] += call.function.arguments
+    return merged, deltas
+
+
+def check_every_cut(options: ChatOutputOptions, text: str) -> None:
+    message = ChoiceOutput(options).message(text)
+    for cut in range(len(text) + 1):
+        merged, _ = stream(options, text, [cut])
+        calls = [merged["calls"][i] for i in sorted(merged["calls"])]
+        assert [(c["name"], c["arguments"]) for c in calls] == \
+            [(c.function.name, c.function.arguments) for c in message.tool_calls], cut
+        assert (merged["content"].strip() or None) == (message.content.strip() if message.content else None), cut
+        assert "<tool_call" not in merged["content"]
+
+
+@pytest.mark.parametrize("case", HERMES)
+def test_hermes_streams_what_it_parses_at_every_cut(case):
+    check_every_cut(ChatOutputOptions(tools=tool_parsers.hermes, finish_with_calls=True), HERMES[case])
+
+
+def test_hermes_message():
+    out = ChoiceOutput(ChatOutputOptions(tools=tool_parsers.hermes, finish_with_calls=True))
+    message = out.message(HERMES["empty arguments then a second call"])
+    assert message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+        [("now", {}), ("get_weather", {"city": "Dallas", "state": "TX"})]
+    assert len({c.id for c in message.tool_calls}) == 2
+    assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
+    assert ChoiceOutput(ChatOutputOptions(tools=tool_parsers.hermes)).message("plain").content == "plain"
+
+
+def test_every_tool_delta_has_an_index_and_one_header():
+    options = ChatOutputOptions(tools=tool_parsers.hermes, finish_with_calls=True)
+    text = HERMES["empty arguments then a second call"]
+    _, deltas = stream(options, text, list(range(1, len(text))))
+    calls = [c for d in deltas for c in d.tool_calls or ()]
+    assert all(isinstance(c.index, int) for c in calls)
+    headers = [c for c in calls if c.id is not None]
+    assert [c.index for c in headers] == [0, 1]
+    assert all(c.type == "function" and c.function.name for c in headers)
+    assert all(c.type is None and c.function.name is None for c in calls if c.id is None)
+
+
+@pytest.mark.parametrize("text", ['{"name": "get_weather", "parameters": {"city": "Dallas"}}',
+                                  '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": [1, 2]}}',
+                                  "  plain words, not a call"])
+def test_llama3_json_at_every_cut(text):
+    check_every_cut(ChatOutputOptions(tools=tool_parsers.llama3_json, finish_with_calls=True), text)
+
+
+def test_llama3_json_reads_parameters():
+    message = ChoiceOutput(ChatOutputOptions(tools=tool_parsers.llama3_json)).message(
+        '{"name": "get_weather", "parameters": {"city": "Dallas"}}')
+    assert message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Dallas"}
+
+
+def test_required_and_named_at_every_cut():
+    check_every_cut(ChatOutputOptions(tools=tool_parsers.required, finish_with_calls=True),
+                    '[{"name":"a","parameters":{"x":"}"}},{"name":"b","parameters":{}}]')
+    check_every_cut(ChatOutputOptions(tools=tool_parsers.named("get_weather")), '{"city":"Dallas"}')
+
+
+def test_a_named_choice_keeps_stop():
+    out = ChoiceOutput(ChatOutputOptions(tools=tool_parsers.named("f")))
+    assert out.message('{"a":1}').tool_calls[0].function.arguments == '{"a":1}'
+    assert out.finish_reason("stop") == "stop"
+
+
+def dify_merge(deltas) -> list[dict]:
+    """The Dify OpenAI-compatible plugin's rule (increase_tool_call): a delta with a name opens
+    (or finds) the call of that name; one without appends its arguments to the last call."""
+    calls: list[dict] = []
+    for d in deltas:
+        for tc in d.tool_calls or ():
+            if tc.function.name:
+                found = next((c for c in calls if c["name"] == tc.function.name), None)
+                if found is None:
+                    found = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                    calls.append(found)
+                found["arguments"] += tc.function.arguments or ""
+            elif calls:
+                calls[-1]["arguments"] += tc.function.arguments or ""
+    return calls
+
+
+def test_dify_merges_the_stream_into_one_call():
+    text = HERMES["text before"]
+    _, deltas = stream(ChatOutputOptions(tools=tool_parsers.hermes), text, list(range(1, len(text), 3)))
+    calls = dify_merge(deltas)
+    assert len(calls) == 1 and json.loads(calls[0]["arguments"]) == {"city": "Dallas", "state": "TX"}
+
+
+THINK = "<think>\nplan\n</think>\n\nanswer"
+
+
+@pytest.mark.parametrize("cut", range(len(THINK) + 1))
+def test_reasoning_splits_at_every_cut(cut):
+    options = ChatOutputOptions(reasoning=True)
+    merged, _ = stream(options, THINK, [cut])
+    message = ChoiceOutput(options).message(THINK)
+    assert (message.reasoning, message.content) == ("\nplan\n", "answer")
+    assert (merged["reasoning"], merged["content"]) == ("\nplan\n", "answer")
+
+
+def test_reasoning_cut_off_and_followed_by_a_call():
+    options = ChatOutputOptions(reasoning=True)
+    assert ChoiceOutput(options).message("<think>still thinking").content is None
+    assert ChoiceOutput(options).message("no start tag</think>done").reasoning == "no start tag"
+    with_tools = ChatOutputOptions(tools=tool_parsers.hermes, finish_with_calls=True, reasoning=True)
+    text = f"<think>call it</think>\n<tool_call>\n{WEATHER}\n</tool_call>"
+    message = ChoiceOutput(with_tools).message(text)
+    assert message.reasoning == "call it" and message.tool_calls[0].function.name == "get_weather"
+    check_every_cut(with_tools, text)
