@@ -107,6 +107,6 @@ class StructuredOutputs:
 
     def _compiler_for(self) -> GrammarCompiler:
         if self._compiler is None:
-            self._compiler = GrammarCompiler(lambda: Tokenizer.load(self._model_path).to_json(),
-                                             self._vocab_size, self._eos_token_ids)
+            self._compiler = GrammarCompiler(lambda: Tokenizer.load(self._model_path), self._vocab_size,
+                                             self._eos_token_ids)
         return self._compiler
