@@ -6,7 +6,11 @@ on the host as soon as the device does, so a matcher advances without a round tr
 bitmask (6 KB per row for a 49k vocabulary, 16 KB for 128k) is filled where it is applied instead
 of crossing gRPC in every plan. Only the constraint's text travels, once, in SamplingParams. With
 two steps in flight the runner settles the step in flight before filling the mask (as for
-penalties), after launching the forward, so the fill overlaps the device's work."""
+penalties), after launching the forward, so the fill overlaps the device's work.
+
+A reasoning model's constraint waits for the end of its thinking: the matcher neither masks nor
+advances until the request's outputs end with the constraint's reasoning_end_ids (detected by
+token id, as vLLM does, which suits models whose </think> is one token)."""
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -27,8 +31,11 @@ class StructuredOutputs:
         self._eos_token_ids = eos_token_ids
         self._compiler: GrammarCompiler | None = None
         self.matchers: dict[int, Matcher | Future] = {}
-        # Outputs sampled before a preemption, replayed into the new matcher once it compiles.
+        # Tokens that reached a matcher still compiling (outputs sampled before a preemption, or
+        # after a reasoning model's thinking), fed to it once it is ready.
         self._replay: dict[int, list[int]] = {}
+        # Requests still thinking: the end token ids, and the latest outputs to compare with them.
+        self._thinking: dict[int, tuple[list[int], list[int]]] = {}
         self.bitmask = np.zeros((max_seqs, -(-vocab_size // 32)), dtype=np.int32)
 
     def __bool__(self) -> bool:
@@ -38,25 +45,47 @@ class StructuredOutputs:
         params = request.sampling.structured_outputs
         if params is None:
             return
-        self.matchers[request.seq_id] = self._compiler_for().compile(params)
+        seq_id = request.seq_id
+        self.matchers[seq_id] = self._compiler_for().compile(params)
+        if params.reasoning_end_ids:
+            self._thinking[seq_id] = (params.reasoning_end_ids, [])
         num_prompt = request.num_prompt_tokens
         if num_prompt is not None and num_prompt < len(request.token_ids):
-            self._replay[request.seq_id] = request.token_ids[num_prompt:]
+            for token in request.token_ids[num_prompt:]:
+                self._advance(seq_id, token)
 
     def remove(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
         self._replay.pop(seq_id, None)
+        self._thinking.pop(seq_id, None)
 
     def accept(self, seq_ids: np.ndarray, tokens: np.ndarray) -> None:
         """Advances the matchers of `seq_ids` (a step's sampled rows) by their tokens."""
         for seq_id, token in zip(seq_ids.tolist(), tokens.tolist()):
             if seq_id in self.matchers:
-                self._matcher(seq_id).accept(token)
+                self._advance(seq_id, token)
+
+    def _advance(self, seq_id: int, token: int) -> None:
+        thinking = self._thinking.get(seq_id)
+        if thinking is not None:
+            end, recent = thinking
+            recent.append(token)
+            del recent[:-len(end)]
+            if recent == end:
+                del self._thinking[seq_id]
+            return
+        matcher = self.matchers[seq_id]
+        if isinstance(matcher, Future):
+            self._replay.setdefault(seq_id, []).append(token)
+        else:
+            matcher.accept(token)
 
     def fill(self, seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """The indices into `seq_ids` that are constrained and their bitmask rows ([k, words]
-        int32, a view of a buffer the next fill overwrites); None when none is."""
-        index = np.array([i for i, s in enumerate(seq_ids.tolist()) if s in self.matchers], dtype=np.int64)
+        """The indices into `seq_ids` that are constrained (and not thinking) and their bitmask
+        rows ([k, words] int32, a view of a buffer the next fill overwrites); None when none is."""
+        matchers, thinking = self.matchers, self._thinking
+        index = np.array([i for i, s in enumerate(seq_ids.tolist()) if s in matchers and s not in thinking],
+                         dtype=np.int64)
         if not len(index):
             return None
         for k, seq_id in enumerate(seq_ids[index].tolist()):
@@ -78,6 +107,6 @@ class StructuredOutputs:
 
     def _compiler_for(self) -> GrammarCompiler:
         if self._compiler is None:
-            self._compiler = GrammarCompiler(lambda: Tokenizer.load(self._model_path).to_json(),
-                                             self._vocab_size, self._eos_token_ids)
+            self._compiler = GrammarCompiler(lambda: Tokenizer.load(self._model_path), self._vocab_size,
+                                             self._eos_token_ids)
         return self._compiler

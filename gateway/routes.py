@@ -10,7 +10,7 @@ from contextlib import aclosing, suppress
 import msgspec
 from aiohttp import web
 
-from pagedserve.common.sampling_params import StructuredOutputsParams
+from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.gateway import params, reasoning
 from pagedserve.gateway.chat_output import ChatOutputOptions
 from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found
@@ -26,7 +26,7 @@ from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
 from pagedserve.gateway.structured import request_constraint
 from pagedserve.gateway.tools import tool_options
 from pagedserve.common.log import get_logger
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.tokenizer import Tokenizer
 
 log = get_logger(__name__)
 _encoder = msgspec.json.Encoder()
@@ -90,6 +90,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                 template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template)
     if options.reasoning and reasoning.ended_in_prompt(gateway.tokenizer.decode(prompt, False)):
         options.reasoning = False
+    if options.reasoning and constraint is not None:
+        _free_thinking(constraint, gateway.tokenizer)
     rid = _new_id()
     logprobs = params.chat_logprobs(req)
     choices = _choices(rid, req, [prompt], req.max_completion_tokens or req.max_tokens, logprobs, served,
@@ -103,6 +105,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     builder = ChatResponses(rid, model, len(choices), _include_usage(req), logprobs is not None, options,
                             prompt_lp)
     return await _generate(request, builder, choices, req.stream, served)
+
+
+def _free_thinking(constraint: StructuredOutputsParams, tokenizer: Tokenizer) -> None:
+    """Makes the constraint the answer's, leaving the thinking before </think> free. The end is
+    found by token id, as vLLM does, so only where </think> is one token (a reasoning model's
+    vocabulary); elsewhere the constraint covers the whole output."""
+    end = tokenizer.encode(reasoning.END, add_special_tokens=False)
+    if len(end) == 1:
+        constraint.reasoning_end_ids = end
 
 
 def _chat_constraint(req: ChatCompletionRequest, gateway: Gateway,

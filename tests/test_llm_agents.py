@@ -98,3 +98,15 @@ def test_prompt_logprobs_are_transformers_log_softmax(llm):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         top = [[t for t, p in lp[i].items() if p.rank <= 3] for i in range(1, len(long_prompt))]
         assert all(expected[i - 1].topk(3).indices[0].item() in top[i - 1] for i in range(1, len(long_prompt)))
+
+
+def test_constraints_survive_preemption():
+    # 24 blocks of 4 tokens cannot hold six requests growing to ~40 tokens at once.
+    llm = LLM(str(smollm2_path()), block_size=4, num_gpu_blocks_override=24, max_model_len=96,
+              enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=5, structured_outputs=StructuredOutputsParams(json=CAR))
+    outputs = run(llm, ["A car, as JSON:"] * 6, [params] * 6)
+    assert llm.scheduler.num_preemptions > 0
+    for [out] in outputs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), CAR)

@@ -5,8 +5,9 @@ import json
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 
@@ -70,6 +71,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     tp.add_argument("--output-len", type=int, default=1024, help="random dataset only")
     tp.add_argument("--dataset-seed", type=int, default=0)
     tp.add_argument("--output-json", help="also write the result here")
+    tp.add_argument("--structured-fraction", type=float, default=0.0,
+                    help="the share of requests under a JSON schema (structured outputs); needs a "
+                         "model with a tokenizer, or --tokenizer for a --model-config shape")
     add_engine_args(tp)
     tp.set_defaults(run=run_throughput)
     bench_serve.add_serve_args(sub)
@@ -82,6 +86,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     lat.add_argument("--output-len", type=int, default=128)
     lat.add_argument("--num-iters", type=int, default=3, help="timed generate calls")
     lat.add_argument("--output-json", help="also write the result here")
+    lat.add_argument("--structured", action="store_true", help="every request under a JSON schema")
     add_engine_args(lat)
     lat.set_defaults(run=run_latency)
 
@@ -91,13 +96,42 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--model", help="a Hugging Face model directory")
     source.add_argument("--model-config", choices=sorted(SHAPES),
                         help="a named model shape (use with --load-format dummy)")
+    parser.add_argument("--tokenizer", help="a tokenizer directory or .gguf for a --model-config shape, "
+                                            "whose own is a word list that cannot spell JSON")
 
 
 def _make_llm(args: argparse.Namespace):
     from pagedserve.entrypoints.llm import LLM
-    args.model = args.model or write_shape(args.model_config)
+    if not args.model:
+        args.model = write_shape(args.model_config)
+        if args.tokenizer:
+            _copy_tokenizer(args.tokenizer, args.model)
     config = config_from_args(args)
     return LLM(**{k: getattr(config, k) for k in config.__slots__})
+
+
+def _copy_tokenizer(source: str, model_dir: str) -> None:
+    """Puts a tokenizer beside a shape's config, where the executor's grammar compiler finds it."""
+    from pagedserve.common.tokenizer import Tokenizer
+    Path(model_dir, "tokenizer.json").write_text(Tokenizer.load(source).to_json())
+
+
+def structured(params, fraction: float) -> list:
+    """Every round(1 / fraction)-th request put under BENCH_SCHEMA; lengths stay as they were
+    (ignore_eos: a finished output goes on sampling EOS, which its grammar then allows alone)."""
+    from pagedserve.common.sampling_params import StructuredOutputsParams
+    if not fraction:
+        return params
+    every = round(1 / fraction)
+    constraint = StructuredOutputsParams(json=BENCH_SCHEMA)
+    return [replace(p, structured_outputs=constraint) if i % every == 0 else p for i, p in enumerate(params)]
+
+
+# An open-ended list of records: a sampling model keeps its grammar busy for many tokens.
+BENCH_SCHEMA = {"type": "array", "items": {
+    "type": "object", "additionalProperties": False, "required": ["name", "score", "tags"],
+    "properties": {"name": {"type": "string"}, "score": {"type": "number"},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}}}}
 
 
 def run_throughput(args: argparse.Namespace) -> None:
@@ -111,7 +145,8 @@ def run_throughput(args: argparse.Namespace) -> None:
         work = workload.random(n=args.num_prompts, input_len=args.input_len,
                                output_len=args.output_len, seed=args.dataset_seed, vocab=vocab)
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work.output_lens]
+    params = structured([SamplingParams(max_tokens=n, ignore_eos=True) for n in work.output_lens],
+                        args.structured_fraction)
     warm_up(llm, prompts[:WARM_UP_REQUESTS], params[:WARM_UP_REQUESTS])
     times, stats = _attach_timers(llm)
     start = time.perf_counter()
@@ -130,7 +165,7 @@ def run_throughput(args: argparse.Namespace) -> None:
                   device_wait_s=round(stats.wait_ns / 1e9, 3),
                   device_step_s=round(stats.device_ns / 1e9, 3),
                   device_idle_s=round(stats.idle_ns / 1e9, 3),
-                  async_scheduling=llm.config.async_scheduling,
+                  async_scheduling=llm.config.async_scheduling, structured_fraction=args.structured_fraction,
                   model=args.model_config or args.model, **environment())
     print(f"useful output tokens/s: {result['output_tokens_per_s']:.1f}")
     print(f"total tokens/s:         {result['total_tokens_per_s']:.1f}")
@@ -170,7 +205,8 @@ def run_latency(args: argparse.Namespace) -> None:
     work = workload.random(n=args.batch_size, input_len=args.input_len,
                            output_len=args.output_len, vocab=vocab)
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    params = structured([SamplingParams(max_tokens=args.output_len, ignore_eos=True)],
+                        1.0 if args.structured else 0.0)[0]
     llm.generate(prompts, params, use_tqdm=False)
     times, stats = _attach_timers(llm)
     for _ in range(args.num_iters):
@@ -185,7 +221,7 @@ def run_latency(args: argparse.Namespace) -> None:
                   device_idle_ms=round(stats.idle_ns / steps / 1e6, 3),
                   host_step_ms=round(stats.host_ns / steps / 1e6, 3),
                   cuda_graphs=bool(llm.runner.graphs.graphs),
-                  async_scheduling=llm.config.async_scheduling,
+                  async_scheduling=llm.config.async_scheduling, structured=args.structured,
                   model=args.model_config or args.model, **environment())
     print(f"mean decode step:  {result['decode_step_ms_mean']:.3f} ms (median "
           f"{result['decode_step_ms_median']:.3f} ms; launch to launch of consecutive decode steps, "

@@ -16,6 +16,7 @@ import numpy as np
 
 from pagedserve.common.log import get_logger
 from pagedserve.common.sampling_params import StructuredOutputsParams
+from pagedserve.common.tokenizer import Tokenizer
 
 log = get_logger(__name__)
 
@@ -81,14 +82,13 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer on worker threads (llguidance releases the GIL),
     keeping the latest CACHE_SIZE grammars; each request gets its own copy of the matcher."""
 
-    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int],
+    def __init__(self, load_tokenizer: Callable[[], Tokenizer], vocab_size: int, eos_token_ids: list[int],
                  max_workers: int = 2) -> None:
-        """`tokenizer_json` gives the `tokenizers` JSON of the model's tokenizer; vocab_size is
-        the model's (its logits' width, which may exceed the tokenizer's)."""
+        """`load_tokenizer` gives the model's tokenizer; vocab_size is the model's (its logits'
+        width, which may exceed the tokenizer's)."""
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         # Loaded on a worker too: for a 128k vocabulary it takes about a second.
-        self._tokenizer = self._pool.submit(
-            lambda: llguidance.LLTokenizer(tokenizer_json(), n_vocab=vocab_size, eos_token=eos_token_ids))
+        self._tokenizer = self._pool.submit(lambda: _grammar_tokenizer(load_tokenizer(), vocab_size, eos_token_ids))
         self._cache: OrderedDict[str, Future] = OrderedDict()
 
     def compile(self, params: StructuredOutputsParams) -> "Future[Matcher]":
@@ -110,6 +110,13 @@ class GrammarCompiler:
         if matcher.is_error():
             log.error("grammar_failed", error=matcher.get_error().splitlines()[0])
         return matcher
+
+
+def _grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+    # EOS ids past the tokenizer's vocabulary (a model shape given another model's tokenizer)
+    # cannot end a grammar; the tokenizer's own EOS does then.
+    eos = [t for t in eos_token_ids if t < tokenizer.vocab_size] or None
+    return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
 
 
 def _copy_into(compiled: Future, fresh: Future) -> None:

@@ -98,6 +98,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # The tokens that end a reasoning model's thinking (its </think>): the constraint applies to
+    # what follows them, the thinking stays free. None: from the first token.
+    reasoning_end_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         kinds = self.kinds()
@@ -180,12 +183,13 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
 
 def _structured_to_proto(s: StructuredOutputsParams) -> pb.StructuredOutputs:
     return pb.StructuredOutputs(json=s.schema_text(), regex=s.regex, choice=s.choice, grammar=s.grammar,
-                                json_object=s.json_object)
+                                json_object=s.json_object, reasoning_end_ids=s.reasoning_end_ids)
 
 
 def _structured_from_proto(m: pb.StructuredOutputs) -> StructuredOutputsParams:
     present = {k: getattr(m, k) for k in ("json", "regex", "grammar") if m.HasField(k)}
-    return StructuredOutputsParams(choice=m.choice[:] or None, json_object=m.json_object, **present)
+    return StructuredOutputsParams(choice=m.choice[:] or None, json_object=m.json_object,
+                                   reasoning_end_ids=m.reasoning_end_ids[:] or None, **present)
 
 
 # The message's optional fields that, absent, take SamplingParams' default; absent max_tokens is None.
