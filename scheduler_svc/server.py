@@ -2,10 +2,14 @@
 import argparse
 import asyncio
 import gc
+import math
+from dataclasses import dataclass
 from functools import partial
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
 
 from pagedserve.common import service
 from pagedserve.common.config import EngineConfig
@@ -15,7 +19,7 @@ from pagedserve.common.sampling_params import sampling_from_proto
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
 from pagedserve.scheduler_svc.request import RequestDelta
-from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from pagedserve.scheduler_svc.step_stats import BUCKETS_US, Histogram
 
 log = get_logger(__name__)
@@ -42,6 +46,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ExecutorLost as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finished = False
@@ -104,26 +110,50 @@ def response_from_outputs(outs: list[RequestDelta]) -> engine_pb2.GenerateRespon
     return response
 
 
+@dataclass(slots=True)
+class ExecutorLink:
+    """The executor the scheduler plans for: where it is, the geometry flags the scheduler was given
+    (each must match the executor's), and what it described when the scheduler first attached."""
+    stub: executor_pb2_grpc.ExecutorStub
+    address: str
+    expected: dict[str, int | str]
+    planned: ExecutorInfo | None = None
+
+    async def describe(self, timeout: float) -> ExecutorInfo:
+        """The executor's Describe once it is serving; exits if it disagrees with the flags or,
+        after a restart, with what the scheduler and its gateways planned with."""
+        while True:
+            await service.wait_serving(self.address, timeout)
+            try:
+                info = info_from_proto(await self.stub.Describe(executor_pb2.DescribeRequest(), timeout=10))
+                break
+            except grpc.aio.AioRpcError as e:
+                log.warning("executor_describe_failed", address=self.address, code=e.code().name)
+                await asyncio.sleep(1)
+        check_geometry(self.expected, info, self.address)
+        if self.planned is not None:
+            check_same_model(self.planned, info, self.address)
+        self.planned = self.planned or info
+        return info
+
+
 async def serve(config: EngineConfig, address: str, executor_address: str,
                 expected: dict[str, int | str] | None = None, executor_timeout: float = 600.0) -> None:
-    """Attaches to the executor, then serves the Engine service at `address` until a signal or
-    until the executor is lost (then it raises, and the launcher stops the whole stack).
-    `expected` holds geometry flags the scheduler was given; each must match the executor's."""
+    """Attaches to the executor, then serves the Engine service at `address` until a signal. When
+    the executor is lost it fails what was running, reports NOT_SERVING and reattaches once the
+    executor is back. `expected` holds geometry flags the scheduler was given."""
     async with service.channel(executor_address) as channel:
-        await service.wait_serving(executor_address, executor_timeout)
-        executor = executor_pb2_grpc.ExecutorStub(channel)
-        info = info_from_proto(await executor.Describe(executor_pb2.DescribeRequest()))
-        check_geometry(expected or {}, info, executor_address)
-        scheduler = Scheduler(config, info)
+        link = ExecutorLink(executor_pb2_grpc.ExecutorStub(channel), executor_address, expected or {})
+        info = await link.describe(executor_timeout)
+        loop = EngineLoop(Scheduler(config, info), link.stub, config.async_scheduling)
         # The block pool and everything loaded so far live as long as the process: frozen, they
         # leave the collector's full passes, which took ~30 ms (a stalled step) at 18k blocks.
         gc.freeze()
-        loop = EngineLoop(scheduler, executor, config.async_scheduling)
         running = await service.start("scheduler", address, partial(
             engine_pb2_grpc.add_EngineServicer_to_server, EngineService(loop, config, info)))
         log.info("scheduler_ready", address=address, num_blocks=info.num_blocks,
                  block_size=info.block_size, max_model_len=info.max_model_len)
-        stepping = asyncio.create_task(loop.run())
+        stepping = asyncio.create_task(step_and_reattach(loop, link, config, running.health))
         signalled = asyncio.create_task(service.wait_for_signal())
         done, _ = await asyncio.wait({stepping, signalled}, return_when=asyncio.FIRST_COMPLETED)
         await running.stop()
@@ -131,6 +161,19 @@ async def serve(config: EngineConfig, address: str, executor_address: str,
         signalled.cancel()
         if stepping in done:
             stepping.result()
+
+
+async def step_and_reattach(loop: EngineLoop, link: ExecutorLink, config: EngineConfig,
+                            health: health_aio.HealthServicer) -> None:
+    """Steps; each time the executor is lost, waits for it to come back and serves again."""
+    while True:
+        await loop.run()
+        await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.warning("executor_reattaching", address=link.address)
+        info = await link.describe(math.inf)
+        loop.reset(Scheduler(config, info))
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("executor_reattached", address=link.address, num_blocks=info.num_blocks)
 
 
 def check_geometry(expected: dict[str, int | str], info: ExecutorInfo, executor_address: str) -> None:
@@ -144,6 +187,19 @@ def check_geometry(expected: dict[str, int | str], info: ExecutorInfo, executor_
             raise SystemExit(f"scheduler: {flag} {value} disagrees with the executor at {executor_address}, "
                              f"which reports {reported[name]}; drop {flag} (the scheduler takes the "
                              f"executor's) or start the executor with {flag} {value}")
+
+
+# What the scheduler and its gateways keep from the first Describe; the number of blocks may change.
+MODEL_FACTS = ("block_size", "dtype", "vocab_size", "max_model_len", "eos_token_ids")
+
+
+def check_same_model(planned: ExecutorInfo, info: ExecutorInfo, executor_address: str) -> None:
+    """Exits when a restarted executor serves another model or geometry than the one planned with."""
+    for name in MODEL_FACTS:
+        before, now = getattr(planned, name), getattr(info, name)
+        if before != now:
+            raise SystemExit(f"scheduler: the executor at {executor_address} came back with {name} {now}, "
+                             f"not {before} as before; restart the scheduler and its gateways to serve it")
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ class EngineConfig:
     served_model_name: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    max_num_queued_reqs: int | None = None
     max_num_batched_tokens: int = 8192
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -31,7 +32,7 @@ class EngineConfig:
         return self.served_model_name or self.model
 
 
-SCHEDULER_FLAGS = ("served_model_name", "max_num_seqs", "max_num_batched_tokens",
+SCHEDULER_FLAGS = ("served_model_name", "max_num_seqs", "max_num_queued_reqs", "max_num_batched_tokens",
                    "enable_prefix_caching", "async_scheduling")
 EXECUTOR_FLAGS = ("max_model_len", "block_size", "gpu_memory_utilization", "num_gpu_blocks_override",
                   "kv_cache_memory_bytes", "dtype", "seed", "load_format", "device", "enforce_eager")
@@ -47,6 +48,9 @@ def _flag_specs() -> dict[str, dict]:
         "max_model_len": dict(type=int, default=d.max_model_len,
                               help="context length; defaults to the model's max_position_embeddings"),
         "max_num_seqs": dict(type=int, default=d.max_num_seqs),
+        "max_num_queued_reqs": dict(type=int, default=d.max_num_queued_reqs,
+                                    help="requests that may wait for a running slot; past it new ones "
+                                         "get 503 server_overloaded with Retry-After (default: no limit)"),
         "max_num_batched_tokens": dict(type=int, default=d.max_num_batched_tokens,
                                        help="token budget of one step (prefill chunks plus decodes)"),
         "block_size": dict(type=int, default=d.block_size),
