@@ -7,22 +7,29 @@ from pagedserve.gateway.cors import CORS
 from pagedserve.gateway.engine_client import EngineClient
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
 from pagedserve.gateway.request_id import request_id_middleware
-from pagedserve.gateway.state import GATEWAY, Gateway
+from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway
 from pagedserve.common.tokenizer import Tokenizer
 
 
 async def _close_engine(app: web.Application) -> None:
-    await app[GATEWAY].engine.close()
+    gateway = app[GATEWAY]
+    await gateway.engine.close()
+    gateway.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_name: str | None = None, *,
               api_key: str | None = None, protect_metrics: bool = False,
-              allowed_origins: list[str] | None = None, stream_interval: int = 1) -> web.Application:
+              allowed_origins: list[str] | None = None, stream_interval: int = 1,
+              max_client_batch_size: int = DEFAULT_MAX_CLIENT_BATCH_SIZE,
+              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
     """
-    middlewares = [request_id_middleware, error_middleware]
+    gateway = Gateway(EngineClient(scheduler_address), tokenizer, served_model_name=served_model_name,
+                      stream_interval=stream_interval, max_client_batch_size=max_client_batch_size,
+                      body_read_timeout=body_read_timeout)
+    middlewares = [request_id_middleware, error_middleware, gateway.drain.middleware]
     cors = CORS(allowed_origins) if allowed_origins else None
     if cors:
         middlewares.append(cors.preflight)
@@ -32,8 +39,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_name: s
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     if cors:
         app.on_response_prepare.append(cors.on_prepare)
-    app[GATEWAY] = Gateway(EngineClient(scheduler_address), tokenizer, served_model_name=served_model_name,
-                           stream_interval=stream_interval)
+    app[GATEWAY] = gateway
     app.on_cleanup.append(_close_engine)
     app.router.add_get("/health", ops_routes.health)
     app.router.add_get("/version", ops_routes.version_info)

@@ -10,7 +10,7 @@ import msgspec
 from aiohttp import web
 
 from pagedserve.gateway import params
-from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found
+from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found, request_timeout
 from pagedserve.gateway.generation import Choice, ChoiceEvent, Generation, fan_out
 from pagedserve.gateway.logprobs import TokenLogprob
 from pagedserve.gateway.metrics import rejection_reason
@@ -32,10 +32,16 @@ def json_response(body: msgspec.Struct) -> web.Response:
 
 
 async def read_json(request: web.Request, kind: type[msgspec.Struct]) -> msgspec.Struct:
-    """The body decoded into `kind`; a 400 for the wrong Content-Type or a body that does not fit."""
+    """The body decoded into `kind`; a 400 for the wrong Content-Type or a body that does not fit,
+    a 408 for a body slower than --body-read-timeout."""
     if request.content_type != "application/json":
         raise bad_request(f"Content-Type must be application/json, not '{request.content_type}'.")
-    return decode_request(await request.read(), kind)
+    timeout = request.app[GATEWAY].body_read_timeout
+    try:
+        body = await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise request_timeout(timeout) from None
+    return decode_request(body, kind)
 
 
 async def _card(gateway: Gateway) -> Model:
@@ -77,7 +83,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     served = await gateway.model()
     model = params.resolve_model(req.model, served.name)
     params.check_chat_options(req)
-    prompts = [params.chat_prompt(gateway.tokenizer, req.messages, req.add_generation_prompt)]
+    params.check_fan_out(1, req.n, gateway.max_client_batch_size)
+    messages, size = params.chat_messages(req.messages)
+    prompts = [await gateway.offload(size, params.chat_prompt, gateway.tokenizer, messages,
+                                     req.add_generation_prompt)]
     rid = _new_id()
     logprobs = params.chat_logprobs(req)
     choices = _choices(rid, req, prompts, req.max_completion_tokens or req.max_tokens, logprobs, served)
@@ -92,15 +101,25 @@ async def completions(request: web.Request) -> web.StreamResponse:
     served = await gateway.model()
     model = params.resolve_model(req.model, served.name)
     params.check_completion_options(req)
-    prompts, texts = params.completion_prompts(gateway.tokenizer, req.prompt)
+    given = params.split_prompts(req.prompt)
+    params.check_fan_out(len(given), req.n, gateway.max_client_batch_size)
+    prompts = given
+    if isinstance(given[0], str):
+        prompts = await gateway.offload(sum(map(len, given)), params.encode_prompts, gateway.tokenizer, given)
     rid = _new_id()
     choices = _choices(rid, req, prompts, req.max_tokens, req.logprobs, served)
     echo = [""] * len(choices)
     if req.echo:
-        echo = [texts[c.index // req.n] or gateway.tokenizer.decode(c.prompt_token_ids) for c in choices]
+        echo = [await _echo_text(gateway, given[c.index // req.n]) for c in choices]
     builder = CompletionResponses(rid, model, len(choices), _include_usage(req), req.logprobs is not None,
                                   echo)
     return await _generate(request, builder, choices, req.stream, served)
+
+
+async def _echo_text(gateway: Gateway, prompt: str | list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return await gateway.offload(len(prompt), gateway.tokenizer.decode, prompt)
 
 
 def _new_id() -> str:
@@ -115,9 +134,10 @@ def _include_usage(req: SamplingFields) -> bool:
 def _choices(rid: str, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
              logprobs: int | None, served: ServedModel) -> list[Choice]:
     spec = served.spec
+    # The length first: it costs nothing, while the vocabulary check reads every id.
+    params.check_context(prompts, max_tokens, spec.max_model_len)
     params.check_prompts(prompts, spec.vocab_size)
     params.check_token_ids(req.stop_token_ids or [], spec.vocab_size, "stop_token_ids")
-    params.check_context(prompts, max_tokens, spec.max_model_len)
     choices = fan_out(rid, prompts, params.sampling_params(req, max_tokens, logprobs))
     served.metrics.request_params_n.observe(req.n)
     served.metrics.request_params_max_tokens.observe(
@@ -132,10 +152,11 @@ async def _generate(request: web.Request, builder: ResponseBuilder, choices: lis
     generation = Generation(gateway.engine, gateway.tokenizer, choices, current_request_id(),
                             served.metrics, start, gateway.stream_interval)
     try:
-        async with aclosing(generation.events()) as events:
-            if stream:
-                return await _stream(request, builder, generation, events, start)
-            return await _collect(builder, generation, events, start)
+        with gateway.drain.track(generation):
+            async with aclosing(generation.events()) as events:
+                if stream:
+                    return await _stream(request, builder, generation, events, start)
+                return await _collect(builder, generation, events, start)
     except asyncio.CancelledError:
         _client_left(builder, generation, start)
         raise

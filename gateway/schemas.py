@@ -9,6 +9,8 @@ from pagedserve.common.sampling_params import RANGES, OutOfRange, Range, check_r
 from pagedserve.gateway.errors import bad_request
 
 Int32 = Annotated[int, Meta(ge=-2**31, le=2**31 - 1)]
+# OpenAI's own limit on `messages`; checked while decoding, which then stops early.
+MAX_MESSAGES = 2048
 Stop = str | Annotated[list[str], Meta(max_length=4)]
 
 # The engine's ranges, less where OpenAI's API allows less: up to 16 choices, temperature up to 2,
@@ -37,6 +39,9 @@ class ChatMessage(Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+
+Messages = Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -76,7 +81,7 @@ class SamplingFields(Struct, kw_only=True):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     ranges: ClassVar[dict[str, Range]] = CHAT_RANGES
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    messages: Messages
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -97,7 +102,7 @@ class TokenizeRequest(Struct, kw_only=True):
     """vLLM's /tokenize: either `prompt` or `messages` (rendered with the chat template)."""
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    messages: Messages | None = None
     add_generation_prompt: bool = True
     # Unset means vLLM's defaults: true for a prompt, false for messages (the template adds them).
     add_special_tokens: bool | None = None

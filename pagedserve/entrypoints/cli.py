@@ -98,10 +98,13 @@ def run_serve(args: argparse.Namespace) -> int:
         gateway_argv += ["--tokenizer", args.tokenizer]
     if args.stream_interval != 1:
         gateway_argv += ["--stream-interval", str(args.stream_interval)]
+    for name in ("shutdown_timeout", "max_client_batch_size", "timeout_keep_alive", "body_read_timeout"):
+        gateway_argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     log_level = ["--log-level", args.log_level]
     argv = {"executor": config_to_argv(config, EXECUTOR_FLAGS) + log_level,
             "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + log_level, "gateway": gateway_argv}
-    return serve(args.model, argv, args.host, args.port, args.scheduler_address, args.startup_timeout)
+    return serve(args.model, argv, args.host, args.port, args.scheduler_address, args.startup_timeout,
+                 args.shutdown_timeout)
 
 
 def run_gateway(args: argparse.Namespace) -> None:

@@ -6,6 +6,7 @@ import signal
 import socket
 import sys
 import time
+from contextlib import asynccontextmanager
 
 import aiohttp
 
@@ -40,14 +41,26 @@ async def _wait_healthy(http: aiohttp.ClientSession, url: str, process) -> None:
     raise TimeoutError(url)
 
 
-async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
+@asynccontextmanager
+async def gateway_process(http: aiohttp.ClientSession, engine, tokenizer_dir, *flags: str):
+    """`pagedserve gateway` on the fake engine, served name "served": (base URL, process) once healthy."""
     port = _free_port()
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pagedserve", "gateway", str(tokenizer_dir), "--port", str(port),
-        "--scheduler-address", engine.address, "--served-model-name", "served", "--log-level", "warning")
+        "--scheduler-address", engine.address, "--served-model-name", "served", "--log-level", "warning",
+        *flags)
     try:
         url = f"http://127.0.0.1:{port}"
         await _wait_healthy(http, f"{url}/health", process)
+        yield url, process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
+    async with gateway_process(http, engine, tokenizer_dir) as (url, process):
         engine.delay = 0.02
         body = {"model": "served", "prompt": "Hi", "max_tokens": 30, "stream": True}
         async with http.post(f"{url}/v1/completions", json=body) as r:
@@ -56,10 +69,6 @@ async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
             rest = (await r.read()).decode()
         assert rest.endswith("data: [DONE]\n\n") and '"finish_reason":"length"' in rest
         assert await asyncio.wait_for(process.wait(), 10) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch):
