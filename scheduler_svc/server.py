@@ -110,6 +110,10 @@ def response_from_outputs(outs: list[RequestDelta]) -> engine_pb2.GenerateRespon
     return response
 
 
+class ExecutorMismatch(Exception):
+    """The executor disagrees with a geometry flag, or came back serving another model."""
+
+
 @dataclass(slots=True)
 class ExecutorLink:
     """The executor the scheduler plans for: where it is, the geometry flags the scheduler was given
@@ -120,8 +124,8 @@ class ExecutorLink:
     planned: ExecutorInfo | None = None
 
     async def describe(self, timeout: float) -> ExecutorInfo:
-        """The executor's Describe once it is serving; exits if it disagrees with the flags or,
-        after a restart, with what the scheduler and its gateways planned with."""
+        """The executor's Describe once it is serving; raises ExecutorMismatch if it disagrees with
+        the flags or, after a restart, with what the scheduler and its gateways planned with."""
         while True:
             await service.wait_serving(self.address, timeout)
             try:
@@ -142,8 +146,16 @@ async def serve(config: EngineConfig, address: str, executor_address: str,
     """Attaches to the executor, then serves the Engine service at `address` until a signal. When
     the executor is lost it fails what was running, reports NOT_SERVING and reattaches once the
     executor is back. `expected` holds geometry flags the scheduler was given."""
+    try:
+        await _serve(config, address, executor_address, expected or {}, executor_timeout)
+    except ExecutorMismatch as e:
+        raise SystemExit(f"scheduler: {e}") from None
+
+
+async def _serve(config: EngineConfig, address: str, executor_address: str, expected: dict[str, int | str],
+                 executor_timeout: float) -> None:
     async with service.channel(executor_address) as channel:
-        link = ExecutorLink(executor_pb2_grpc.ExecutorStub(channel), executor_address, expected or {})
+        link = ExecutorLink(executor_pb2_grpc.ExecutorStub(channel), executor_address, expected)
         info = await link.describe(executor_timeout)
         loop = EngineLoop(Scheduler(config, info), link.stub, config.async_scheduling)
         # The block pool and everything loaded so far live as long as the process: frozen, they
@@ -155,10 +167,12 @@ async def serve(config: EngineConfig, address: str, executor_address: str,
                  block_size=info.block_size, max_model_len=info.max_model_len)
         stepping = asyncio.create_task(step_and_reattach(loop, link, config, running.health))
         signalled = asyncio.create_task(service.wait_for_signal())
-        done, _ = await asyncio.wait({stepping, signalled}, return_when=asyncio.FIRST_COMPLETED)
-        await running.stop()
-        stepping.cancel()
-        signalled.cancel()
+        try:
+            done, _ = await asyncio.wait({stepping, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await running.stop()
+            stepping.cancel()
+            signalled.cancel()
         if stepping in done:
             stepping.result()
 
@@ -177,16 +191,16 @@ async def step_and_reattach(loop: EngineLoop, link: ExecutorLink, config: Engine
 
 
 def check_geometry(expected: dict[str, int | str], info: ExecutorInfo, executor_address: str) -> None:
-    """Refuses to start on a geometry flag that disagrees with the executor's KV cache: planning
+    """Refuses a geometry flag that disagrees with the executor's KV cache: planning
     with another block size corrupts the slot mapping and, with prefix caching, shared blocks."""
     reported = {"block_size": info.block_size, "max_model_len": info.max_model_len,
                 "num_gpu_blocks_override": info.num_blocks, "dtype": info.dtype}
     for name, value in expected.items():
         if value != reported[name] and not (name == "dtype" and value == "auto"):
             flag = "--" + name.replace("_", "-")
-            raise SystemExit(f"scheduler: {flag} {value} disagrees with the executor at {executor_address}, "
-                             f"which reports {reported[name]}; drop {flag} (the scheduler takes the "
-                             f"executor's) or start the executor with {flag} {value}")
+            raise ExecutorMismatch(f"{flag} {value} disagrees with the executor at {executor_address}, "
+                                   f"which reports {reported[name]}; drop {flag} (the scheduler takes "
+                                   f"the executor's) or start the executor with {flag} {value}")
 
 
 # What the scheduler and its gateways keep from the first Describe; the number of blocks may change.
@@ -194,12 +208,12 @@ MODEL_FACTS = ("block_size", "dtype", "vocab_size", "max_model_len", "eos_token_
 
 
 def check_same_model(planned: ExecutorInfo, info: ExecutorInfo, executor_address: str) -> None:
-    """Exits when a restarted executor serves another model or geometry than the one planned with."""
+    """Refuses a restarted executor that serves another model or geometry than the one planned with."""
     for name in MODEL_FACTS:
         before, now = getattr(planned, name), getattr(info, name)
         if before != now:
-            raise SystemExit(f"scheduler: the executor at {executor_address} came back with {name} {now}, "
-                             f"not {before} as before; restart the scheduler and its gateways to serve it")
+            raise ExecutorMismatch(f"the executor at {executor_address} came back with {name} {now}, not "
+                                   f"{before} as before; restart the scheduler and its gateways to serve it")
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
