@@ -6,6 +6,7 @@ import json
 import threading
 import time
 
+import grpc
 import pytest
 
 from pagedserve.gateway import params
@@ -133,3 +134,14 @@ async def test_idle_and_slow_header_connections_are_closed(engine, tokenizer, se
         assert runner.app[GATEWAY].drain.active == 0
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED])
+async def test_scheduler_side_failures_are_503s_never_500s(http, base_url, engine, code):
+    engine.reject = code
+    async with http.post(base_url + COMPLETIONS, json={"prompt": "a", "max_tokens": 2}) as r:
+        assert r.status == 503 and r.headers["Retry-After"]
+        error = (await r.json())["error"]
+    assert error["type"] == "service_unavailable"
+    assert (error["code"] == "server_overloaded") == (code == grpc.StatusCode.RESOURCE_EXHAUSTED)

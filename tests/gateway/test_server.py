@@ -85,3 +85,19 @@ def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch):
     parsed = cli.build_parser().parse_args(["gateway", "/models/m", *gateway_argv])
     assert parsed.api_key == "sk-secret" and parsed.protect_metrics
     assert parsed.allowed_origins == ["https://a.example", "https://b.example"]
+
+
+def test_serve_passes_the_reliability_flags_to_their_owners(monkeypatch):
+    from pagedserve.entrypoints import cli, launcher
+
+    calls = []
+    monkeypatch.setattr(launcher, "serve", lambda *a: calls.append(a) or 0)
+    assert cli.main(["serve", "/models/m", "--shutdown-timeout", "7", "--max-num-queued-reqs", "3",
+                     "--max-client-batch-size", "64", "--timeout-keep-alive", "9",
+                     "--body-read-timeout", "11"]) == 0
+    argv, shutdown_timeout = calls[0][1], calls[0][-1]
+    gateway = cli.build_parser().parse_args(["gateway", "/models/m", *argv["gateway"]])
+    assert (gateway.shutdown_timeout, gateway.max_client_batch_size) == (7, 64)
+    assert (gateway.timeout_keep_alive, gateway.body_read_timeout) == (9, 11)
+    scheduler = cli.build_parser().parse_args(["scheduler", "/models/m", *argv["scheduler"]])
+    assert scheduler.max_num_queued_reqs == 3 and shutdown_timeout == 7
