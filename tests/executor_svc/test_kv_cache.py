@@ -56,7 +56,9 @@ def test_the_cpu_arena_is_resident_as_soon_as_it_is_allocated():
     """Written once at start, so the resident size right after start-up is the steady state."""
     process = psutil.Process()
     tiny = model_config_from_dict({**SHAPES["llama-3.1-8b"], "num_hidden_layers": 2})
-    num_blocks = 64
+    # 64 MiB: above malloc's largest mmap threshold (32 MiB), so fresh pages rather than a reuse of
+    # memory that earlier tests freed, which is resident already.
+    num_blocks = 256
     arena = num_blocks * bytes_per_block(tiny, 16, torch.float32)
     before = process.memory_info().rss
     caches = allocate_kv_cache(tiny, num_blocks, 16, torch.float32, CPU)
