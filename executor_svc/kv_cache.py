@@ -23,12 +23,11 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
-    # Zeroed on a GPU so a kernel that loads a masked-off slot never sees NaN garbage. On the CPU
-    # zeroing touches every page up front (seconds per GiB), and the torch reference reads only
-    # slots it has written.
-    allocate = torch.empty if device.type == "cpu" else torch.zeros
-    cache = allocate(model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
-                     model.head_dim, dtype=dtype, device=device)
+    # Zeroed: a kernel that loads a masked-off slot then never sees NaN garbage, and on the CPU
+    # writing every page commits the memory now (about a second per GiB), so the resident size
+    # right after start-up is the steady state rather than growing as serving first touches blocks.
+    cache = torch.zeros(model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
+                        model.head_dim, dtype=dtype, device=device)
     return [(layer[0], layer[1]) for layer in cache]
 
 

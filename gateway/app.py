@@ -7,7 +7,7 @@ from pagedserve.gateway.cors import CORS
 from pagedserve.gateway.engine_client import EngineClient
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
 from pagedserve.gateway.request_id import request_id_middleware
-from pagedserve.gateway.state import GATEWAY, Gateway
+from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.version import __version__
 
@@ -15,7 +15,9 @@ SERVER = f"pagedserve/{__version__}"
 
 
 async def _close_engine(app: web.Application) -> None:
-    await app[GATEWAY].engine.close()
+    gateway = app[GATEWAY]
+    await gateway.engine.close()
+    gateway.pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
@@ -27,7 +29,9 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
               api_key: str | None = None, protect_metrics: bool = False,
               allowed_origins: list[str] | None = None, stream_interval: int = 1,
               log_requests: bool = False, sampling_defaults: dict | None = None,
-              tool_parser: str | None = None, reasoning_parser: str | None = None) -> web.Application:
+              tool_parser: str | None = None, reasoning_parser: str | None = None,
+              max_client_batch_size: int = DEFAULT_MAX_CLIENT_BATCH_SIZE,
+              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
@@ -35,7 +39,12 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     `sampling_defaults` (the model's generation config) fill the sampling options a request omits.
     `tool_parser` reads tool calls under tool_choice "auto"; `reasoning_parser` splits off thinking.
     """
-    middlewares = [request_id_middleware, error_middleware]
+    gateway = Gateway(EngineClient(scheduler_address), tokenizer,
+                      served_model_names=list(served_model_names or ()), stream_interval=stream_interval,
+                      log_requests=log_requests, sampling_defaults=sampling_defaults or {},
+                      tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                      max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout)
+    middlewares = [request_id_middleware, error_middleware, gateway.drain.middleware]
     cors = CORS(allowed_origins) if allowed_origins else None
     if cors:
         middlewares.append(cors.preflight)
@@ -46,11 +55,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     if cors:
         app.on_response_prepare.append(cors.on_prepare)
     app.on_response_prepare.append(_server_header)
-    app[GATEWAY] = Gateway(EngineClient(scheduler_address), tokenizer,
-                           served_model_names=list(served_model_names or ()),
-                           stream_interval=stream_interval, log_requests=log_requests,
-                           sampling_defaults=sampling_defaults or {}, tool_parser=tool_parser,
-                           reasoning_parser=reasoning_parser)
+    app[GATEWAY] = gateway
     app.on_cleanup.append(_close_engine)
     app.router.add_get("/health", ops_routes.health)
     app.router.add_get("/version", ops_routes.version_info)

@@ -3,6 +3,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.gateway.errors import APIError, bad_request, internal, overloaded, unavailable
 from pagedserve.common import service
@@ -19,13 +20,19 @@ class ModelSpec:
     vocab_size: int
 
 
+# A call the gateway cancels itself never raises (a client that leaves cancels the handler), so a
+# CANCELLED here is the scheduler's: it stopped, restarted or shed the call.
+_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.ABORTED)
+
+
 def _api_error(e: grpc.aio.AioRpcError) -> APIError:
     code = e.code()
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
         return bad_request(e.details() or "The scheduler rejected the request.")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return overloaded()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code in _UNAVAILABLE:
         # Details name socket addresses, which a client must not see.
         return unavailable("The scheduler is unavailable; retry shortly.")
     return internal(f"The scheduler failed the request ({code.name}).")
@@ -37,16 +44,28 @@ class EngineClient:
     def __init__(self, address: str) -> None:
         self._channel = service.channel(address)
         self._stub = EngineStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._spec: ModelSpec | None = None
 
+    async def check_serving(self, timeout: float = 2.0) -> None:
+        """Raises a 503 APIError unless the scheduler's health service reports SERVING (it does not
+        while it starts, stops or reattaches to its executor)."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _api_error(e) from e
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise unavailable("The scheduler is not serving (it is starting, stopping or reconnecting to its "
+                              "executor); retry shortly.")
+
     async def model_info(self, timeout: float = 2.0) -> pb.ModelInfo:
-        """Fresh ModelInfo, live counters included; raises a 503 APIError if the scheduler is down."""
+        """Fresh ModelInfo, live counters included; raises a 503 APIError if the scheduler is down.
+        The model facts are taken anew each time, so a restarted scheduler's are the ones used."""
         try:
             info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise _api_error(e) from e
-        if self._spec is None:
-            self._spec = ModelSpec(info.served_model_name, info.max_model_len, info.vocab_size)
+        self._spec = ModelSpec(info.served_model_name, info.max_model_len, info.vocab_size)
         return info
 
     async def model_spec(self) -> ModelSpec:

@@ -46,6 +46,11 @@ def model_not_found(name: str) -> APIError:
     return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
+def request_timeout(seconds: float) -> APIError:
+    return APIError(408, f"The request body did not arrive within {seconds:g} s; send it faster, or start "
+                    "the server with a longer --body-read-timeout.", code="request_timeout")
+
+
 def unavailable(message: str) -> APIError:
     # The SDK retries 503 and honours Retry-After.
     return APIError(503, message, type="service_unavailable", headers={"Retry-After": "1"})

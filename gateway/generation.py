@@ -69,6 +69,7 @@ class Generation:
         self._stream_interval = stream_interval
         # Whether its end is logged at info with its parameters (--enable-log-requests).
         self.log_requests = log_requests
+        self._queue: asyncio.Queue[ChoiceEvent | Exception] = asyncio.Queue()
 
     def usage(self) -> Usage:
         # The n choices of one prompt share it: its tokens count once, as OpenAI counts them.
@@ -78,9 +79,13 @@ class Generation:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(sum(c.cached_tokens for c in firsts)))
 
+    def interrupt(self, error: Exception) -> None:
+        """Makes events() raise `error` after the events already produced (a shutdown)."""
+        self._queue.put_nowait(error)
+
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Merged events of all choices; closing it cancels every engine call still running."""
-        queue: asyncio.Queue[ChoiceEvent | Exception] = asyncio.Queue()
+        queue = self._queue
         tasks = [asyncio.create_task(self._run(c, queue)) for c in self.choices]
         running = len(tasks)
         try:

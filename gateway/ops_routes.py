@@ -12,8 +12,9 @@ _VERSION = msgspec.json.encode({"version": __version__})
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the scheduler answers GetModelInfo; 503 while it starts, stops or is unreachable."""
-    await request.app[GATEWAY].engine.model_info()
+    """200 while the scheduler reports SERVING; 503 while it starts, stops, reattaches to its executor
+    or is unreachable, and while this gateway shuts down."""
+    await request.app[GATEWAY].engine.check_serving()
     return web.Response(body=b'{"status":"ok"}', content_type="application/json")
 
 

@@ -8,6 +8,10 @@ from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, Compl
 from pagedserve.common.tokenizer import ChatTemplateError, Tokenizer
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 
+# Text of one request (its messages, or its prompts); past a million characters no context window
+# of a served model is near, and tokenizing it alone takes seconds of CPU.
+MAX_PROMPT_CHARS = 1_000_000
+
 
 def resolve_model(requested: str | None, served: str) -> str:
     if requested and requested != served:
@@ -36,7 +40,12 @@ def check_stream_options(req: SamplingFields) -> None:
         raise bad_request("`stream_options` is only allowed when `stream` is true.", param="stream_options")
 
 
-def _message_text(content: str | list | None, index: int) -> str | None:
+def _message_text(m: ChatMessage, index: int) -> str | None:
+    content = m.content
+    if content is None and m.role != "assistant":
+        raise bad_request(f"`messages[{index}].content` is null; only assistant messages may leave their "
+                          "content out. Send a string or a list of text parts.",
+                          param=f"messages[{index}].content")
     if not isinstance(content, list):
         return content
     for part in content:
@@ -64,7 +73,7 @@ def _tool_calls(m: ChatMessage, index: int) -> list[dict]:
 
 
 def _chat_message(m: ChatMessage, index: int) -> dict:
-    message = {"role": m.role, "content": _message_text(m.content, index)}
+    message = {"role": m.role, "content": _message_text(m, index)}
     if m.name is not None:
         message["name"] = m.name
     if m.tool_calls:
@@ -80,37 +89,64 @@ def _chat_message(m: ChatMessage, index: int) -> dict:
     return message
 
 
-def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+def chat_messages(messages: list[ChatMessage]) -> tuple[list[dict], int]:
+    """The messages as the chat template takes them, and how many characters they hold; a 400 past
+    MAX_PROMPT_CHARS (their number was checked when the request was decoded)."""
+    rendered = [_chat_message(m, i) for i, m in enumerate(messages)]
+    size = sum(len(m["content"] or "") for m in rendered)
+    check_prompt_chars(size, "messages")
+    return rendered, size
+
+
+def check_prompt_chars(size: int, param: str) -> None:
+    if size > MAX_PROMPT_CHARS:
+        raise bad_request(f"`{param}` holds {size} characters; the limit is {MAX_PROMPT_CHARS} per request.",
+                          param=param)
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool,
                 add_special_tokens: bool = False, tools: list[Tool] | None = None,
                 template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
-    """The templated chat's token ids; the template writes the special tokens (BOS included), so
-    add_special_tokens=True would add them twice (vLLM's /tokenize offers it all the same). Tools
-    reach the template as transformers passes them (OpenAI's tool objects)."""
-    rendered = [_chat_message(m, i) for i, m in enumerate(messages)]
+    """The token ids of the chat_messages() templated; the template writes the special tokens (BOS
+    included), so add_special_tokens=True would add them twice (vLLM's /tokenize offers it all the
+    same). Tools reach the template as transformers passes them (OpenAI's tool objects)."""
     tool_dicts = None if not tools else [msgspec.to_builtins(t) for t in tools]
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt, tools=tool_dicts,
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tool_dicts,
                                              template=chat_template, **(template_kwargs or {}))
     except ChatTemplateError as e:
         raise bad_request(f"Cannot build a prompt from these messages: {e}", param="messages") from e
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids of each prompt, and its text where the client sent text."""
+def split_prompts(prompt: str | list) -> list[str] | list[list[int]]:
+    """The prompts of a completions request: texts, or token id lists."""
     if isinstance(prompt, str):
         prompt = [prompt]
     kinds = {type(p) for p in prompt}
     if kinds == {int}:
-        return [prompt], [None]
+        return [prompt]
     if kinds == {list}:
-        return prompt, [None] * len(prompt)
+        return prompt
     if kinds == {str}:
         if not all(prompt):
             raise bad_request("The prompt is empty; send some text.", param="prompt")
-        return [tokenizer.encode(p) for p in prompt], prompt
+        check_prompt_chars(sum(map(len, prompt)), "prompt")
+        return prompt
     raise bad_request("`prompt` must be a string, a list of strings, a list of token ids or a list of "
                       "lists of token ids, not a mix.", param="prompt")
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: list[str]) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in prompts]
+
+
+def check_fan_out(num_prompts: int, n: int, limit: int) -> None:
+    """400 when a request asks for more completions (prompts x n) than --max-client-batch-size."""
+    if num_prompts * n > limit:
+        raise bad_request(f"This request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
+                          f"completions; the limit is {limit} per request (--max-client-batch-size). "
+                          "Split it into smaller requests.", param="prompt" if num_prompts > 1 else "n")
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:

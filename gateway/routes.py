@@ -13,7 +13,7 @@ from aiohttp import web
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.gateway import params, reasoning
 from pagedserve.gateway.chat_output import ChatOutputOptions
-from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found
+from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found, request_timeout
 from pagedserve.gateway.generation import Choice, ChoiceEvent, Generation, fan_out
 from pagedserve.gateway.logprobs import TokenLogprob
 from pagedserve.gateway.metrics import rejection_reason
@@ -38,10 +38,16 @@ def json_response(body: msgspec.Struct) -> web.Response:
 
 
 async def read_json(request: web.Request, kind: type[msgspec.Struct]) -> msgspec.Struct:
-    """The body decoded into `kind`; a 400 for the wrong Content-Type or a body that does not fit."""
+    """The body decoded into `kind`; a 400 for the wrong Content-Type or a body that does not fit,
+    a 408 for a body slower than --body-read-timeout."""
     if request.content_type != "application/json":
         raise bad_request(f"Content-Type must be application/json, not '{request.content_type}'.")
-    return decode_request(await request.read(), kind)
+    timeout = request.app[GATEWAY].body_read_timeout
+    try:
+        body = await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise request_timeout(timeout) from None
+    return decode_request(body, kind)
 
 
 def _card(gateway: Gateway, served: ServedModel) -> Model:
@@ -84,10 +90,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     served = await gateway.model()
     model = params.resolve_model(served.resolve(req.model), served.name)
     params.check_chat_options(req)
+    params.check_fan_out(1, req.n, gateway.max_client_batch_size)
     options = ChatOutputOptions(reasoning=gateway.reasoning_parser is not None)
     constraint = _chat_constraint(req, gateway, options)
-    prompt = params.chat_prompt(gateway.tokenizer, req.messages, req.add_generation_prompt, tools=req.tools,
-                                template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template)
+    messages, size = params.chat_messages(req.messages)
+    prompt = await gateway.offload(size, params.chat_prompt, gateway.tokenizer, messages, req.add_generation_prompt,
+                                   False, req.tools, req.chat_template_kwargs, req.chat_template)
     if options.reasoning and reasoning.ended_in_prompt(gateway.tokenizer.decode(prompt, False)):
         options.reasoning = False
     if options.reasoning and constraint is not None:
@@ -134,7 +142,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     served = await gateway.model()
     model = params.resolve_model(served.resolve(req.model), served.name)
     params.check_completion_options(req)
-    prompts, texts = params.completion_prompts(gateway.tokenizer, req.prompt)
+    given = params.split_prompts(req.prompt)
+    params.check_fan_out(len(given), req.n, gateway.max_client_batch_size)
+    prompts = given
+    if isinstance(given[0], str):
+        prompts = await gateway.offload(sum(map(len, given)), params.encode_prompts, gateway.tokenizer, given)
     rid = _new_id()
     # Echo with logprobs shows the prompt's tokens as OpenAI does, prompt_logprobs as vLLM does.
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
@@ -143,7 +155,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                        prompt_logprobs)
     echo = [""] * len(choices)
     if req.echo:
-        echo = [texts[c.index // req.n] or gateway.tokenizer.decode(c.prompt_token_ids) for c in choices]
+        echo = [await _echo_text(gateway, given[c.index // req.n]) for c in choices]
     prompt_lp = None
     if prompt_logprobs is not None:
         prompt_lp = PromptLogprobs(gateway.tokenizer, [c.prompt_token_ids for c in choices],
@@ -151,6 +163,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     builder = CompletionResponses(rid, model, len(choices), _include_usage(req), req.logprobs is not None,
                                   echo, prompt_lp)
     return await _generate(request, builder, choices, req.stream, served)
+
+
+async def _echo_text(gateway: Gateway, prompt: str | list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return await gateway.offload(len(prompt), gateway.tokenizer.decode, prompt)
 
 
 def _new_id() -> str:
@@ -166,10 +184,11 @@ def _choices(rid: str, req: SamplingFields, prompts: list[list[int]], max_tokens
              logprobs: int | None, served: ServedModel, constraint: StructuredOutputsParams | None = None,
              prompt_logprobs: int | None = None) -> list[Choice]:
     spec = served.spec
+    # The length first: it costs nothing, while the vocabulary check reads every id.
+    params.check_context(prompts, max_tokens, spec.max_model_len)
     params.check_prompts(prompts, spec.vocab_size)
     params.check_token_ids(req.stop_token_ids or [], spec.vocab_size, "stop_token_ids")
     params.check_logit_bias(req.logit_bias, spec.vocab_size)
-    params.check_context(prompts, max_tokens, spec.max_model_len)
     sampling = params.sampling_params(req, max_tokens, logprobs, served.sampling_defaults, constraint,
                                       prompt_logprobs)
     choices = fan_out(rid, prompts, sampling)
@@ -186,10 +205,11 @@ async def _generate(request: web.Request, builder: ResponseBuilder, choices: lis
     generation = Generation(gateway.engine, gateway.tokenizer, choices, current_request_id(),
                             served.metrics, start, gateway.stream_interval, gateway.log_requests)
     try:
-        async with aclosing(generation.events()) as events:
-            if stream:
-                return await _stream(request, builder, generation, events, start)
-            return await _collect(builder, generation, events, start)
+        with gateway.drain.track(generation):
+            async with aclosing(generation.events()) as events:
+                if stream:
+                    return await _stream(request, builder, generation, events, start)
+                return await _collect(builder, generation, events, start)
     except asyncio.CancelledError:
         _client_left(builder, generation, start)
         raise

@@ -9,6 +9,8 @@ from pagedserve.common.sampling_params import RANGES, OutOfRange, Range, check_r
 from pagedserve.gateway.errors import bad_request
 
 Int32 = Annotated[int, Meta(ge=-2**31, le=2**31 - 1)]
+# OpenAI's own limit on `messages`; checked while decoding, which then stops early.
+MAX_MESSAGES = 2048
 Stop = str | Annotated[list[str], Meta(max_length=4)]
 
 # The engine's ranges, less where OpenAI's API allows less: up to 16 choices, temperature up to 2,
@@ -94,6 +96,9 @@ class NamedToolChoice(Struct, kw_only=True):
     function: NamedFunction
 
 
+Messages = Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
+
+
 class SamplingFields(Struct, kw_only=True):
     """The generation options that chat and completions share (vLLM's extensions included)."""
     # Checked after decoding rather than by msgspec, so that the 400 says what SamplingParams would.
@@ -141,7 +146,7 @@ class SamplingFields(Struct, kw_only=True):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     ranges: ClassVar[dict[str, Range]] = CHAT_RANGES
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    messages: Messages
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -168,7 +173,7 @@ class TokenizeRequest(Struct, kw_only=True):
     """vLLM's /tokenize: either `prompt` or `messages` (rendered with the chat template)."""
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    messages: Messages | None = None
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None

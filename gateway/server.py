@@ -1,9 +1,11 @@
 """Gateway entry point: flags, startup and graceful shutdown."""
 import argparse
+import gc
 import json
 import logging
 import os
 import socket
+import resource
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
@@ -14,6 +16,7 @@ from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.gateway import reasoning, tool_parsers
 from pagedserve.gateway.app import build_app
 from pagedserve.common.tokenizer import Tokenizer, read_chat_template
+from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY
 from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
@@ -21,8 +24,12 @@ log = get_logger(__name__)
 HTTP_LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
                    "info": logging.INFO, "debug": logging.DEBUG, "trace": logging.DEBUG}
 
-# In-flight requests get this long to finish after SIGTERM before they are cancelled.
-SHUTDOWN_TIMEOUT_S = 30.0
+# In-flight requests get this long to finish after SIGTERM before they end with an error.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+# vLLM's (uvicorn's) keep-alive default.
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0
+# A burst of connections waits in the kernel's queue rather than being reset (the default is 128).
+LISTEN_BACKLOG = 2048
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +82,16 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                        help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes) or llama3_json")
     group.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
                        help="return a reasoning model's <think> text as `reasoning` / `reasoning_content`")
+    group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="seconds running requests get to finish after SIGTERM/SIGINT; then streams end "
+                            "with an error event and `data: [DONE]`, other requests with a 503")
+    group.add_argument("--max-client-batch-size", type=int, default=DEFAULT_MAX_CLIENT_BATCH_SIZE,
+                       help="most completions one request may ask for (prompts x n); more is a 400")
+    group.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                       help="seconds a connection may stay idle, or take to send a request's headers, "
+                            "before it is closed")
+    group.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
+                       help="seconds a request body may take to arrive; slower ones get a 408")
 
 
 def tool_parser(args: argparse.Namespace) -> str | None:
@@ -111,31 +128,49 @@ class AccessLogger(AbstractAccessLogger):
         return self.logger.isEnabledFor(logging.INFO)
 
 
-async def start(app: web.Application, host: str, port: int, sock: socket.socket | None = None) -> web.AppRunner:
+async def start(app: web.Application, host: str, port: int, sock: socket.socket | None = None,
+                timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S) -> web.AppRunner:
     """Starts serving `app` on `sock`, else on host:port; handler cancellation makes a client
-    disconnect abort its request."""
+    disconnect abort its request. The keep-alive timer also runs from accept to the first request,
+    so it bounds a slow header too."""
+    # Requests are drained before cleanup (see serve), so cleanup only closes idle connections.
     runner = web.AppRunner(app, handler_cancellation=True, access_log_class=AccessLogger,
-                           access_log=logging.getLogger("aiohttp.access"),
-                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                           access_log=logging.getLogger("aiohttp.access"), shutdown_timeout=1.0,
+                           keepalive_timeout=timeout_keep_alive)
     await runner.setup()
-    site = web.TCPSite(runner, host, port) if sock is None else web.SockSite(runner, sock)
+    site = (web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG) if sock is None
+            else web.SockSite(runner, sock, backlog=LISTEN_BACKLOG))
     await site.start()
     return runner
 
 
+def raise_open_files_limit() -> None:
+    """Raises the soft limit on open files to the hard one: each client connection takes one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.debug("open_files_limit_raised", soft=soft, hard=hard)
+
+
 async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
-    """Serves until SIGINT or SIGTERM, then stops accepting and drains in-flight requests."""
+    """Serves until SIGINT or SIGTERM; then drains (see Drain) and stops."""
+    raise_open_files_limit()
     app = build_app(tokenizer, args.scheduler_address, args.served_model_name, api_key=args.api_key,
                     protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
                     stream_interval=args.stream_interval, log_requests=args.enable_log_requests,
                     sampling_defaults=sampling_defaults(args.model, args.generation_config),
-                    tool_parser=tool_parser(args), reasoning_parser=args.reasoning_parser)
+                    tool_parser=tool_parser(args), reasoning_parser=args.reasoning_parser,
+                    max_client_batch_size=args.max_client_batch_size, body_read_timeout=args.body_read_timeout)
+    # The tokenizer and everything loaded so far live as long as the process: frozen, they leave
+    # the collector's full passes, which a large request's objects would otherwise trigger over
+    # the whole heap (tens of milliseconds with the event loop held).
+    gc.freeze()
     sock = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
-    runner = await start(app, args.host, args.port, sock)
+    runner = await start(app, args.host, args.port, sock, args.timeout_keep_alive)
     log.info("gateway_listening", host=args.host, port=args.port, scheduler=args.scheduler_address,
              api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins)
     await service.wait_for_signal()
-    log.info("gateway_stopping")
+    await app[GATEWAY].drain.drain(args.shutdown_timeout)
     await runner.cleanup()
     log.info("gateway_stopped")
 

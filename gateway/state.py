@@ -1,12 +1,25 @@
-"""What the handlers share: the engine connection, the tokenizer, the metrics and the served name."""
+"""What the handlers share: the engine connection, the tokenizer, the metrics, the served name, the
+limits, the shutdown drain, and the pool that keeps large inputs off the event loop."""
+import asyncio
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from aiohttp import web
 
+from pagedserve.gateway.drain import Drain
 from pagedserve.gateway.engine_client import EngineClient, ModelSpec
 from pagedserve.gateway.metrics import Metrics, ModelMetrics
 from pagedserve.common.tokenizer import Tokenizer
+
+T = TypeVar("T")
+# Characters (or token ids) above which templating, tokenizing or detokenizing moves to the pool:
+# about a millisecond of work, less than what a thread hop would cost below it.
+OFFLOAD_SIZE = 16_384
+DEFAULT_MAX_CLIENT_BATCH_SIZE = 1024
+DEFAULT_BODY_READ_TIMEOUT_S = 60.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,6 +49,13 @@ class Gateway:
     # --tool-call-parser when --enable-auto-tool-choice is on (else None), and --reasoning-parser.
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    # The most engine requests (prompts x n) one HTTP request may fan out to.
+    max_client_batch_size: int = DEFAULT_MAX_CLIENT_BATCH_SIZE
+    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S
+    drain: Drain = field(default_factory=Drain)
+    # One thread: the work is mostly Python (templates, ids to lists) that holds the GIL anyway, and
+    # each extra thread would get its own malloc arena that keeps a large request's memory.
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "gateway-cpu"))
     started: int = field(default_factory=lambda: int(time.time()))
 
     async def model(self) -> ServedModel:
@@ -44,6 +64,13 @@ class Gateway:
         names = tuple(self.served_model_names) or (spec.served_model_name,)
         return ServedModel(names[0], spec, self.metrics.bind(names[0], spec.max_model_len),
                            self.sampling_defaults, names)
+
+    async def offload(self, size: int, fn: Callable[..., T], *args) -> T:
+        """fn(*args): inline for small inputs, on the pool when `size` (characters or token ids)
+        would hold the event loop long enough to delay /health and other streams."""
+        if size < OFFLOAD_SIZE:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

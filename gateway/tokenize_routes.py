@@ -16,11 +16,14 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("Send exactly one of `prompt` (text) or `messages` (a chat).", param="prompt")
     if req.messages is not None:
-        tokens = params.chat_prompt(gateway.tokenizer, req.messages, req.add_generation_prompt,
-                                    bool(req.add_special_tokens), req.tools, req.chat_template_kwargs,
-                                    req.chat_template)
+        messages, size = params.chat_messages(req.messages)
+        tokens = await gateway.offload(size, params.chat_prompt, gateway.tokenizer, messages,
+                                       req.add_generation_prompt, bool(req.add_special_tokens), req.tools,
+                                       req.chat_template_kwargs, req.chat_template)
     else:
-        tokens = gateway.tokenizer.encode(req.prompt, req.add_special_tokens is not False)
+        params.check_prompt_chars(len(req.prompt), "prompt")
+        tokens = await gateway.offload(len(req.prompt), gateway.tokenizer.encode, req.prompt,
+                                       req.add_special_tokens is not False)
     return json_response(TokenizeResponse(len(tokens), served.spec.max_model_len, tokens))
 
 
@@ -30,4 +33,5 @@ async def detokenize(request: web.Request) -> web.Response:
     params.resolve_model(req.model, (await gateway.model()).name)
     params.check_token_ids(req.tokens, gateway.tokenizer.vocab_size, "tokens")
     # Special tokens are kept, so that detokenize(tokenize(text)) shows exactly what the model sees.
-    return json_response(DetokenizeResponse(gateway.tokenizer.decode(req.tokens, skip_special_tokens=False)))
+    text = await gateway.offload(len(req.tokens), gateway.tokenizer.decode, req.tokens, False)
+    return json_response(DetokenizeResponse(text))

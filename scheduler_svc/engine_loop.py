@@ -16,7 +16,7 @@ log = get_logger(__name__)
 
 
 class ExecutorLost(RuntimeError):
-    pass
+    """The executor's step stream broke; the caller may retry once the scheduler has reattached."""
 
 
 class StreamTransport:
@@ -26,7 +26,11 @@ class StreamTransport:
         self.call = call
 
     async def launch(self, plan: StepPlan) -> None:
-        await self.call.write(plan_to_proto(plan))
+        try:
+            await self.call.write(plan_to_proto(plan))
+        except asyncio.InvalidStateError as e:
+            # grpc's answer to a write on a stream that the executor has already ended.
+            raise ExecutorLost("the executor closed the step stream") from e
 
     async def collect(self) -> StepResult:
         reply = await self.call.read()
@@ -41,6 +45,7 @@ class EngineLoop:
     def __init__(self, scheduler: Scheduler, executor: executor_pb2_grpc.ExecutorStub,
                  async_scheduling: bool = True) -> None:
         self.scheduler = scheduler
+        self.async_scheduling = async_scheduling
         self.steps = StepLoop(scheduler, async_scheduling)
         self.executor = executor
         self.outputs: dict[int, asyncio.Queue] = {}
@@ -51,7 +56,8 @@ class EngineLoop:
 
     def add(self, request_id: str, prompt_token_ids: list[int],
             params: SamplingParams) -> tuple[int, asyncio.Queue]:
-        """Queues a request; raises ValueError for one the scheduler cannot take."""
+        """Queues a request; raises ValueError for one the scheduler cannot take, QueueFull when the
+        queue is full, and ExecutorLost while the executor is away."""
         if self.error:
             raise self.error
         if request_id in self.seq_ids:
@@ -75,21 +81,34 @@ class EngineLoop:
         return True
 
     async def run(self) -> None:
-        """Steps until the executor stream breaks; then fails every waiting caller."""
+        """Steps until the executor's stream ends; then fails every caller waiting for output and
+        returns. add() refuses requests from then until reset()."""
         call = self.executor.Run()
+        stepping = asyncio.create_task(self.steps.run(StreamTransport(call), self._deliver,
+                                                      self._wait_for_work))
+        # The call's status arrives when the executor leaves, even while no step is in flight.
+        ended = asyncio.create_task(call.code())
         try:
-            await self.steps.run(StreamTransport(call), self._deliver, self._wait_for_work)
-        except grpc.aio.AioRpcError as e:
-            self._fail(f"the executor stream failed: {e.code().name}: {e.details()}")
-        except ExecutorLost as e:
-            self._fail(str(e))
+            await asyncio.wait((stepping, ended), return_when=asyncio.FIRST_COMPLETED)
+            reason = _lost_reason(stepping, ended)
         finally:
+            stepping.cancel()
+            ended.cancel()
             call.cancel()
-        raise self.error
+            await asyncio.gather(stepping, ended, return_exceptions=True)
+        self._fail(reason)
+
+    def reset(self, scheduler: Scheduler) -> None:
+        """Serves again with a fresh scheduler: nothing of a lost executor's KV cache survives."""
+        self.scheduler = scheduler
+        self.steps = StepLoop(scheduler, self.async_scheduling)
+        self.outputs.clear()
+        self.seq_ids.clear()
+        self.error = None
 
     def _fail(self, reason: str) -> None:
-        self.error = ExecutorLost(f"the engine is unavailable ({reason}); restart pagedserve")
-        log.error("executor_lost", reason=reason)
+        self.error = ExecutorLost(f"the executor is unavailable ({reason}); retry shortly")
+        log.error("executor_lost", reason=reason, failed_requests=len(self.outputs))
         for queue in self.outputs.values():
             queue.put_nowait(self.error)
 
@@ -107,3 +126,15 @@ class EngineLoop:
             if out.finished:
                 del self.outputs[out.seq_id]
                 self.seq_ids.pop(out.request_id, None)
+
+
+def _lost_reason(stepping: asyncio.Task, ended: asyncio.Task) -> str:
+    """Why the executor's stream ended; re-raises a failure of the scheduler itself."""
+    if not stepping.done():
+        return f"the executor ended the step stream ({ended.result().name})"
+    error = stepping.exception()
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"the executor stream failed: {error.code().name}: {error.details()}"
+    if isinstance(error, ExecutorLost):
+        return str(error)
+    raise error or RuntimeError("the step loop returned while the executor stream was open")

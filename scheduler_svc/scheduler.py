@@ -13,6 +13,10 @@ from pagedserve.scheduler_svc.step_stats import StepStats
 log = get_logger(__name__)
 
 
+class QueueFull(RuntimeError):
+    """The waiting queue holds --max-num-queued-reqs requests; the caller should retry later."""
+
+
 class Scheduler:
     """Decides what the executor computes each step and turns its sampled tokens into request outputs.
 
@@ -34,6 +38,7 @@ class Scheduler:
         # flags of the scheduler's.
         self.block_size = info.block_size
         self.max_num_seqs = info.max_num_seqs
+        self.max_num_queued_reqs = config.max_num_queued_reqs
         self.max_num_batched_tokens = info.max_num_batched_tokens
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids)
@@ -82,7 +87,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.dropped)
 
     def add(self, request: Request) -> None:
-        """Queues a new request; raises ValueError if it can never be served."""
+        """Queues a new request; raises ValueError if it can never be served, QueueFull if the
+        waiting queue is at --max-num-queued-reqs."""
         n = len(request.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty: send at least one token")
@@ -97,6 +103,9 @@ class Scheduler:
                 f"shorten it to at most {self.max_len - 1} tokens or give the server more KV cache memory")
         if request.seq_id in self.requests or request.request_id in self.request_ids:
             raise ValueError(f"request {request.request_id!r} (seq {request.seq_id}) is already queued")
+        if self.max_num_queued_reqs is not None and self._num_queued() >= self.max_num_queued_reqs:
+            raise QueueFull(f"{self._num_queued()} requests already wait for a slot, the "
+                            "--max-num-queued-reqs limit; retry shortly")
         params = request.sampling
         request.stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
@@ -110,6 +119,10 @@ class Scheduler:
         self.requests[request.seq_id] = request
         self.request_ids[request.request_id] = request
         self.waiting.append(request)
+
+    def _num_queued(self) -> int:
+        # Waiting requests that the next step can admit into free running slots are not queued.
+        return len(self.waiting) - max(0, self.max_num_seqs - len(self.running))
 
     def abort(self, key: str | int) -> bool:
         """Stops a request given its request_id or seq_id; False if it is unknown or already finished."""

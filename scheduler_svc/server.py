@@ -2,10 +2,14 @@
 import argparse
 import asyncio
 import gc
+import math
+from dataclasses import dataclass
 from functools import partial
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
 
 from pagedserve.common import service
 from pagedserve.common.config import EngineConfig
@@ -15,7 +19,7 @@ from pagedserve.common.sampling_params import sampling_from_proto
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
 from pagedserve.scheduler_svc.request import RequestDelta
-from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from pagedserve.scheduler_svc.stats_logger import StatsLogger, interval_from_env
 from pagedserve.scheduler_svc.step_stats import BUCKETS_US, Histogram
 
@@ -43,6 +47,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ExecutorLost as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finished = False
@@ -108,42 +114,93 @@ def response_from_outputs(outs: list[RequestDelta]) -> engine_pb2.GenerateRespon
     return response
 
 
+class ExecutorMismatch(Exception):
+    """The executor disagrees with a geometry flag, or came back serving another model."""
+
+
+@dataclass(slots=True)
+class ExecutorLink:
+    """The executor the scheduler plans for: where it is, the geometry flags the scheduler was given
+    (each must match the executor's), and what it described when the scheduler first attached."""
+    stub: executor_pb2_grpc.ExecutorStub
+    address: str
+    expected: dict[str, int | str]
+    planned: ExecutorInfo | None = None
+
+    async def describe(self, timeout: float) -> ExecutorInfo:
+        """The executor's Describe once it is serving; raises ExecutorMismatch if it disagrees with
+        the flags or, after a restart, with what the scheduler and its gateways planned with."""
+        while True:
+            await service.wait_serving(self.address, timeout)
+            try:
+                info = info_from_proto(await self.stub.Describe(executor_pb2.DescribeRequest(), timeout=10))
+                break
+            except grpc.aio.AioRpcError as e:
+                log.warning("executor_describe_failed", address=self.address, code=e.code().name)
+                await asyncio.sleep(1)
+        check_geometry(self.expected, info, self.address)
+        if self.planned is not None:
+            check_same_model(self.planned, info, self.address)
+        self.planned = self.planned or info
+        return info
+
+
 async def serve(config: EngineConfig, address: str, executor_address: str,
                 expected: dict[str, int | str] | None = None, executor_timeout: float = 600.0) -> None:
-    """Attaches to the executor, then serves the Engine service at `address` until a signal or
-    until the executor is lost (then it raises, and the launcher stops the whole stack).
-    `expected` holds geometry flags the scheduler was given; each must match the executor's."""
+    """Attaches to the executor, then serves the Engine service at `address` until a signal. When
+    the executor is lost it fails what was running, reports NOT_SERVING and reattaches once the
+    executor is back. `expected` holds geometry flags the scheduler was given."""
+    try:
+        await _serve(config, address, executor_address, expected or {}, executor_timeout)
+    except ExecutorMismatch as e:
+        raise SystemExit(f"scheduler: {e}") from None
+
+
+async def _serve(config: EngineConfig, address: str, executor_address: str, expected: dict[str, int | str],
+                 executor_timeout: float) -> None:
     async with service.channel(executor_address) as channel:
-        await service.wait_serving(executor_address, executor_timeout)
-        executor = executor_pb2_grpc.ExecutorStub(channel)
-        info = info_from_proto(await executor.Describe(executor_pb2.DescribeRequest()))
-        check_geometry(expected or {}, info, executor_address)
-        scheduler = Scheduler(config, info)
+        link = ExecutorLink(executor_pb2_grpc.ExecutorStub(channel), executor_address, expected)
+        info = await link.describe(executor_timeout)
+        loop = EngineLoop(Scheduler(config, info), link.stub, config.async_scheduling)
         # The block pool and everything loaded so far live as long as the process: frozen, they
         # leave the collector's full passes, which took ~30 ms (a stalled step) at 18k blocks.
         gc.freeze()
-        loop = EngineLoop(scheduler, executor, config.async_scheduling)
         running = await service.start("scheduler", address, partial(
             engine_pb2_grpc.add_EngineServicer_to_server, EngineService(loop, config, info)))
         log.info("scheduler_ready", address=address, num_blocks=info.num_blocks,
                  block_size=info.block_size, max_model_len=info.max_model_len,
                  max_num_seqs=info.max_num_seqs, max_num_batched_tokens=info.max_num_batched_tokens)
-        stepping = asyncio.create_task(loop.run())
+        stepping = asyncio.create_task(step_and_reattach(loop, link, config, running.health))
         signalled = asyncio.create_task(service.wait_for_signal())
         stats = None if config.disable_log_stats else asyncio.create_task(
-            StatsLogger(scheduler, interval_from_env()).run())
-        done, _ = await asyncio.wait({stepping, signalled}, return_when=asyncio.FIRST_COMPLETED)
-        await running.stop()
-        stepping.cancel()
-        signalled.cancel()
-        if stats is not None:
-            stats.cancel()
+            StatsLogger(loop, interval_from_env()).run())
+        try:
+            done, _ = await asyncio.wait({stepping, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await running.stop()
+            stepping.cancel()
+            signalled.cancel()
+            if stats is not None:
+                stats.cancel()
         if stepping in done:
             stepping.result()
 
 
+async def step_and_reattach(loop: EngineLoop, link: ExecutorLink, config: EngineConfig,
+                            health: health_aio.HealthServicer) -> None:
+    """Steps; each time the executor is lost, waits for it to come back and serves again."""
+    while True:
+        await loop.run()
+        await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.warning("executor_reattaching", address=link.address)
+        info = await link.describe(math.inf)
+        loop.reset(Scheduler(config, info))
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("executor_reattached", address=link.address, num_blocks=info.num_blocks)
+
+
 def check_geometry(expected: dict[str, int | str], info: ExecutorInfo, executor_address: str) -> None:
-    """Refuses to start on a geometry flag that disagrees with the executor's KV cache: planning
+    """Refuses a geometry flag that disagrees with the executor's KV cache: planning
     with another block size corrupts the slot mapping and, with prefix caching, shared blocks."""
     reported = {"block_size": info.block_size, "max_model_len": info.max_model_len,
                 "num_gpu_blocks_override": info.num_blocks, "dtype": info.dtype,
@@ -151,9 +208,22 @@ def check_geometry(expected: dict[str, int | str], info: ExecutorInfo, executor_
     for name, value in expected.items():
         if value != reported[name] and not (name == "dtype" and value == "auto"):
             flag = "--" + name.replace("_", "-")
-            raise SystemExit(f"scheduler: {flag} {value} disagrees with the executor at {executor_address}, "
-                             f"which reports {reported[name]}; drop {flag} (the scheduler takes the "
-                             f"executor's) or start the executor with {flag} {value}")
+            raise ExecutorMismatch(f"{flag} {value} disagrees with the executor at {executor_address}, "
+                                   f"which reports {reported[name]}; drop {flag} (the scheduler takes "
+                                   f"the executor's) or start the executor with {flag} {value}")
+
+
+# What the scheduler and its gateways keep from the first Describe; the number of blocks may change.
+MODEL_FACTS = ("block_size", "dtype", "vocab_size", "max_model_len", "eos_token_ids")
+
+
+def check_same_model(planned: ExecutorInfo, info: ExecutorInfo, executor_address: str) -> None:
+    """Refuses a restarted executor that serves another model or geometry than the one planned with."""
+    for name in MODEL_FACTS:
+        before, now = getattr(planned, name), getattr(info, name)
+        if before != now:
+            raise ExecutorMismatch(f"the executor at {executor_address} came back with {name} {now}, not "
+                                   f"{before} as before; restart the scheduler and its gateways to serve it")
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:

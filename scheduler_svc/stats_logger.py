@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.common.log import get_logger
+from pagedserve.scheduler_svc.engine_loop import EngineLoop
 from pagedserve.scheduler_svc.scheduler import Scheduler
 
 log = get_logger(__name__)
@@ -32,10 +33,11 @@ class Totals:
 
 
 class StatsLogger:
-    def __init__(self, scheduler: Scheduler, interval_s: float) -> None:
-        self.scheduler = scheduler
+    def __init__(self, loop: EngineLoop, interval_s: float) -> None:
+        self.loop = loop
+        self.scheduler = loop.scheduler
         self.interval_s = interval_s
-        self.last = Totals.of(scheduler)
+        self.last = Totals.of(self.scheduler)
 
     async def run(self) -> None:
         while True:
@@ -44,6 +46,9 @@ class StatsLogger:
 
     def log(self) -> None:
         """Logs the line for the time since the last call, unless the engine was idle all along."""
+        if self.loop.scheduler is not self.scheduler:
+            # A reattached executor comes with a fresh scheduler, whose counters start at 0.
+            self.scheduler, self.last = self.loop.scheduler, Totals.of(self.loop.scheduler)
         s, last = self.scheduler, self.last
         now = self.last = Totals.of(s)
         prompt, generation = now.prompt_tokens - last.prompt_tokens, now.generation_tokens - last.generation_tokens

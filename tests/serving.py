@@ -1,8 +1,11 @@
 """Helpers for tests that run pagedserve's command line or start it as a server."""
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from pagedserve.entrypoints import cli
 
@@ -31,3 +34,21 @@ def run_cli(argv: list[str]) -> None:
     # pytest closes afterwards, failing every later test that logs.
     args = cli.build_parser().parse_args(argv)
     args.run(args)
+
+
+@contextmanager
+def pagedserve(argv: list[str], ready: Callable[[], bool], timeout: float = 180,
+               **popen) -> Iterator[subprocess.Popen]:
+    """`python -m pagedserve <argv>` once `ready()` holds; killed at the end if still running."""
+    process = subprocess.Popen([sys.executable, "-m", "pagedserve", *argv], **popen)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert process.poll() is None, f"pagedserve {argv[0]} exited with {process.returncode}"
+            assert time.monotonic() < deadline, f"pagedserve {argv[0]} not ready in {timeout} s"
+            time.sleep(0.2)
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

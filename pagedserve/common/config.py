@@ -20,6 +20,7 @@ class EngineConfig:
     # None: chosen by the device, as vLLM does (executor_svc/batch_limits.py).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    max_num_queued_reqs: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -39,7 +40,8 @@ class EngineConfig:
         return self.served_model_name[0] if self.served_model_name else self.model
 
 
-SCHEDULER_FLAGS = ("served_model_name", "enable_prefix_caching", "async_scheduling", "disable_log_stats")
+SCHEDULER_FLAGS = ("served_model_name", "max_num_queued_reqs", "enable_prefix_caching", "async_scheduling",
+                   "disable_log_stats")
 EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes", "dtype",
                   "seed", "load_format", "device", "enforce_eager")
@@ -73,6 +75,9 @@ def _flag_specs() -> dict[str, dict]:
                                             + by_device + "8192 (server) or 16384 (offline) on GPUs "
                                             "of 70 GiB or more, else 2048 or 8192; 2048 or 4096 on "
                                             "a CPU"),
+        "max_num_queued_reqs": dict(type=arg_types.positive_int, default=d.max_num_queued_reqs,
+                                    help="requests that may wait for a running slot; past it new ones "
+                                         "get 503 server_overloaded with Retry-After (default: no limit)"),
         "block_size": dict(type=arg_types.positive_int, default=d.block_size, help="tokens per KV-cache block"),
         "gpu_memory_utilization": dict(type=arg_types.fraction, default=d.gpu_memory_utilization,
                                        help="share of GPU memory, in (0, 1], for weights, activations "

@@ -16,6 +16,7 @@ OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000),
            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
            ("grpc.so_reuseport", 0)]
+POLL_MIN_S, POLL_MAX_S = 0.05, 1.0
 
 
 def channel(address: str) -> grpc.aio.Channel:
@@ -46,8 +47,10 @@ async def start(name: str, address: str, add_servicer: Callable[[grpc.aio.Server
 
 
 async def wait_serving(address: str, timeout: float, service: str = "") -> None:
-    """Polls the standard health service at `address` until it reports SERVING."""
+    """Polls the standard health service at `address` until it reports SERVING, backing off from
+    POLL_MIN_S to POLL_MAX_S between checks."""
     deadline = time.monotonic() + timeout
+    delay = POLL_MIN_S
     async with channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
@@ -59,7 +62,8 @@ async def wait_serving(address: str, timeout: float, service: str = "") -> None:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{address} did not become healthy within {timeout:.0f} s")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, POLL_MAX_S)
 
 
 async def wait_for_signal() -> None:

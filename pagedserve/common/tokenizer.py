@@ -12,6 +12,10 @@ from tokenizers import Tokenizer as RustTokenizer
 from pagedserve.common.gguf_tokenizer import load_gguf_tokenizer
 
 
+# Characters from which encoding goes through encode_batch (see Tokenizer.encode).
+LONG_TEXT = 4096
+
+
 class ChatTemplateError(ValueError):
     """The model has no chat template, or its template refused the conversation."""
 
@@ -139,7 +143,12 @@ class Tokenizer:
         return self._template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < LONG_TEXT:
+            ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        else:
+            # encode_batch lets go of the GIL while it works and encode does not, so a long text
+            # tokenized on a worker thread leaves the event loop running; it costs more on short texts.
+            ids = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
             ids.insert(0, self.bos_token_id)
         return ids

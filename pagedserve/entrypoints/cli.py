@@ -128,7 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
             "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + logs,
             "gateway": _gateway_argv(args, config) + logs}
     from pagedserve.entrypoints.launcher import serve
-    return serve(args.model, argv, listener, args.scheduler_address, args.startup_timeout)
+    return serve(args.model, argv, listener, args.scheduler_address, args.startup_timeout,
+                 args.shutdown_timeout)
 
 
 def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
@@ -145,6 +146,8 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv += ["--generation-config", args.generation_config]
     if args.stream_interval != 1:
         argv += ["--stream-interval", str(args.stream_interval)]
+    for name in ("shutdown_timeout", "max_client_batch_size", "timeout_keep_alive", "body_read_timeout"):
+        argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.chat_template is not None:
         argv.append(f"--chat-template={args.chat_template}")
     if args.enable_log_requests:

@@ -1,7 +1,8 @@
 """`pagedserve serve`: starts executor, scheduler and gateway as child processes and supervises them.
 
-If any child exits, all stop. SIGINT/SIGTERM stop the gateway first (no new requests), then the
-scheduler, then the executor. Children die with the launcher even if it is killed (PDEATHSIG)."""
+If any child exits, all stop. SIGINT/SIGTERM stop the gateway first (it refuses new requests and
+gives running ones --shutdown-timeout to finish), then the scheduler, then the executor. Children
+die with the launcher even if it is killed (PDEATHSIG)."""
 import ctypes
 import shutil
 import signal
@@ -31,7 +32,9 @@ class Child:
 
 
 class Launcher:
-    def __init__(self) -> None:
+    def __init__(self, shutdown_timeout: float = 0.0) -> None:
+        # The gateway's drain, which its stop timeout must not cut short.
+        self.shutdown_timeout = shutdown_timeout
         self.children: list[Child] = []
         self.stopping = False
         self.socket_dir = tempfile.mkdtemp(prefix="pagedserve-")
@@ -82,8 +85,9 @@ class Launcher:
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.terminate()
+                drain = self.shutdown_timeout if child.name == "gateway" else 0.0
                 try:
-                    child.process.wait(STOP_TIMEOUT_S)
+                    child.process.wait(drain + STOP_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
                     log.warning("service_killed", service=child.name)
                     child.process.kill()
@@ -119,12 +123,13 @@ def _die_with_parent() -> None:
 
 
 def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, scheduler_address: str | None,
-          startup_timeout: float) -> int:
+          startup_timeout: float, shutdown_timeout: float = 0.0) -> int:
     """Runs the whole stack on this machine until a signal; returns the exit code. `argv` holds each
     child's own flags, by child ("executor", "scheduler", "gateway"); the gateway serves on
-    `listener`, bound already, so that only it can answer on that port."""
+    `listener`, bound already, so that only it can answer on that port, and drains for
+    `shutdown_timeout` (its --shutdown-timeout) on a signal."""
     host, port = listener.getsockname()[:2]
-    launcher = Launcher()
+    launcher = Launcher(shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, launcher.request_stop)
     executor_address = launcher.socket("executor")

@@ -1,3 +1,4 @@
+import psutil
 import pytest
 import torch
 
@@ -50,3 +51,17 @@ def test_layers_are_views_of_one_allocation():
     k0.zero_()
     v2.fill_(1.0)
     assert k0.sum() == 0 and v2.sum() == 5 * 4 * 8 * 128
+
+
+def test_the_cpu_arena_is_resident_as_soon_as_it_is_allocated():
+    """Written once at start, so the resident size right after start-up is the steady state."""
+    process = psutil.Process()
+    tiny = model_config_from_dict({**SHAPES["llama-3.1-8b"], "num_hidden_layers": 2})
+    # 64 MiB: above malloc's largest mmap threshold (32 MiB), so fresh pages rather than a reuse of
+    # memory that earlier tests freed, which is resident already.
+    num_blocks = 256
+    arena = num_blocks * bytes_per_block(tiny, 16, torch.float32)
+    before = process.memory_info().rss
+    caches = allocate_kv_cache(tiny, num_blocks, 16, torch.float32, CPU)
+    assert process.memory_info().rss - before >= 0.9 * arena
+    assert all(k.count_nonzero() == 0 and v.count_nonzero() == 0 for k, v in caches)

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from pagedserve.common.tokenizer import Tokenizer
-from pagedserve.v1 import engine_pb2_grpc
-from tests.gateway.fake_engine import SPEC, SPEC_NAME, FakeEngine, build_tiny_tokenizer, serve_gateway
+from tests.gateway.fake_engine import (SPEC, SPEC_NAME, FakeEngine, add_fake_engine, build_tiny_tokenizer,
+                                       serve_gateway)
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +26,7 @@ def tokenizer(tokenizer_dir) -> Tokenizer:
 async def engine(tokenizer):
     fake = FakeEngine(tokenizer)
     server = grpc.aio.server()
-    engine_pb2_grpc.add_EngineServicer_to_server(fake, server)
+    await add_fake_engine(server, fake)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     fake.address = f"127.0.0.1:{port}"

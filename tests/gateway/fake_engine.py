@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
@@ -136,6 +138,15 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         deadline = time.monotonic() + timeout
         while len(self.cancelled) < count and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+
+
+async def add_fake_engine(server: grpc.aio.Server, fake: FakeEngine) -> health_aio.HealthServicer:
+    """Adds the fake Engine and a health service reporting SERVING, as the scheduler has."""
+    engine_pb2_grpc.add_EngineServicer_to_server(fake, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    return health
 
 
 async def serve_gateway(tokenizer, address: str, **options):

@@ -5,8 +5,7 @@ from importlib.metadata import version
 
 import grpc
 
-from tests.gateway.fake_engine import FakeEngine, MAX_MODEL_LEN, MODEL, serve_gateway
-from pagedserve.v1 import engine_pb2_grpc
+from tests.gateway.fake_engine import FakeEngine, MAX_MODEL_LEN, MODEL, add_fake_engine, serve_gateway
 
 CHAT = [{"role": "user", "content": "Grüße 😀"}]
 
@@ -73,7 +72,7 @@ async def test_health_turns_ready_when_the_scheduler_comes_up(http, tokenizer, u
             async with http.get(f"{url}/health") as r:
                 assert r.status == 503 and r.headers["Retry-After"]
             await asyncio.sleep(0.3)
-        engine_pb2_grpc.add_EngineServicer_to_server(FakeEngine(tokenizer), server)
+        await add_fake_engine(server, FakeEngine(tokenizer))
         server.add_insecure_port(f"127.0.0.1:{unused_tcp_port}")
         await server.start()
         started = time.monotonic()

@@ -8,8 +8,7 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from tests.gateway.fake_engine import LEAK, MODEL, FakeEngine, serve_gateway
-from pagedserve.v1 import engine_pb2_grpc
+from tests.gateway.fake_engine import LEAK, MODEL, FakeEngine, add_fake_engine, serve_gateway
 
 EXAMPLES = 40
 
@@ -26,7 +25,7 @@ def gateway_url(tokenizer):
         engine = FakeEngine(tokenizer)
         engine.delay = 0
         server = grpc.aio.server()
-        engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
+        await add_fake_engine(server, engine)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         runner, found["url"] = await serve_gateway(tokenizer, f"127.0.0.1:{port}")

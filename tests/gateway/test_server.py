@@ -6,6 +6,7 @@ import signal
 import socket
 import sys
 import time
+from contextlib import asynccontextmanager
 
 import aiohttp
 
@@ -40,14 +41,26 @@ async def _wait_healthy(http: aiohttp.ClientSession, url: str, process) -> None:
     raise TimeoutError(url)
 
 
-async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
+@asynccontextmanager
+async def gateway_process(http: aiohttp.ClientSession, engine, tokenizer_dir, *flags: str):
+    """`pagedserve gateway` on the fake engine, served name "served": (base URL, process) once healthy."""
     port = _free_port()
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pagedserve", "gateway", str(tokenizer_dir), "--port", str(port),
-        "--scheduler-address", engine.address, "--served-model-name", "served", "--log-level", "warning")
+        "--scheduler-address", engine.address, "--served-model-name", "served", "--log-level", "warning",
+        *flags)
     try:
         url = f"http://127.0.0.1:{port}"
         await _wait_healthy(http, f"{url}/health", process)
+        yield url, process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
+    async with gateway_process(http, engine, tokenizer_dir) as (url, process):
         engine.delay = 0.02
         body = {"model": "served", "prompt": "Hi", "max_tokens": 30, "stream": True}
         async with http.post(f"{url}/v1/completions", json=body) as r:
@@ -56,10 +69,6 @@ async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
             rest = (await r.read()).decode()
         assert rest.endswith("data: [DONE]\n\n") and '"finish_reason":"length"' in rest
         assert await asyncio.wait_for(process.wait(), 10) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch, tmp_path):
@@ -78,3 +87,21 @@ def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch, tm
     parsed = cli.build_parser().parse_args(["gateway", model, *gateway_argv])
     assert parsed.api_key == "sk-secret" and parsed.protect_metrics
     assert parsed.allowed_origins == ["https://a.example", "https://b.example"]
+
+
+def test_serve_passes_the_reliability_flags_to_their_owners(monkeypatch, tmp_path):
+    from pagedserve.common.model_shapes import write_shape
+    from pagedserve.entrypoints import cli, launcher
+
+    calls = []
+    monkeypatch.setattr(launcher, "serve", lambda *a: calls.append(a) or a[2].close() or 0)
+    model = write_shape("llama-3.1-8b", str(tmp_path))
+    assert cli.main(["serve", model, "--port", "0", "--shutdown-timeout", "7", "--max-num-queued-reqs", "3",
+                     "--max-client-batch-size", "64", "--timeout-keep-alive", "9",
+                     "--body-read-timeout", "11"]) == 0
+    argv, shutdown_timeout = calls[0][1], calls[0][-1]
+    gateway = cli.build_parser().parse_args(["gateway", model, *argv["gateway"]])
+    assert (gateway.shutdown_timeout, gateway.max_client_batch_size) == (7, 64)
+    assert (gateway.timeout_keep_alive, gateway.body_read_timeout) == (9, 11)
+    scheduler = cli.build_parser().parse_args(["scheduler", model, *argv["scheduler"]])
+    assert scheduler.max_num_queued_reqs == 3 and shutdown_timeout == 7

@@ -3,7 +3,7 @@ import pytest
 from pagedserve.common.plan import StepLogprobs, StepPlan, StepResult
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
-from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from tests.scheduler_svc.helpers import EOS, add, make_scheduler
 
 
@@ -31,6 +31,27 @@ def test_token_budget_is_respected():
     for _ in range(20):
         plan, _ = step(s)
         assert 0 < plan.num_tokens <= 10
+
+
+def test_requests_past_the_queue_limit_are_refused():
+    s = make_scheduler(max_num_seqs=2, max_num_queued_reqs=1)
+    # Two go straight to free running slots, one queues, the next is refused.
+    for seq_id in range(1, 4):
+        add(s, seq_id, 3, max_tokens=50)
+    with pytest.raises(QueueFull, match="--max-num-queued-reqs"):
+        add(s, 4, 3)
+    step(s)
+    assert (s.num_running, s.num_waiting) == (2, 1)
+    with pytest.raises(QueueFull):
+        add(s, 4, 3)
+    s.abort("r3")
+    add(s, 4, 3)
+    s.abort("r1")
+    # A running slot came free: the queued request takes it at the next step, so one more may wait.
+    add(s, 5, 3)
+    assert s.num_waiting == 2
+    with pytest.raises(QueueFull):
+        add(s, 6, 3)
 
 
 def test_max_num_seqs_is_respected():
