@@ -138,7 +138,8 @@ def _copy(name: str, tensor: torch.Tensor, param: torch.Tensor, start: int, size
         tensor = tensor.reshape(-1, 1).expand(size, 1) if tensor.numel() == 1 else tensor.reshape(-1, 1)
     if target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
         raise ValueError(f"checkpoint tensor {name} is {tensor.dtype}, not FP8 E4M3 as config.json's "
-                         "quantization_config says; is the checkpoint complete?")
+                         "quantization_config says; remove that quantization_config (pass "
+                         "--quantization fp8 to quantize at load) or use the FP8 export")
     if tensor.shape != target.shape:
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but the model "
                          f"expects {tuple(target.shape)}; does the model's config match its weights?")

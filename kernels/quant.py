@@ -31,13 +31,14 @@ def _per_token_quant_kernel(x, out, scale, stride_x, stride_o, hidden, min_scale
         offs = start + tl.arange(0, BLOCK)
         h = tl.load(x_row + offs, mask=offs < hidden, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(h))
-    s = tl.maximum(tl.max(amax, 0) / FP8_MAX, min_scale)
+    # div_rn: Triton's `/` on fp32 is PTX's approximate div.full, and torch's reference divides exactly.
+    s = tl.maximum(tl.div_rn(tl.max(amax, 0), FP8_MAX), min_scale)
     tl.store(scale + row, s)
     for start in range(0, hidden, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hidden
         h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.clamp(h / s, -FP8_MAX, FP8_MAX))
+        q = _round_to_e4m3(tl.clamp(tl.div_rn(h, s), -FP8_MAX, FP8_MAX))
         tl.store(out_row + offs, q.to(out.dtype.element_ty), mask=mask)
 
 
