@@ -1,7 +1,8 @@
 """The attention backend: the kernels the model runs, behind one object a Triton backend can replace.
 
 The model calls `backend.forward` once per layer for rotary embedding, KV-cache write and paged
-attention, and `backend.rms_norm`, `backend.silu_and_mul` for the other elementwise kernels.
+attention, `backend.rms_norm`, `backend.silu_and_mul` for the other elementwise kernels, and
+`backend.per_token_quant_fp8` for the activations of FP8 linear layers.
 TorchAttentionBackend (the CPU backend) runs the pure-torch references; TritonAttentionBackend
 (CUDA) runs the kernels of `kernels/`.
 """
@@ -12,8 +13,9 @@ import torch
 from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.attention import paged_attention
 from pagedserve.kernels.norm import rms_norm
-from pagedserve.kernels.reference import (paged_attention_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref,
-                               write_kv_ref)
+from pagedserve.kernels.quant import per_token_quant_fp8
+from pagedserve.kernels.reference import (paged_attention_ref, per_token_quant_fp8_ref, rms_norm_ref, rotary_ref,
+                                          silu_and_mul_ref, write_kv_ref)
 from pagedserve.kernels.rotary import rotary_write_kv
 
 
@@ -36,6 +38,7 @@ class TorchAttentionBackend:
     """Pure-torch kernels: the CPU backend and the ground truth for the faster ones."""
     rms_norm = staticmethod(rms_norm_ref)
     silu_and_mul = staticmethod(silu_and_mul_ref)
+    per_token_quant_fp8 = staticmethod(per_token_quant_fp8_ref)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -55,6 +58,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
     """The Triton kernels: rotary works in place, and no kernel reads a device value on the host."""
     rms_norm = staticmethod(rms_norm)
     silu_and_mul = staticmethod(silu_and_mul)
+    per_token_quant_fp8 = staticmethod(per_token_quant_fp8)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

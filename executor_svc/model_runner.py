@@ -12,6 +12,7 @@ from pagedserve.executor_svc.attention_backend import AttentionMetadata, get_bac
 from pagedserve.executor_svc.batch_limits import batch_defaults, resolve_batch_limits
 from pagedserve.executor_svc.cuda_graphs import CudaGraphs, bucket, capture_sizes, decode_metadata
 from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_device, resolve_dtype
+from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
 from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
 from pagedserve.executor_svc.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
@@ -101,15 +102,18 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         self.model_config: ModelConfig = load_model_config(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.quantization = config.quantization or self.model_config.quantization
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device, self.quantization)
+        if self.quantization:
+            check_fp8_device(self.device, self.dtype)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         self.config = config = resolve_batch_limits(config, batch_defaults(self.device, offline),
                                                     self.max_model_len)
         self.block_size = config.block_size
+        backend = get_backend(self.device)
         with torch.device(self.device), default_dtype(self.dtype):
-            self.model = LlamaForCausalLM(self.model_config, get_backend(self.device),
-                                          self.max_model_len)
-        self._load_weights()
+            self.model = LlamaForCausalLM(self.model_config, backend, self.max_model_len)
+        self._load_weights(backend.per_token_quant_fp8 if self.quantization else None)
         self.sampler = Sampler()
         self.stats = RunnerStats()
         self.clock = StepClock(self.device)
@@ -156,13 +160,14 @@ class ModelRunner:
                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                  cuda_graphs=bool(self.graphs.graphs))
 
-    def _load_weights(self) -> None:
+    def _load_weights(self, quantize: Quantize | None) -> None:
         config = self.config
         start = time.perf_counter()
-        load_weights(self.model, config.model, config.load_format, config.seed)
+        load_weights(self.model, config.model, config.load_format, config.seed, quantize)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info("model_loaded", weights_gib=round(weight_bytes / 2**30, 3),
-                 seconds=round(time.perf_counter() - start, 2), load_format=config.load_format)
+                 seconds=round(time.perf_counter() - start, 2), load_format=config.load_format,
+                 quantization=self.quantization)
 
     def describe(self) -> ExecutorInfo:
         return ExecutorInfo(num_blocks=self.num_blocks, block_size=self.block_size,

@@ -10,19 +10,37 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.common.log import get_logger
+from pagedserve.executor_svc.fp8 import Quantize, fp8_linears, quantize_linears
 from pagedserve.executor_svc.gguf_file import find_gguf, read_gguf_tensors
+from pagedserve.kernels.reference import FP8_DTYPE
 
 log = get_logger(__name__)
 
-# Old Llama checkpoints saved the rotary inverse frequencies; the model builds its own.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Old Llama checkpoints saved the rotary inverse frequencies; the model builds its own. FP8
+# checkpoints may hold static activation scales: pagedserve quantizes activations per token
+# instead, a finer scale than one per tensor.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale")
+SCALE_SUFFIX = ".weight_scale"
 DUMMY_STD = 0.02
 
 
-def load_weights(model: nn.Module, model_path: str | Path, load_format: str, seed: int = 0) -> None:
+def load_weights(model: nn.Module, model_path: str | Path, load_format: str, seed: int = 0,
+                 quantize: Quantize | None = None) -> None:
     """Fills every parameter: `auto` from the GGUF file that `model_path` names or else the
     directory's *.safetensors, `safetensors` from those only, `dummy` with seeded random values
-    (norm weights 1, biases 0) without reading any weight file."""
+    (norm weights 1, biases 0) without reading any weight file.
+
+    With `quantize` (the backend's per-token FP8 quantizer) the decoder's projections run in FP8:
+    an FP8 checkpoint loads as it is, any other is quantized per output channel once loaded."""
+    serialized = quantize is not None and model.config.quantization == "fp8" and load_format != "dummy"
+    if serialized:
+        fp8_linears(model, quantize)
+    _fill(model, model_path, load_format, seed)
+    if quantize is not None and not serialized:
+        quantize_linears(model, quantize)
+
+
+def _fill(model: nn.Module, model_path: str | Path, load_format: str, seed: int) -> None:
     if load_format == "dummy":
         fill_dummy(model, seed)
     elif load_format == "auto" and (gguf_path := find_gguf(model_path)) is not None:
@@ -59,6 +77,8 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, Callable[[], 
     for name, read in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
+        # The "fp8" quant_method's name for the same multiplier (w = q * scale) as weight_scale.
+        name = name.removesuffix("_inv") if name.endswith(SCALE_SUFFIX + "_inv") else name
         if name not in targets:
             unexpected.append(name)
             continue
@@ -112,6 +132,14 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def _copy(name: str, tensor: torch.Tensor, param: torch.Tensor, start: int, size: int) -> None:
     target = param[start:start + size]
+    if name.endswith(SCALE_SUFFIX):
+        # Per-tensor ([] or [1]) or per-channel ([N] or [N, 1]); a fused projection's per-tensor
+        # shard scales become per-channel scales of its rows, which is exact.
+        tensor = tensor.reshape(-1, 1).expand(size, 1) if tensor.numel() == 1 else tensor.reshape(-1, 1)
+    if target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+        raise ValueError(f"checkpoint tensor {name} is {tensor.dtype}, not FP8 E4M3 as config.json's "
+                         "quantization_config says; remove that quantization_config (pass "
+                         "--quantization fp8 to quantize at load) or use the FP8 export")
     if tensor.shape != target.shape:
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but the model "
                          f"expects {tuple(target.shape)}; does the model's config match its weights?")

@@ -83,3 +83,17 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2 * d] holding gate then up projections; returns silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+# vLLM's floor on a dynamic scale: an all-zero row (CUDA-graph padding) divides by it, not by 0.
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (FP8 E4M3 [T, K], float32 scale [T, 1]), each row scaled by absmax / 448 so
+    that q * scale ~ x. Quantizes weights per output channel too (one row per channel)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale

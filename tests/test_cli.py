@@ -53,7 +53,7 @@ def test_accepted_vllm_flags(argv):
 
 @pytest.mark.parametrize("argv, says", [
     (["-tp", "2"], "tensor parallelism is not built yet"),
-    (["--quantization", "awq"], "quantization is not built yet"),
+    (["--quantization", "awq"], "quantization other than fp8 is not built yet (only fp8 is"),
     (["--kv-cache-dtype", "fp8"], "is not built yet"),
     (["--tool-call-parser", "pythonic"], "invalid choice"),
     (["--reasoning-parser", "granite"], "invalid choice"),
@@ -82,9 +82,9 @@ def test_help_shows_defaults_and_says_no_remote_code_runs(capsys):
 
 def test_each_child_gets_its_own_flags():
     config = config_from_args(parse("--max-num-seqs", "16", "--max-model-len", "4k", "--no-enable-prefix-caching",
-                                    "--served-model-name", "a", "b"))
+                                    "--served-model-name", "a", "b", "-q", "FP8"))
     executor, scheduler = config_to_argv(config, EXECUTOR_FLAGS), config_to_argv(config, SCHEDULER_FLAGS)
-    assert executor == ["--max-model-len", "4000", "--max-num-seqs", "16"]
+    assert executor == ["--max-model-len", "4000", "--max-num-seqs", "16", "--quantization", "fp8"]
     assert scheduler == ["--served-model-name", "a", "b", "--no-enable-prefix-caching"]
     build_parser().parse_args(["executor", *executor])
     build_parser().parse_args(["scheduler", *scheduler])

@@ -104,14 +104,17 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def paged_prefill_logits(path, prompts: list[list[int]], backend=None,
                          device: torch.device = torch.device("cpu"),
-                         dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+                         dtype: torch.dtype = torch.float32, fp8: bool = False,
+                         load_format: str = "auto") -> list[torch.Tensor]:
     """Every prompt's logits at every position, all prompts packed into one flattened batch whose
-    KV blocks are shuffled across the cache."""
+    KV blocks are shuffled across the cache. `fp8`: the decoder's projections in FP8, quantized at
+    load (an FP8 checkpoint loads as FP8 either way)."""
     config = load_model_config(path)
+    backend = backend or TorchAttentionBackend()
     with torch.device(device), default_dtype(dtype):
-        model = LlamaForCausalLM(config, backend or TorchAttentionBackend(),
-                                 config.max_position_embeddings)
-    load_weights(model, path, "auto")
+        model = LlamaForCausalLM(config, backend, config.max_position_embeddings)
+    fp8 = fp8 or config.quantization is not None
+    load_weights(model, path, load_format, quantize=backend.per_token_quant_fp8 if fp8 else None)
     num_blocks = [-(-len(p) // BLOCK_SIZE) for p in prompts]
     block_ids = list(range(sum(num_blocks) + 3))
     random.Random(0).shuffle(block_ids)
