@@ -20,10 +20,11 @@ def _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF: tl.conste
 
 
 @triton.jit
-def _to_storage(x, scale, dtype, FP8: tl.constexpr):
+def _to_storage(x, scale, dst, FP8: tl.constexpr):
+    """x as dst stores it: divided by the scale and saturated for an fp8 dst."""
     if FP8:
         x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -_FP8_MAX), _FP8_MAX)
-    return x.to(dtype)
+    return x.to(dst.dtype.element_ty)
 
 
 @triton.jit
@@ -38,9 +39,8 @@ def _rotate_heads(src, stride_sh, dst, stride_dh, num_heads, cos, sin, scale,
     dst_lo = dst + offs_h * stride_dh + offs_d
     x1 = tl.load(src_lo, mask=mask).to(tl.float32)
     x2 = tl.load(src_lo + HALF, mask=mask).to(tl.float32)
-    dtype = dst.dtype.element_ty
-    tl.store(dst_lo, _to_storage(x1 * cos - x2 * sin, scale, dtype, FP8), mask=mask)
-    tl.store(dst_lo + HALF, _to_storage(x2 * cos + x1 * sin, scale, dtype, FP8), mask=mask)
+    tl.store(dst_lo, _to_storage(x1 * cos - x2 * sin, scale, dst, FP8), mask=mask)
+    tl.store(dst_lo + HALF, _to_storage(x2 * cos + x1 * sin, scale, dst, FP8), mask=mask)
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, scale, HEADS_PAD: tl.
     offs_d = tl.arange(0, HEAD_DIM)[None, :]
     mask = offs_h < num_heads
     x = tl.load(src + offs_h * stride_sh + offs_d, mask=mask)
-    tl.store(dst + offs_h * stride_dh + offs_d, _to_storage(x, scale, dst.dtype.element_ty, FP8),
+    tl.store(dst + offs_h * stride_dh + offs_d, _to_storage(x, scale, dst, FP8),
              mask=mask)
 
 
