@@ -30,7 +30,8 @@ REF_TOKENS = 2048
 SWEEP_LENS = [1024, 4096, 16384]
 SWEEP_MAX_ABS_ERR = 2e-2
 # Prefill tilings for --prefill-sweep: (BLOCK_M rows = query positions x GQA group of 4, KV
-# tokens per step, warps, stages). "baseline" is the tiling and order before the sweep existed.
+# tokens per step, warps, stages). "baseline" is the tiling and order before the sweep existed;
+# "fresh" variants read the prompts' keys and values from k_new / v_new through TMA.
 SWEEP_VARIANTS = {
     "baseline": AttentionConfig(128, 64, 8, 3),
     "rev": AttentionConfig(128, 64, 8, 3, reverse=True),
@@ -46,6 +47,13 @@ SWEEP_VARIANTS = {
     "lazy_s4": AttentionConfig(128, 64, 8, 4, reverse=True, lazy_rescale=True),
     "lazy_n128": AttentionConfig(128, 128, 8, 3, reverse=True, lazy_rescale=True),
     "lazy_n128_s2": AttentionConfig(128, 128, 8, 2, reverse=True, lazy_rescale=True),
+    "fresh": AttentionConfig(128, 64, 8, 3, reverse=True, fresh_kv=True),
+    "fresh_s4": AttentionConfig(128, 64, 8, 4, reverse=True, fresh_kv=True),
+    "fresh_n128": AttentionConfig(128, 128, 8, 3, reverse=True, fresh_kv=True),
+    "fresh_n128_s2": AttentionConfig(128, 128, 8, 2, reverse=True, fresh_kv=True),
+    "fresh_m64_n128": AttentionConfig(64, 128, 4, 3, reverse=True, fresh_kv=True),
+    "fresh_lazy_n128": AttentionConfig(128, 128, 8, 3, reverse=True, lazy_rescale=True,
+                                       fresh_kv=True),
 }
 
 
@@ -77,26 +85,33 @@ def paged_kv(num_seqs: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def bench_decode(batch: int, ctx: int, copy_gbps: float) -> dict | None:
     kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2
-    if not fits(kv_bytes):
+    if not fits(kv_bytes * 3 // 2):
         return None
     k_cache, v_cache, table = paged_kv(batch, ctx)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     row = {"batch": batch, "ctx": ctx, "kv_gb": kv_bytes / 1e9}
-    for name, splits in (("auto", None), ("unsplit", 1), ("split4", 4)):
-        ms = median_ms(lambda: paged_attention(q, k_cache, v_cache, table, seq_lens, starts,
-                                               HEAD_DIM ** -0.5, max_query_len=1,
-                                               max_seq_len=ctx, num_splits=splits))
-        gbps = kv_bytes / ms / 1e6
+    ones = torch.ones((), device="cuda")
+    fp8 = (k_cache.to(FP8_DTYPE), v_cache.to(FP8_DTYPE))
+    # fp8kv: the same step over an fp8 cache, half the bytes (its GB/s counts the bytes read).
+    for name, splits, caches, nbytes in (("auto", None, (k_cache, v_cache), kv_bytes),
+                                         ("unsplit", 1, (k_cache, v_cache), kv_bytes),
+                                         ("split4", 4, (k_cache, v_cache), kv_bytes),
+                                         ("fp8kv", None, fp8, kv_bytes // 2)):
+        ms = median_ms(lambda: paged_attention(q, *caches, table, seq_lens, starts, SCALE,
+                                               max_query_len=1, max_seq_len=ctx,
+                                               num_splits=splits, kv_scales=(ones, ones)))
+        gbps = nbytes / ms / 1e6
         row[name] = {"ms": ms, "gbps": gbps, "frac_of_copy": gbps / copy_gbps}
     return row
 
 
 @dataclass(slots=True)
 class PrefillCase:
-    """One prefill launch: num_seqs whole prompts of seq_len tokens on a paged cache, and the
-    same data contiguous, K/V expanded to every query head, for SDPA."""
+    """One prefill launch: num_seqs whole prompts of seq_len tokens on a paged cache, the same
+    keys and values as the step's k_new / v_new, and contiguous, K/V expanded to every query
+    head, for SDPA."""
     seq_len: int
     num_seqs: int
     q: torch.Tensor
@@ -105,6 +120,8 @@ class PrefillCase:
     table: torch.Tensor
     seq_lens: torch.Tensor
     starts: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
     sdpa_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
     @property
@@ -114,7 +131,8 @@ class PrefillCase:
     def ours(self, **options: object) -> torch.Tensor:
         return paged_attention(self.q, self.k_cache, self.v_cache, self.table, self.seq_lens,
                                self.starts, SCALE, max_query_len=self.seq_len,
-                               max_seq_len=self.seq_len, **options)
+                               max_seq_len=self.seq_len, k_new=self.k_new, v_new=self.v_new,
+                               **options)
 
     def sdpa(self) -> torch.Tensor:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -130,10 +148,13 @@ def prefill_case(seq_len: int) -> PrefillCase:
     seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device="cuda")
     starts = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * seq_len
     group = NUM_HEADS // NUM_KV_HEADS
-    k, v = (c[table.long()].reshape(num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM)
-            .repeat_interleave(group, dim=2).transpose(1, 2).contiguous() for c in (k_cache, v_cache))
+    k_new, v_new = (c[table.long()].reshape(num_seqs * seq_len, NUM_KV_HEADS, HEAD_DIM)
+                    for c in (k_cache, v_cache))
+    k, v = (x.view(num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM).repeat_interleave(group, dim=2)
+            .transpose(1, 2).contiguous() for x in (k_new, v_new))
     qs = q.view(num_seqs, seq_len, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-    return PrefillCase(seq_len, num_seqs, q, k_cache, v_cache, table, seq_lens, starts, (qs, k, v))
+    return PrefillCase(seq_len, num_seqs, q, k_cache, v_cache, table, seq_lens, starts, k_new,
+                       v_new, (qs, k, v))
 
 
 def bench_prefill(seq_len: int) -> dict:
@@ -233,7 +254,7 @@ def main() -> None:
         decode.append(row)
         cells = "  ".join(f"{k} {row[k]['ms']:.3f} ms {row[k]['gbps']:.0f} GB/s "
                           f"{100 * row[k]['frac_of_copy']:.0f}%"
-                          for k in ("auto", "unsplit", "split4"))
+                          for k in ("auto", "unsplit", "split4", "fp8kv"))
         print(f"decode batch {batch:3d} ctx {ctx:5d}: {cells}")
     prefill = []
     for seq_len in PREFILL_LENS:

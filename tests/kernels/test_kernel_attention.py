@@ -20,9 +20,11 @@ FP8_TOLERANCE = 6e-2
 def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size: int,
              dtype: torch.dtype, num_splits: int | None, strided: bool = False,
              max_query_len: int | None = None, config: AttentionConfig | None = None,
-             q_gain: float = 1.0, kv_scales: tuple[float, float] | None = None) -> None:
+             q_gain: float = 1.0, kv_scales: tuple[float, float] | None = None,
+             fresh: bool = False) -> None:
     """Kernel against the reference on the same cache; with kv_scales, on an fp8 cache of
-    K / k_scale and V / v_scale, and also against the reference on the unquantized cache."""
+    K / k_scale and V / v_scale, and also against the reference on the unquantized cache; with
+    fresh, given the new tokens' K and V as the step's k_new, v_new too."""
     seq_lens = [c + n for c, n in batch]
     query_lens = [n for _, n in batch]
     k_cache, v_cache, table = random_paged_kv(seq_lens, NUM_KV_HEADS, head_dim, block_size, dtype)
@@ -33,6 +35,8 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
         exact_caches = k_cache, v_cache
         scales = tuple(torch.tensor(s, device=DEVICE) for s in kv_scales)
         k_cache, v_cache = (quantize_kv(c, FP8_DTYPE, s) for c, s in zip(exact_caches, scales))
+    k_new, v_new = ((new_token_rows(c, table, batch, block_size) for c in (k_cache, v_cache))
+                    if fresh else (None, None))
     num_heads, num_tokens = NUM_KV_HEADS * group, sum(query_lens)
     if strided:
         # q as the first columns of a fused qkv projection; k and v caches as halves of one
@@ -51,13 +55,24 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
     out = torch.full_like(q, float("nan"))
     got = paged_attention(q, k_cache, v_cache, table, lens, starts, scale,
                           max_query_len=max_query_len, max_seq_len=max(seq_lens),
-                          num_splits=num_splits, out=out, kv_scales=scales, config=config)
+                          num_splits=num_splits, out=out, kv_scales=scales, config=config,
+                          k_new=k_new, v_new=v_new)
     assert got is out
     ref = paged_attention_ref(q, k_cache, v_cache, table, lens, starts, scale, scales)
     assert_close(out, ref)
     if kv_scales is not None:
         exact = paged_attention_ref(q, *exact_caches, table, lens, starts, scale)
         assert rel_err(out, exact) < FP8_TOLERANCE
+
+
+def new_token_rows(cache: torch.Tensor, table: torch.Tensor, batch: list[tuple[int, int]],
+                   block_size: int) -> torch.Tensor:
+    """The cache entries of each sequence's new tokens, packed as the step's k or v."""
+    rows = []
+    for i, (cached, n) in enumerate(batch):
+        pos = torch.arange(cached, cached + n, device=DEVICE)
+        rows.append(cache[table[i, pos // block_size].long(), pos % block_size])
+    return torch.cat(rows)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["unsplit", "split4"])
@@ -83,6 +98,19 @@ def test_mixed_batch(group: int, head_dim: int, block_size: int, dtype: torch.dt
 ], ids=str)
 def test_prefill_configs(config: AttentionConfig) -> None:
     run_case(MIXED, 4, 32, 8, torch.float32, num_splits=1, config=config, q_gain=6.0)
+
+
+# New keys through tensor descriptors: 64-token tiles (one diagonal tile per q block) and
+# 16-token tiles (several, behind a cached context of partial tiles), then a split launch, which
+# reads the paged cache alone.
+@pytest.mark.parametrize("config, num_splits", [
+    (AttentionConfig(128, 64, 8, 3, reverse=True, fresh_kv=True), 1),
+    (AttentionConfig(64, 16, 4, 2, lazy_rescale=True, fresh_kv=True), 1),
+    (AttentionConfig(128, 64, 8, 3, fresh_kv=True), 4),
+], ids=str)
+def test_fresh_kv_from_the_step(config: AttentionConfig, num_splits: int) -> None:
+    run_case(MIXED, 4, 32, 8, torch.float32, num_splits=num_splits, config=config, q_gain=6.0,
+             fresh=True)
 
 
 @pytest.mark.parametrize("batch, max_query_len, num_splits", [
