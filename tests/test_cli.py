@@ -43,7 +43,7 @@ def test_model_positional_or_flag_and_several_served_names():
     assert config_from_args(args).name == "llama"
 
 
-@pytest.mark.parametrize("argv", [["-tp", "1"], ["--tensor-parallel-size", "1"], ["--trust-remote-code"],
+@pytest.mark.parametrize("argv", [["-tp", "1"], ["--tensor-parallel-size", "2"], ["--trust-remote-code"],
                                   ["--disable-log-requests"], ["--enable-log-requests"], ["--disable-log-stats"],
                                   ["--uvicorn-log-level", "warning"], ["--kv-cache-dtype", "auto"],
                                   ["--enable-prefix-caching"], ["--enforce-eager"]])
@@ -52,7 +52,7 @@ def test_accepted_vllm_flags(argv):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["-tp", "2"], "tensor parallelism is not built yet"),
+    (["-tp", "0"], "must be a positive integer"),
     (["--quantization", "awq"], "quantization is not built yet"),
     (["--kv-cache-dtype", "fp8"], "is not built yet"),
     (["--tool-call-parser", "pythonic"], "invalid choice"),
