@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pagedserve.common import log
 from pagedserve.common.config import EngineConfig
+from pagedserve.common.log import get_logger, settings
 from pagedserve.common.process import die_with_parent
 from pagedserve.executor_svc.parallel import TensorParallel, free_port, init_group
 
-logger = log.get_logger(__name__)
+log = get_logger(__name__)
 
 WORKER_MODULE = "pagedserve.executor_svc.tp_worker"
 STOP_GRACE_S = 5.0
@@ -49,7 +49,7 @@ class Workers:
         code = process.wait()
         if self.stopped.wait(STOP_GRACE_S):
             return
-        logger.error("tp_worker_exited", rank=rank, code=code,
+        log.error("tp_worker_exited", rank=rank, code=code,
                      message=f"tensor-parallel rank {rank} stopped; stopping rank 0 too")
         os._exit(1)
 
@@ -69,7 +69,7 @@ def start_workers(config: EngineConfig, offline: bool, device: torch.device) -> 
     """Starts ranks 1..N-1 and joins them as rank 0; returns once the group is up."""
     size, port = config.tensor_parallel_size, free_port()
     spec = json.dumps({"config": dataclasses.asdict(config), "offline": offline,
-                       "log": log.settings, "parent": os.getpid()})
+                       "log": settings, "parent": os.getpid()})
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size)}
     processes = [subprocess.Popen([sys.executable, "-m", WORKER_MODULE, spec],
                                   env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
@@ -79,6 +79,6 @@ def start_workers(config: EngineConfig, offline: bool, device: torch.device) -> 
     for rank, process in enumerate(processes, 1):
         threading.Thread(target=workers.watch, args=(rank, process), daemon=True,
                          name=f"tp-rank{rank}-watch").start()
-    logger.info("tp_workers_started", tensor_parallel_size=size, pids=[p.pid for p in processes])
+    log.info("tp_workers_started", tensor_parallel_size=size, pids=[p.pid for p in processes])
     workers.tp = init_group(0, size, device, f"tcp://127.0.0.1:{port}")
     return workers

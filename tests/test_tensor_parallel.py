@@ -2,7 +2,10 @@
 LLM (preemption and prefix caching included), each rank holds only its slice of each weight, and
 a size that does not divide the model is refused in one line."""
 import re
+import subprocess
+import sys
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,6 +18,7 @@ from pagedserve.executor_svc.parallel import TensorParallel, shard_config
 from pagedserve.executor_svc.weight_loader import checkpoint_targets, load_weights
 from tests.serving import run_cli
 from tests.test_llm_equivalence import shared_prefix_prompts
+from tests.tiny_gguf import Q, write_gguf
 from tests.tiny_models import llm_greedy, make_tiny_model, mixed_prompts
 
 NEW_TOKENS = 32
@@ -62,9 +66,9 @@ def test_tp2_gives_tp1_greedy_tokens_under_preemption_and_prefix_caching(model, 
     assert int(logged[1]) == sum(p.numel() for p in rank_model(model, 1).parameters())
 
 
-def test_each_rank_holds_its_slice_of_every_tensor(model):
-    tensors = load_file(model / "model.safetensors")
-    ranks = [checkpoint_targets(rank_model(model, rank)) for rank in (0, 1)]
+def assert_ranks_hold_slices(path, tensors: dict[str, torch.Tensor]) -> None:
+    """The two ranks' slices of each checkpoint tensor put together are the whole `tensors`."""
+    ranks = [checkpoint_targets(rank_model(path, rank)) for rank in (0, 1)]
     for name, tensor in tensors.items():
         held = [targets[name] for targets in ranks if targets[name] is not None]
         if held[0].parts == 1:
@@ -73,8 +77,23 @@ def test_each_rank_holds_its_slice_of_every_tensor(model):
             continue
         assert [t.rank for t in held] == [0, 1], name
         assert torch.equal(torch.cat([t.view for t in held], held[0].dim), tensor), name
+
+
+def test_each_rank_holds_its_slice_of_every_tensor(model):
+    tensors = load_file(model / "model.safetensors")
+    assert_ranks_hold_slices(model, tensors)
     whole = sum(t.numel() for t in tensors.values())
     assert all(sum(p.numel() for p in rank_model(model, r).parameters()) < 0.6 * whole for r in (0, 1))
+
+
+def test_gguf_ranks_dequantize_their_blocks_of_each_tensor(tmp_path):
+    # Q8_0 blocks of 32 columns: o_proj's and down_proj's halves start on a block; q/k rows are
+    # un-permuted per head after slicing.
+    path = write_gguf(make_tiny_model("LlamaForCausalLM", tmp_path / "hf"), tmp_path / "model.gguf",
+                      outtype=Q.Q8_0)
+    whole = LlamaForCausalLM(load_model_config(path), TorchAttentionBackend(), 64)
+    load_weights(whole, path, "auto")
+    assert_ranks_hold_slices(path, {name: t.view for name, t in checkpoint_targets(whole).items()})
 
 
 def test_rank_0_alone_holds_a_row_parallel_bias(tmp_path):
@@ -112,3 +131,14 @@ def test_sizes_that_do_not_divide_the_model_are_refused_in_one_line(tmp_path, ca
                                          r"heads 4 and KV heads 2 and intermediate size 128 and vocabulary "
                                          r"size 512; use -tp 1, 2$"):
         run_cli(["executor", str(path), "-tp", "3", "--address", f"unix://{tmp_path}/x.sock"])
+
+
+def test_rank_1_dies_with_rank_0(tmp_path):
+    model = make_tiny_model("Qwen2ForCausalLM", tmp_path)
+    script = (f"import os, signal; from pagedserve import LLM; llm = LLM({str(model)!r}, tensor_parallel_size=2); "
+              "print(llm.runner.workers.processes[0].pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    rank0 = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert rank0.returncode == -9, rank0.stderr
+    rank1 = int(rank0.stdout.split()[-1])
+    gone, alive = psutil.wait_procs([psutil.Process(rank1)] if psutil.pid_exists(rank1) else [], timeout=10)
+    assert not alive, "rank 1 outlived rank 0"
