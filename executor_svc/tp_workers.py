@@ -50,7 +50,7 @@ class Workers:
         if self.stopped.wait(STOP_GRACE_S):
             return
         log.error("tp_worker_exited", rank=rank, code=code,
-                     message=f"tensor-parallel rank {rank} stopped; stopping rank 0 too")
+                  message=f"tensor-parallel rank {rank} stopped; stopping rank 0 too")
         os._exit(1)
 
     def stop(self) -> None:
@@ -80,5 +80,9 @@ def start_workers(config: EngineConfig, offline: bool, device: torch.device) -> 
         threading.Thread(target=workers.watch, args=(rank, process), daemon=True,
                          name=f"tp-rank{rank}-watch").start()
     log.info("tp_workers_started", tensor_parallel_size=size, pids=[p.pid for p in processes])
-    workers.tp = init_group(0, size, device, f"tcp://127.0.0.1:{port}")
+    try:
+        workers.tp = init_group(0, size, device, f"tcp://127.0.0.1:{port}")
+    except BaseException:
+        workers.stop()
+        raise
     return workers
