@@ -73,6 +73,8 @@ def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], Fp8Linear]) -
     for name in names:
         linear = model.get_submodule(name)
         layer = make(linear)
-        if hasattr(linear, "shards"):
-            layer.shards = linear.shards
+        # What the weight loader reads off a module: fused shards, a rank's slice, skipped tensors.
+        for name in ("shards", "tp_split", "skipped"):
+            if hasattr(linear, name):
+                setattr(layer, name, getattr(linear, name))
         model.set_submodule(name, layer)

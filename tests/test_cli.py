@@ -43,7 +43,7 @@ def test_model_positional_or_flag_and_several_served_names():
     assert config_from_args(args).name == "llama"
 
 
-@pytest.mark.parametrize("argv", [["-tp", "1"], ["--tensor-parallel-size", "1"], ["--trust-remote-code"],
+@pytest.mark.parametrize("argv", [["-tp", "1"], ["--tensor-parallel-size", "2"], ["--trust-remote-code"],
                                   ["--disable-log-requests"], ["--enable-log-requests"], ["--disable-log-stats"],
                                   ["--uvicorn-log-level", "warning"], ["--kv-cache-dtype", "auto"],
                                   ["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e4m3"],
@@ -53,7 +53,7 @@ def test_accepted_vllm_flags(argv):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["-tp", "2"], "tensor parallelism is not built yet"),
+    (["-tp", "0"], "must be a positive integer"),
     (["--quantization", "awq"], "quantization other than fp8 is not built yet (only fp8 is"),
     (["--kv-cache-dtype", "fp8_e5m2"], "fp8_e5m2 KV caches are not built; use fp8 (e4m3) or auto"),
     (["--kv-cache-dtype", "int8"], "invalid choice"),

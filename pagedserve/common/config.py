@@ -34,6 +34,7 @@ class EngineConfig:
     quantization: str | None = None
     device: str = "auto"
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
     async_scheduling: bool = True
     disable_log_stats: bool = False
 
@@ -47,13 +48,14 @@ SCHEDULER_FLAGS = ("served_model_name", "max_num_queued_reqs", "enable_prefix_ca
                    "disable_log_stats")
 EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes", "dtype",
-                  "kv_cache_dtype", "seed", "load_format", "quantization", "device", "enforce_eager")
+                  "kv_cache_dtype", "seed", "load_format", "quantization", "device", "enforce_eager",
+                  "tensor_parallel_size")
 # Executor flags whose value Describe reports back; a scheduler given one checks it against that.
 GEOMETRY_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "num_gpu_blocks_override", "dtype")
 # vLLM flags accepted for what pagedserve does anyway; any other value fails, naming what is not
 # built. Checked where they are given, carried to no process.
-COMPAT_FLAGS = ("tensor_parallel_size", "trust_remote_code")
+COMPAT_FLAGS = ("trust_remote_code",)
 ENGINE_FLAGS = SCHEDULER_FLAGS + EXECUTOR_FLAGS + COMPAT_FLAGS
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -106,9 +108,10 @@ def _flag_specs() -> dict[str, dict]:
         "disable_log_stats": dict(action="store_true",
                                   help="no periodic line of throughput, running and waiting requests "
                                        "and KV-cache usage (every 10 s while busy)"),
-        "tensor_parallel_size": dict(flags=("-tp",), default=1,
-                                     type=arg_types.only(1, "tensor parallelism", "pagedserve runs a model on one GPU"),
-                                     help="GPUs per model; only 1 until tensor parallelism is built"),
+        "tensor_parallel_size": dict(flags=("-tp",), type=arg_types.positive_int, default=d.tensor_parallel_size,
+                                     help="GPUs per model (cuda:0 to cuda:N-1; processes on a CPU): each "
+                                          "holds 1/N of the heads, MLP and vocabulary, and the executor "
+                                          "starts the other N-1 ranks itself"),
         "quantization": dict(flags=("-q",), default=d.quantization,
                              type=arg_types.only("fp8", "quantization other than fp8",
                                                  "only fp8 is: FP8 weights and activations"),

@@ -8,10 +8,13 @@ import structlog
 
 # Loggers of gRPC's Python layer; its C core obeys GRPC_VERBOSITY.
 GRPC_LOGGERS = ("grpc", "grpc._cython", "grpc.aio")
+# The last configure's level and format, for child processes that log the same way.
+settings = {"level": "info", "fmt": "text"}
 
 
 def configure(level: str = "info", service: str = "pagedserve", fmt: str = "text") -> None:
     """Configures structlog and the standard library's logging for this process; call once at start."""
+    settings.update(level=level, fmt=fmt)
     shared = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
               structlog.processors.TimeStamper(fmt="iso", utc=True)]
     renderer = (structlog.processors.JSONRenderer() if fmt == "json"

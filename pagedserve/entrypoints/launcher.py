@@ -3,7 +3,6 @@
 If any child exits, all stop. SIGINT/SIGTERM stop the gateway first (it refuses new requests and
 gives running ones --shutdown-timeout to finish), then the scheduler, then the executor. Children
 die with the launcher even if it is killed (PDEATHSIG)."""
-import ctypes
 import shutil
 import signal
 import socket
@@ -19,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.common.log import get_logger
+from pagedserve.common.process import die_with_parent
 from pagedserve.entrypoints.preflight import connect_host
 
 log = get_logger(__name__)
@@ -46,7 +46,7 @@ class Launcher:
               pass_fds: tuple[int, ...] = ()) -> None:
         """Starts `pagedserve <argv>` and waits until `ready()` holds or the child dies."""
         command = [sys.executable, "-m", "pagedserve", *argv]
-        process = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent,
+        process = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent,
                                    pass_fds=pass_fds)
         self.children.append(Child(name, process))
         deadline = time.monotonic() + timeout
@@ -114,12 +114,6 @@ def http_ready(url: str) -> Callable[[], bool]:
         except OSError:
             return False
     return probe
-
-
-def _die_with_parent() -> None:
-    if sys.platform == "linux":
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, scheduler_address: str | None,
