@@ -74,7 +74,7 @@ def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], Fp8Linear]) -
         linear = model.get_submodule(name)
         layer = make(linear)
         # What the weight loader reads off a module: fused shards, a rank's slice, skipped tensors.
-        for name in ("shards", "tp_split", "skipped"):
-            if hasattr(linear, name):
-                setattr(layer, name, getattr(linear, name))
+        for attribute in ("shards", "tp_split", "skipped"):
+            if hasattr(linear, attribute):
+                setattr(layer, attribute, getattr(linear, attribute))
         model.set_submodule(name, layer)
