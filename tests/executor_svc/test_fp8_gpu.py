@@ -12,8 +12,11 @@ from pagedserve import LLM
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.model_shapes import write_shape
 from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
+from pagedserve.executor_svc.fp8 import quantize_linears
 from pagedserve.executor_svc.kv_cache import bytes_per_block
 from pagedserve.executor_svc.model_runner import ModelRunner
+from pagedserve.kernels.quant import per_token_quant_fp8
+from pagedserve.kernels.reference import per_token_quant_fp8_ref
 from tests.executor_svc.harness import paged_prefill_logits
 from tests.real_model import CHATS, RAW_PROMPTS, smollm2_path
 from tests.tiny_models import llm_greedy
@@ -56,6 +59,23 @@ def greedy(path, prompts: list[list[int]], **llm_kwargs) -> list[list[int]]:
 def _release() -> None:
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_scaled_mm_layer_with_bias_matches_dequantized_math():
+    """torch._scaled_mm with row-wise scales and a bf16 bias (Qwen2's q/k/v) on the Triton
+    kernel's quantized activations, against the same FP8 values multiplied out in float32."""
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.qkv_proj = torch.nn.Linear(4096, 1536, bias=True, device=CUDA, dtype=torch.bfloat16)
+    x = torch.randn(37, 4096, device=CUDA, dtype=torch.bfloat16) * 2
+    w_q, w_scale = per_token_quant_fp8_ref(holder.qkv_proj.weight)
+    quantize_linears(holder, per_token_quant_fp8)
+    with torch.inference_mode():
+        out = holder.qkv_proj(x)
+    x_q, x_scale = per_token_quant_fp8_ref(x)
+    expected = (x_q.float() * x_scale) @ (w_q.float() * w_scale).t() + holder.qkv_proj.bias.float()
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2
 
 
 def test_smollm2_fp8_ranks_bf16_greedy_tokens_first_on_the_same_context():
