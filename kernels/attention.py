@@ -263,7 +263,9 @@ def default_config(group_pad: int, head_dim: int, elem_bytes: int,
     # prefill uses 128-row tiles so a KV tile is reused by many queries. KV tiles are capped
     # at 16 KiB each. Measured on an H200 (Llama-3.1-8B shape, bf16): decode is fastest with
     # 64-token tiles and 2 stages (3 stages cost a third of the bandwidth at batch 64, through
-    # lower occupancy); prefill is flat across 64/128-token tiles and 2/3 stages.
+    # lower occupancy); prefill is flat across 64/128-token tiles and 2/3 stages. Prefill
+    # starts its longest q blocks first (FlashAttention-2's order), not yet measured here:
+    # `python -m pagedserve.bench.kernels --prefill-sweep` times it against the old order.
     tile = max(16, min(64, 16384 // (head_dim * elem_bytes)))
     if max_query_len * group_pad <= 16:
         return AttentionConfig(max(16, group_pad), tile, num_warps=4, num_stages=2)
