@@ -61,14 +61,14 @@ async def test_n_choices_count_the_prompt_once(http, base_url):
 
 async def test_engine_series_come_from_the_scheduler(http, base_url):
     m = await scrape(http, base_url)
-    assert value(m, "num_requests_running") == ENGINE_STATS["num_running"]
-    assert value(m, "num_requests_waiting") == ENGINE_STATS["num_waiting"]
-    assert value(m, "kv_cache_usage_perc") == ENGINE_STATS["kv_cache_usage"]
-    assert value(m, "num_preemptions_total") == ENGINE_STATS["num_preemptions"]
-    assert value(m, "prefix_cache_queries_total") == ENGINE_STATS["prefix_cache_queries"]
-    assert value(m, "prefix_cache_hits_total") == ENGINE_STATS["prefix_cache_hits"]
-    assert value(m, "cache_config_info", block_size="16", num_gpu_blocks="100", gpu_memory_utilization="0.9",
-                 enable_prefix_caching="True") == 1
+    assert value(m, "num_requests_running", engine="0") == ENGINE_STATS["num_running"]
+    assert value(m, "num_requests_waiting", engine="0") == ENGINE_STATS["num_waiting"]
+    assert value(m, "kv_cache_usage_perc", engine="0") == ENGINE_STATS["kv_cache_usage"]
+    assert value(m, "num_preemptions_total", engine="0") == ENGINE_STATS["num_preemptions"]
+    assert value(m, "prefix_cache_queries_total", engine="0") == ENGINE_STATS["prefix_cache_queries"]
+    assert value(m, "prefix_cache_hits_total", engine="0") == ENGINE_STATS["prefix_cache_hits"]
+    assert value(m, "cache_config_info", engine="0", block_size="16", num_gpu_blocks="100",
+                 gpu_memory_utilization="0.9", enable_prefix_caching="True") == 1
     assert not any(name.endswith("_created") for name, _ in m)
 
 
@@ -78,14 +78,15 @@ async def test_step_histograms_come_from_the_scheduler(http, base_url):
                 "step_forward_seconds": ({"0.001": 0, "0.01": 4, "+Inf": 5}, 0.05),
                 "step_idle_seconds": ({"0.0001": 2, "0.001": 3, "+Inf": 4}, 0.0021)}
     for name, (buckets, total) in expected.items():
-        assert {le: value(m, f"{name}_bucket", le=le) for le in buckets} == buckets, name
-        assert value(m, f"{name}_count") == buckets["+Inf"] and value(m, f"{name}_sum") == total, name
+        assert {le: value(m, f"{name}_bucket", engine="0", le=le) for le in buckets} == buckets, name
+        assert value(m, f"{name}_count", engine="0") == buckets["+Inf"], name
+        assert value(m, f"{name}_sum", engine="0") == total, name
 
 
 async def test_an_engine_without_step_histograms_leaves_them_out(http, base_url, engine):
     engine.steps = {}
     m = await scrape(http, base_url)
-    assert value(m, "num_requests_running") == ENGINE_STATS["num_running"]
+    assert value(m, "num_requests_running", engine="0") == ENGINE_STATS["num_running"]
     assert not any(name.startswith("pagedserve:step_") for name, _ in m)
 
 
