@@ -116,24 +116,36 @@ class EnginePool:
     async def poll(self) -> None:
         """Polls every scheduler in rotation, and those out of it whose backoff has passed."""
         now = time.monotonic()
-        await asyncio.gather(*(self._poll(e) for e in self.engines if e.down is None or now >= e.retry_at))
+        due = [e for e in self.engines if e.down is None or now >= e.retry_at]
+        answers = await asyncio.gather(*(self._fetch(e) for e in due))
+        # In address order, so that of the schedulers first answering, the first listed sets the model.
+        for engine, (info, error) in zip(due, answers):
+            self._update(engine, info, error)
 
     async def _poll_forever(self) -> None:
         while True:
             await self.poll()
             await asyncio.sleep(POLL_INTERVAL_S)
 
-    async def _poll(self, engine: Engine) -> None:
+    @staticmethod
+    async def _fetch(engine: Engine) -> tuple[pb.ModelInfo | None, APIError | None]:
+        # ModelInfo first: a scheduler reattaching to its executor already tells the model.
         try:
-            # ModelInfo first: a scheduler reattaching to its executor already tells the model.
             info = await engine.client.model_info()
-            engine.wrong_model = self._mismatch(engine, info)
+        except APIError as e:
+            return None, e
+        try:
             await engine.client.check_serving()
         except APIError as e:
-            self._take_out(engine, e.info.message)
-            return
-        if engine.wrong_model:
-            self._take_out(engine, engine.wrong_model)
+            return info, e
+        return info, None
+
+    def _update(self, engine: Engine, info: pb.ModelInfo | None, error: APIError | None) -> None:
+        if info is not None:
+            engine.wrong_model = self._mismatch(engine, info)
+        reason = error.info.message if error else engine.wrong_model
+        if reason:
+            self._take_out(engine, reason)
             return
         if engine.down is not None:
             log.info("scheduler_in_rotation", engine=engine.index, address=engine.address)

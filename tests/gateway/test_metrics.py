@@ -133,3 +133,28 @@ async def test_openmetrics_on_request(http, base_url):
     async with http.get(f"{base_url}/metrics", headers={"Accept": "application/openmetrics-text"}) as r:
         assert r.headers["Content-Type"].startswith("application/openmetrics-text")
         assert (await r.text()).endswith("# EOF\n")
+
+
+async def test_vllm_series_equal_their_pagedserve_twins(http, base_url):
+    await asyncio.gather(*[_request(http, base_url, stream=i % 2 == 0) for i in range(N)])
+    async with http.get(f"{base_url}/metrics") as r:
+        families = {f.name: f for f in text_string_to_metric_families(await r.text())}
+    vllm = {name: f for name, f in families.items() if name.startswith("vllm:")}
+    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "gpu_cache_usage_perc",
+                 "prefix_cache_queries", "prefix_cache_hits", "cache_config_info", "time_to_first_token_seconds",
+                 "e2e_request_latency_seconds", "inter_token_latency_seconds", "request_success", "prompt_tokens",
+                 "generation_tokens", "request_prompt_tokens", "request_generation_tokens"):
+        assert f"vllm:{name}" in vllm, name
+    assert vllm["vllm:prefix_cache_hits"].type == "counter" and vllm["vllm:kv_cache_usage_perc"].type == "gauge"
+    assert vllm["vllm:request_success"].samples[0].name == "vllm:request_success_total"
+    for name, family in vllm.items():
+        short = name.removeprefix("vllm:")
+        twin = families["pagedserve:" + ("kv_cache_usage_perc" if short == "gpu_cache_usage_perc" else short)]
+        assert family.type == twin.type and _samples(family) == _samples(twin), name
+        assert all(s.labels["model_name"] == MODEL for s in family.samples), name
+    assert ("_count", {"model_name": MODEL}, N) in _samples(vllm["vllm:time_to_first_token_seconds"])
+
+
+def _samples(family) -> list[tuple[str, dict, float]]:
+    """Name suffix (_total, _bucket, ...), labels and value of each sample."""
+    return [(s.name[len(family.name):], s.labels, s.value) for s in family.samples]
