@@ -14,7 +14,7 @@ log = get_logger(__name__)
 
 POLL_INTERVAL_S = 0.5
 # A scheduler out of rotation is probed again after this, doubling up to the maximum.
-MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 10.0
+MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
 
 
 def split_addresses(value: str) -> list[str]:
@@ -37,17 +37,16 @@ class Engine:
     info: pb.ModelInfo | None = None
     # Why it is out of rotation; None while it is in.
     down: str | None = "not polled yet"
-    # Set while it serves another model than the pool's.
-    wrong_model: str | None = None
-    # Engine requests sent to it since `info` was polled, which its counters do not show yet.
-    sent: int = 0
+    # Engine requests this gateway started on it since `info` was polled, less those that ended
+    # since: what its counters do not show yet.
+    pending: int = 0
     backoff: float = MIN_BACKOFF_S
     retry_at: float = 0.0
 
     def load(self) -> int | None:
         if self.down is not None:
             return None
-        return self.info.num_running + self.info.num_waiting + self.sent
+        return max(0, self.info.num_running + self.info.num_waiting + self.pending)
 
 
 class EnginePool:
@@ -56,7 +55,8 @@ class EnginePool:
 
     def __init__(self, scheduler_address: str) -> None:
         self.engines = [Engine(i, a, EngineClient(a)) for i, a in enumerate(split_addresses(scheduler_address))]
-        # The model facts of the first scheduler that answered, which every other one must match.
+        # The model facts of the first scheduler that answered (the reference), which every other
+        # one must match.
         self.spec: ModelSpec | None = None
         self.block_size = 0
         self._reference: Engine | None = None
@@ -83,11 +83,15 @@ class EnginePool:
         call then fails with the reason, or succeeds if it came back since the last poll."""
         loads = [e.load() for e in self.engines]
         if all(load is None for load in loads):
-            loads = [e.sent for e in self.engines]
+            loads = [e.pending for e in self.engines]
         key = router.prefix_key(prompt_token_ids, self.block_size) if self.block_size else None
         engine = self.engines[router.pick(loads, key)]
-        engine.sent += count
+        engine.pending += count
         return engine
+
+    def ended(self, engine: Engine) -> None:
+        """One engine request picked for `engine` ended."""
+        engine.pending -= 1
 
     def failed(self, engine: Engine, error: APIError) -> None:
         """Takes `engine` out of rotation if `error` says its scheduler is down."""
@@ -95,14 +99,10 @@ class EnginePool:
             self._take_out(engine, error.info.message)
 
     async def health(self) -> list[str | None]:
-        """Each scheduler's state, checked now: None if it serves, else why not."""
-        async def check(engine: Engine) -> str | None:
-            try:
-                await engine.client.check_serving()
-            except APIError as e:
-                return e.info.message
-            return engine.wrong_model
-        return await asyncio.gather(*(check(e) for e in self.engines))
+        """Each scheduler's state, checked now (a poll of all, backoff or not, so that a probe that
+        sees one serve also puts it back in rotation): None if it serves, else why not."""
+        await self.poll(every=True)
+        return [e.down for e in self.engines]
 
     async def infos(self) -> list[pb.ModelInfo | None]:
         """Each scheduler's ModelInfo fetched now, None for one that did not answer."""
@@ -113,10 +113,10 @@ class EnginePool:
                 return None
         return await asyncio.gather(*(fetch(e) for e in self.engines))
 
-    async def poll(self) -> None:
-        """Polls every scheduler in rotation, and those out of it whose backoff has passed."""
+    async def poll(self, every: bool = False) -> None:
+        """Polls every scheduler in rotation, and those out of it whose backoff has passed (or all)."""
         now = time.monotonic()
-        due = [e for e in self.engines if e.down is None or now >= e.retry_at]
+        due = [e for e in self.engines if every or e.down is None or now >= e.retry_at]
         answers = await asyncio.gather(*(self._fetch(e) for e in due))
         # In address order, so that of the schedulers first answering, the first listed sets the model.
         for engine, (info, error) in zip(due, answers):
@@ -141,19 +141,19 @@ class EnginePool:
         return info, None
 
     def _update(self, engine: Engine, info: pb.ModelInfo | None, error: APIError | None) -> None:
-        if info is not None:
-            engine.wrong_model = self._mismatch(engine, info)
-        reason = error.info.message if error else engine.wrong_model
+        wrong_model = self._mismatch(engine, info) if info is not None else None
+        reason = error.info.message if error else wrong_model
         if reason:
             self._take_out(engine, reason)
             return
         if engine.down is not None:
             log.info("scheduler_in_rotation", engine=engine.index, address=engine.address)
-        engine.info, engine.sent, engine.down, engine.backoff = info, 0, None, MIN_BACKOFF_S
+        engine.info, engine.pending, engine.down, engine.backoff = info, 0, None, MIN_BACKOFF_S
 
     def _mismatch(self, engine: Engine, info: pb.ModelInfo) -> str | None:
         spec = ModelSpec(info.served_model_name, info.max_model_len, info.vocab_size)
-        if self._reference is None:
+        # The reference's own facts stay current: a restarted scheduler may serve a new model.
+        if self._reference in (None, engine):
             self.spec, self.block_size, self._reference = spec, info.block_size, engine
         if spec == self.spec:
             return None

@@ -128,6 +128,7 @@ class Generation:
         except Exception as e:
             queue.put_nowait(e)
         finally:
+            self._engines.ended(choice.engine)
             prompt_tokens = len(choice.prompt_token_ids) if choice.counts_prompt else 0
             stats.end(finish_reason, prompt_tokens, choice.completion_tokens)
 
