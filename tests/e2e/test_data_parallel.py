@@ -113,8 +113,10 @@ async def test_a_killed_executor_fails_only_its_engines_requests(tmp_path):
             return stack.enter_context(pagedserve_many(quiet, stdout=log, stderr=log))
 
         executors = start(executors)
-        start([*engines, gateway])
+        start(engines)
+        start([gateway])
         async with aiohttp.ClientSession() as http:
+            assert sorted(await per_engine(http, base, "num_requests_running")) == ["0", "1"]
             started: list[int] = []
             # Prompts under one KV block carry no prefix affinity: the least loaded engine takes each.
             body = {"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "stream": True}
