@@ -47,7 +47,8 @@ def test_model_positional_or_flag_and_several_served_names():
                                   ["--disable-log-requests"], ["--enable-log-requests"], ["--disable-log-stats"],
                                   ["--uvicorn-log-level", "warning"], ["--kv-cache-dtype", "auto"],
                                   ["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e4m3"],
-                                  ["--enable-prefix-caching"], ["--enforce-eager"]])
+                                  ["--enable-prefix-caching"], ["--enforce-eager"], ["-dp", "2"],
+                                  ["--data-parallel-size", "3"]])
 def test_accepted_vllm_flags(argv):
     parse(*argv)
 
@@ -62,6 +63,7 @@ def test_accepted_vllm_flags(argv):
     (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
     (["--gpu-memory-utilization", "0"], "must be in (0, 1]"),
     (["--max-num-seqs", "0"], "must be a positive integer"),
+    (["-dp", "0"], "must be a positive integer"),
     (["--max-model-len", "1.5K"], "decimals do not go with binary suffixes"),
     (["--port", "70000"], "must be a TCP port"),
     (["--dtype", "int8"], "invalid choice"),
