@@ -88,15 +88,16 @@ def test_smollm2_fp8_ranks_bf16_greedy_tokens_first_on_the_same_context():
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
-def test_smollm2_fp8_engine_decodes_what_fp8_prefill_ranks_first(enforce_eager):
-    """The engine's FP8 steps (Triton quantization, _scaled_mm, CUDA graphs) against one FP8
-    prefill over the contexts they produced."""
+def test_smollm2_fp8_engine_decodes_what_bf16_ranks_first(enforce_eager):
+    """The engine's FP8 steps (W8A16 for decode batches, W8A8 _scaled_mm for prefill, CUDA graphs)
+    against a bf16 prefill over the contexts they produced: the engine path, not only prefill,
+    keeps the agreement bar. (Its decode and prefill differ by design, so they are not compared.)"""
     path = smollm2_path()
     prompts = smollm2_prompts(path)
     fp8 = greedy(path, prompts, quantization="fp8", enforce_eager=enforce_eager)
-    share = agreement(fp8, ranked_first(path, prompts, fp8, fp8=True))
-    print(f"fp8 engine agreement with fp8 prefill: {share:.4f}")
-    assert share >= 0.95
+    share = agreement(fp8, ranked_first(path, prompts, fp8))
+    print(f"fp8 engine agreement with bf16 on the same context: {share:.4f}")
+    assert share >= MIN_AGREEMENT
 
 
 def test_llama_3_1_8b_shape_first_step_logits_in_fp8():
