@@ -39,16 +39,18 @@ class TorchAttentionBackend:
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                kv_scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotates q and k by their positions [T], writes this step's k, v into the paged cache,
         then attends q over each whole context.
 
         q [T, heads, head_dim], k and v [T, kv_heads, head_dim]; returns [T, heads, head_dim].
-        q may be left rotated in place (the Triton backend does)."""
+        q may be left rotated in place (the Triton backend does). kv_scales: the layer's K and
+        V scales, which an fp8 cache divides by when written and multiplies by when read."""
         q, k = rotary_ref(positions, q, k, cos_sin_cache)
-        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, scale)
+                                   meta.query_start_loc, scale, kv_scales)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
@@ -58,13 +60,15 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                kv_scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # One launch for rotary and the cache write: a decode step is bound by small launches.
         q = rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                            meta.slot_mapping)
+                            meta.slot_mapping, kv_scales)
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                meta.query_start_loc, scale, max_query_len=meta.max_query_len,
-                               max_seq_len=meta.max_seq_len, num_splits=meta.num_splits)
+                               max_seq_len=meta.max_seq_len, num_splits=meta.num_splits,
+                               kv_scales=kv_scales)
 
 
 def get_backend(device: torch.device) -> TorchAttentionBackend:

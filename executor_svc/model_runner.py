@@ -14,7 +14,8 @@ from pagedserve.executor_svc.cuda_graphs import CudaGraphs, bucket, capture_size
 from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_device, resolve_dtype
 from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
-from pagedserve.executor_svc.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
+from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
+                                              resolve_kv_cache_dtype)
 from pagedserve.executor_svc.logits import (GrammarMask, LogprobRows, Penalties, SampledLogprobs, gather_logprobs,
                                             step_logprobs)
 from pagedserve.executor_svc.memory_profile import profile_peak_bytes
@@ -102,6 +103,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model_config: ModelConfig = load_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         self.config = config = resolve_batch_limits(config, batch_defaults(self.device, offline),
                                                     self.max_model_len)
@@ -141,11 +143,11 @@ class ModelRunner:
                                                   mc.head_dim, self.dtype)
                             for size in self.graph_sizes}
         self.graphs = CudaGraphs(self.model, self.buffers, self.graph_metas)
-        block_bytes = bytes_per_block(self.model_config, self.block_size, self.dtype)
+        block_bytes = bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
         self.num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device,
-                                               partial(profile_peak_bytes, self))
+                                               partial(profile_peak_bytes, self), self.kv_dtype)
         self.kv_caches = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size,
-                                           self.dtype, self.device)
+                                           self.kv_dtype, self.device)
         if self.graph_sizes and self.device.type == "cuda":
             self.graphs.capture(self.kv_caches)
         else:
@@ -281,7 +283,7 @@ class ModelRunner:
         largest step the engine will run, for memory profiling and warm-up."""
         seq_len = min(num_tokens, self.max_model_len)
         num_blocks = -(-seq_len // self.block_size)
-        scratch = allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,
+        scratch = allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.kv_dtype,
                                     self.device)
         full, rest = divmod(num_tokens, seq_len)
         lens = np.array([seq_len] * full + ([rest] if rest else []), dtype=np.int64)

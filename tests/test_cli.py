@@ -46,6 +46,7 @@ def test_model_positional_or_flag_and_several_served_names():
 @pytest.mark.parametrize("argv", [["-tp", "1"], ["--tensor-parallel-size", "1"], ["--trust-remote-code"],
                                   ["--disable-log-requests"], ["--enable-log-requests"], ["--disable-log-stats"],
                                   ["--uvicorn-log-level", "warning"], ["--kv-cache-dtype", "auto"],
+                                  ["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e4m3"],
                                   ["--enable-prefix-caching"], ["--enforce-eager"]])
 def test_accepted_vllm_flags(argv):
     parse(*argv)
@@ -54,7 +55,8 @@ def test_accepted_vllm_flags(argv):
 @pytest.mark.parametrize("argv, says", [
     (["-tp", "2"], "tensor parallelism is not built yet"),
     (["--quantization", "awq"], "quantization is not built yet"),
-    (["--kv-cache-dtype", "fp8"], "is not built yet"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "fp8_e5m2 KV caches are not built; use fp8 (e4m3) or auto"),
+    (["--kv-cache-dtype", "int8"], "invalid choice"),
     (["--tool-call-parser", "pythonic"], "invalid choice"),
     (["--reasoning-parser", "granite"], "invalid choice"),
     (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),

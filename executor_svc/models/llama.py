@@ -53,6 +53,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
         self.qk_norm = config.qk_norm
         self.scale = self.head_dim ** -0.5
+        # The fp8 KV cache's per-layer scales (vLLM's k_scale, v_scale): 1.0, as checkpoint
+        # scales are not loaded yet.
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
         self.backend = backend
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
@@ -65,7 +69,7 @@ class Attention(nn.Module):
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
         out = self.backend.forward(positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1],
-                                   meta, self.scale)
+                                   meta, self.scale, (self.k_scale, self.v_scale))
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
 

@@ -27,6 +27,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     load_format: str = "auto"
     device: str = "auto"
@@ -44,15 +45,16 @@ SCHEDULER_FLAGS = ("served_model_name", "max_num_queued_reqs", "enable_prefix_ca
                    "disable_log_stats")
 EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes", "dtype",
-                  "seed", "load_format", "device", "enforce_eager")
+                  "kv_cache_dtype", "seed", "load_format", "device", "enforce_eager")
 # Executor flags whose value Describe reports back; a scheduler given one checks it against that.
 GEOMETRY_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "num_gpu_blocks_override", "dtype")
 # vLLM flags accepted for what pagedserve does anyway; any other value fails, naming what is not
 # built. Checked where they are given, carried to no process.
-COMPAT_FLAGS = ("tensor_parallel_size", "quantization", "kv_cache_dtype", "trust_remote_code")
+COMPAT_FLAGS = ("tensor_parallel_size", "quantization", "trust_remote_code")
 ENGINE_FLAGS = SCHEDULER_FLAGS + EXECUTOR_FLAGS + COMPAT_FLAGS
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def _flag_specs() -> dict[str, dict]:
@@ -108,9 +110,9 @@ def _flag_specs() -> dict[str, dict]:
         "quantization": dict(flags=("-q",), default=None,
                              type=arg_types.only(None, "quantization", "pagedserve runs unquantized weights"),
                              help="not built yet: pagedserve runs unquantized weights; any value fails"),
-        "kv_cache_dtype": dict(default="auto", type=arg_types.only("auto", "a KV-cache dtype of its own",
-                                                                   "the KV cache takes the model's dtype"),
-                               help="only auto (the model's dtype) until FP8 KV caches are built"),
+        "kv_cache_dtype": dict(default=d.kv_cache_dtype, type=arg_types.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                               help="KV-cache storage: auto (the model's dtype) or fp8 (also fp8_e4m3: "
+                                    "float8_e4m3fn with per-layer K and V scales, twice the tokens)"),
         "trust_remote_code": dict(action="store_true",
                                   help="accepted for vLLM's commands; pagedserve never runs code from a "
                                        "model directory, so it changes nothing"),
