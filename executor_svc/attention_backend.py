@@ -48,8 +48,8 @@ class TorchAttentionBackend:
         then attends q over each whole context.
 
         q [T, heads, head_dim], k and v [T, kv_heads, head_dim]; returns [T, heads, head_dim].
-        q may be left rotated in place (the Triton backend does). kv_scales: the layer's K and
-        V scales, which an fp8 cache divides by when written and multiplies by when read."""
+        q and k may be left rotated in place (the Triton backend does). kv_scales: the layer's K
+        and V scales, which an fp8 cache divides by when written and multiplies by when read."""
         q, k = rotary_ref(positions, q, k, cos_sin_cache)
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
@@ -69,10 +69,14 @@ class TritonAttentionBackend(TorchAttentionBackend):
         # One launch for rotary and the cache write: a decode step is bound by small launches.
         q = rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                             meta.slot_mapping, kv_scales)
+        # A prefill launch reads this step's keys (rotated in place above) and values from k
+        # and v rather than from their cache slots; decode steps, the ones CUDA graphs capture,
+        # read the cache alone.
+        k_new, v_new = (k, v) if meta.max_query_len > 1 else (None, None)
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                meta.query_start_loc, scale, max_query_len=meta.max_query_len,
                                max_seq_len=meta.max_seq_len, num_splits=meta.num_splits,
-                               kv_scales=kv_scales)
+                               kv_scales=kv_scales, k_new=k_new, v_new=v_new)
 
 
 def get_backend(device: torch.device) -> TorchAttentionBackend:

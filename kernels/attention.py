@@ -256,22 +256,27 @@ class AttentionConfig:
     fresh_kv: bool = False
 
 
-def default_config(group_pad: int, head_dim: int, elem_bytes: int,
-                   max_query_len: int) -> AttentionConfig:
-    """The tiling `paged_attention` picks when given none."""
+def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len: int,
+                   fresh_kv: bool = False) -> AttentionConfig:
+    """The tiling `paged_attention` picks when given none; `fresh_kv` when it is given k_new."""
     # Decode rows fill BLOCK_M with the GQA group (16 rows is the smallest tensor-core tile);
-    # prefill uses 128-row tiles so a KV tile is reused by many queries. KV tiles are capped
-    # at 16 KiB each. Measured on an H200 (Llama-3.1-8B shape, bf16): decode is fastest with
-    # 64-token tiles and 2 stages (3 stages cost a third of the bandwidth at batch 64, through
-    # lower occupancy); prefill is flat across 64/128-token tiles and 2/3 stages. Prefill
-    # starts its longest q blocks first (FlashAttention-2's order), not yet measured here:
-    # `python -m pagedserve.bench.kernels --prefill-sweep` times it against the old order.
-    tile = max(16, min(64, 16384 // (head_dim * elem_bytes)))
+    # measured on an H200 (Llama-3.1-8B shape, bf16), decode is fastest with 64-token KV tiles
+    # (16 KiB) and 2 stages (3 stages cost a third of the bandwidth at batch 64, through lower
+    # occupancy).
     if max_query_len * group_pad <= 16:
+        tile = max(16, min(64, 16384 // (head_dim * elem_bytes)))
         return AttentionConfig(max(16, group_pad), tile, num_warps=4, num_stages=2)
+    # Prefill: 128-row tiles so a KV tile is reused by many queries, 128-token KV tiles (32 KiB),
+    # longest q blocks first (FlashAttention-2's order), the step's own keys through TMA when
+    # given. `python -m pagedserve.bench.kernels --prefill-sweep` on an H200 (torch 2.11,
+    # triton 3.6; 8192 tokens per launch as 2 x 4096 and 1 x 16384) measured, in TFLOP/s:
+    # fresh_kv 471 / 515 (the fastest), this tiling without it 366 / 422, the 64-token tiling
+    # before 304 / 350, the lazy rescale 425 / 491 (slower), 2 stages 409 / 480, 64-row tiles
+    # 361 / 442; SDPA 528 at 2 x 4096 in its default dispatch (cuDNN), 280 / 332 forced to FA2.
+    tile = max(16, min(128, 32768 // (head_dim * elem_bytes)))
     block_m = max(group_pad, 128 if head_dim * elem_bytes <= 256 else 64)
     return AttentionConfig(block_m, tile, num_warps=8, num_stages=3 if elem_bytes <= 2 else 2,
-                           reverse=True)
+                           reverse=True, fresh_kv=fresh_kv)
 
 
 def choose_num_splits(num_q_blocks: int, num_kv_heads: int, max_seq_len: int, tile: int,
@@ -346,8 +351,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     receives the result if given. An fp8 cache holds K / k_scale and V / v_scale (kv_scales:
     float32 [] tensors; none means 1.0). `config` overrides the tiling (`default_config`).
     k_new and v_new [num_tokens, num_kv_heads, head_dim] (rotated k) are this step's keys and
-    values, as the cache holds them; a `fresh_kv` config reads them instead of their cache slots
-    when the launch is unsplit and the cache is not fp8 (whose values differ from them).
+    values, as the cache holds them; a `fresh_kv` config (the default prefill one when they are
+    given) reads them instead of their cache slots when the launch is unsplit and the cache is
+    not fp8 (whose values differ from them); decode tilings ignore them.
     The last dim of q, out and the caches must be contiguous, and k_cache and v_cache share
     their strides; other strides are free.
     """
@@ -363,7 +369,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_query_len = num_tokens
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
-    cfg = config or default_config(group_pad, head_dim, q.element_size(), max_query_len)
+    cfg = config or default_config(group_pad, head_dim, q.element_size(), max_query_len,
+                                   fresh_kv=k_new is not None)
     if cfg.block_m < group_pad:
         raise ValueError(f"block_m {cfg.block_m} is below the padded GQA group {group_pad}")
     block_q = cfg.block_m // group_pad

@@ -28,19 +28,28 @@ def _to_storage(x, scale, dst, FP8: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(src, stride_sh, dst, stride_dh, num_heads, cos, sin, scale,
-                  HEADS_PAD: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr):
-    """Rotates one token's heads read from src and stores them, in dst's storage (see
-    _to_storage), at dst (which may be src itself)."""
+def _rotate_heads(src, stride_sh, num_heads, cos, sin, HEADS_PAD: tl.constexpr,
+                  HALF: tl.constexpr):
+    """One token's heads read from src, rotated: their low and high halves in fp32."""
     offs_h = tl.arange(0, HEADS_PAD)[:, None]
     offs_d = tl.arange(0, HALF)[None, :]
     mask = offs_h < num_heads
     src_lo = src + offs_h * stride_sh + offs_d
-    dst_lo = dst + offs_h * stride_dh + offs_d
     x1 = tl.load(src_lo, mask=mask).to(tl.float32)
     x2 = tl.load(src_lo + HALF, mask=mask).to(tl.float32)
-    tl.store(dst_lo, _to_storage(x1 * cos - x2 * sin, scale, dst, FP8), mask=mask)
-    tl.store(dst_lo + HALF, _to_storage(x2 * cos + x1 * sin, scale, dst, FP8), mask=mask)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _store_halves(dst, stride_dh, num_heads, lo, hi, scale, HEADS_PAD: tl.constexpr,
+                  HALF: tl.constexpr, FP8: tl.constexpr):
+    """Stores rotated heads at dst, in dst's storage (see _to_storage)."""
+    offs_h = tl.arange(0, HEADS_PAD)[:, None]
+    offs_d = tl.arange(0, HALF)[None, :]
+    mask = offs_h < num_heads
+    dst_lo = dst + offs_h * stride_dh + offs_d
+    tl.store(dst_lo, _to_storage(lo, scale, dst, FP8), mask=mask)
+    tl.store(dst_lo + HALF, _to_storage(hi, scale, dst, FP8), mask=mask)
 
 
 @triton.jit
@@ -72,8 +81,12 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF)
     q_token = q + token * stride_qt
-    _rotate_heads(q_token, stride_qh, q_token, stride_qh, num_heads, cos, sin, 1.0, Q_HEADS_PAD,
-                  HALF, False)
+    q_lo, q_hi = _rotate_heads(q_token, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF)
+    _store_halves(q_token, stride_qh, num_heads, q_lo, q_hi, 1.0, Q_HEADS_PAD, HALF, False)
+    # The rotated k also goes back to k: prefill attention reads the step's keys from there.
+    k_token = k + token * stride_kt
+    k_lo, k_hi = _rotate_heads(k_token, stride_kh, num_kv_heads, cos, sin, K_HEADS_PAD, HALF)
+    _store_halves(k_token, stride_kh, num_kv_heads, k_lo, k_hi, 1.0, K_HEADS_PAD, HALF, False)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     # Slot -1 marks a CUDA-graph padding token: it owns no cache slot.
     if slot < 0:
@@ -83,10 +96,8 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
     if KV_SCALED:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-    # The rotated k goes from registers straight to the cache: nothing reads it from k again.
-    _rotate_heads(k + token * stride_kt, stride_kh,
-                  _cache_entry(k_cache, slot, stride_kcb, stride_kcs, BLOCK_SIZE), stride_kch,
-                  num_kv_heads, cos, sin, k_scale, K_HEADS_PAD, HALF, FP8)
+    _store_halves(_cache_entry(k_cache, slot, stride_kcb, stride_kcs, BLOCK_SIZE), stride_kch,
+                  num_kv_heads, k_lo, k_hi, k_scale, K_HEADS_PAD, HALF, FP8)
     _copy_heads(v + token * stride_vt, stride_vh,
                 _cache_entry(v_cache, slot, stride_vcb, stride_vcs, BLOCK_SIZE), stride_vch,
                 num_kv_heads, v_scale, K_HEADS_PAD, 2 * HALF, FP8)
@@ -97,14 +108,14 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                     slot_mapping: torch.Tensor,
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`rotary_ref` then `write_kv_ref` in one kernel launch: rotates q [T, num_heads, head_dim]
-    IN PLACE by positions [T] (cos_sin_cache [max_positions, head_dim] holds cos then sin
+    and k IN PLACE by positions [T] (cos_sin_cache [max_positions, head_dim] holds cos then sin
     halves), and writes the rotated k and v [T, num_kv_heads, head_dim] to their slots of the
     paged caches [num_blocks, block_size, num_kv_heads, head_dim], skipping tokens with slot -1
     (CUDA-graph padding). An fp8 cache stores k / k_scale and v / v_scale (kv_scales: float32
     [] tensors; none means 1.0), saturated to +-448; other caches ignore kv_scales.
 
-    Returns q. k and v are only read: the rotated k exists only in k_cache. q, k and v may be
-    strided views (of the fused qkv output) whose last dim is contiguous; head_dim a power of two.
+    Returns q. v is only read. q, k and v may be strided views (of the fused qkv output) whose
+    last dim is contiguous; head_dim a power of two.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]

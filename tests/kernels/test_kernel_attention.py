@@ -21,10 +21,11 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
              dtype: torch.dtype, num_splits: int | None, strided: bool = False,
              max_query_len: int | None = None, config: AttentionConfig | None = None,
              q_gain: float = 1.0, kv_scales: tuple[float, float] | None = None,
-             fresh: bool = False) -> None:
+             fresh: bool = False, poison_new: bool = False) -> None:
     """Kernel against the reference on the same cache; with kv_scales, on an fp8 cache of
     K / k_scale and V / v_scale, and also against the reference on the unquantized cache; with
-    fresh, given the new tokens' K and V as the step's k_new, v_new too."""
+    fresh, given the new tokens' K and V as the step's k_new, v_new too; with poison_new, on a
+    cache whose new tokens' slots hold NaN (the reference sees them)."""
     seq_lens = [c + n for c, n in batch]
     query_lens = [n for _, n in batch]
     k_cache, v_cache, table = random_paged_kv(seq_lens, NUM_KV_HEADS, head_dim, block_size, dtype)
@@ -37,6 +38,9 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
         k_cache, v_cache = (quantize_kv(c, FP8_DTYPE, s) for c, s in zip(exact_caches, scales))
     k_new, v_new = ((new_token_rows(c, table, batch, block_size) for c in (k_cache, v_cache))
                     if fresh else (None, None))
+    ref_caches = k_cache, v_cache
+    if poison_new:
+        k_cache, v_cache = (poison_new_slots(c, table, batch, block_size) for c in ref_caches)
     num_heads, num_tokens = NUM_KV_HEADS * group, sum(query_lens)
     if strided:
         # q as the first columns of a fused qkv projection; k and v caches as halves of one
@@ -58,21 +62,35 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
                           num_splits=num_splits, out=out, kv_scales=scales, config=config,
                           k_new=k_new, v_new=v_new)
     assert got is out
-    ref = paged_attention_ref(q, k_cache, v_cache, table, lens, starts, scale, scales)
+    ref = paged_attention_ref(q, *ref_caches, table, lens, starts, scale, scales)
     assert_close(out, ref)
     if kv_scales is not None:
         exact = paged_attention_ref(q, *exact_caches, table, lens, starts, scale)
         assert rel_err(out, exact) < FP8_TOLERANCE
 
 
+def new_token_slots(table: torch.Tensor, batch: list[tuple[int, int]],
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of each sequence's new tokens in the cache, in step order."""
+    blocks, offsets = [], []
+    for i, (cached, n) in enumerate(batch):
+        pos = torch.arange(cached, cached + n, device=DEVICE)
+        blocks.append(table[i, pos // block_size].long())
+        offsets.append(pos % block_size)
+    return torch.cat(blocks), torch.cat(offsets)
+
+
 def new_token_rows(cache: torch.Tensor, table: torch.Tensor, batch: list[tuple[int, int]],
                    block_size: int) -> torch.Tensor:
     """The cache entries of each sequence's new tokens, packed as the step's k or v."""
-    rows = []
-    for i, (cached, n) in enumerate(batch):
-        pos = torch.arange(cached, cached + n, device=DEVICE)
-        rows.append(cache[table[i, pos // block_size].long(), pos % block_size])
-    return torch.cat(rows)
+    return cache[new_token_slots(table, batch, block_size)]
+
+
+def poison_new_slots(cache: torch.Tensor, table: torch.Tensor, batch: list[tuple[int, int]],
+                     block_size: int) -> torch.Tensor:
+    poisoned = cache.clone()
+    poisoned[new_token_slots(table, batch, block_size)] = float("nan")
+    return poisoned
 
 
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["unsplit", "split4"])
@@ -110,7 +128,16 @@ def test_prefill_configs(config: AttentionConfig) -> None:
 ], ids=str)
 def test_fresh_kv_from_the_step(config: AttentionConfig, num_splits: int) -> None:
     run_case(MIXED, 4, 32, 8, torch.float32, num_splits=num_splits, config=config, q_gain=6.0,
-             fresh=True)
+             fresh=True, poison_new=num_splits == 1)
+
+
+# The default prefill tiling given k_new (128-token KV tiles): chunks after cached prefixes
+# longer than themselves (a whole tile and a partial one; a block of 16-token pages), a decode
+# row, and a prompt past one KV tile. The new tokens' cache slots hold NaN, so only a kernel
+# that reads them from k_new / v_new and the prefixes from the paged cache passes.
+def test_default_prefill_reads_chunks_over_a_cached_prefix() -> None:
+    run_case([(150, 40), (260, 3), (9, 1), (0, 200)], 4, 32, 16, torch.float32,
+             num_splits=None, fresh=True, poison_new=True)
 
 
 @pytest.mark.parametrize("batch, max_query_len, num_splits", [
@@ -120,8 +147,9 @@ def test_fresh_kv_from_the_step(config: AttentionConfig, num_splits: int) -> Non
 def test_fp8_cache(batch: list[tuple[int, int]], max_query_len: int | None, num_splits: int,
                    dtype: torch.dtype) -> None:
     skip_bf16_dot_on_cpu(dtype)
+    # Given k_new as serving gives it, an fp8 cache still reads the paged cache alone.
     run_case(batch, 4, 64, 16, dtype, num_splits, max_query_len=max_query_len,
-             kv_scales=(0.02, 3.0))
+             kv_scales=(0.02, 3.0), fresh=True)
 
 
 def test_strided_q_and_cache_views() -> None:
