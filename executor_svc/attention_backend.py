@@ -1,7 +1,8 @@
 """The attention backend: the kernels the model runs, behind one object a Triton backend can replace.
 
 The model calls `backend.forward` once per layer for rotary embedding, KV-cache write and paged
-attention, and `backend.rms_norm`, `backend.silu_and_mul` for the other elementwise kernels.
+attention, `backend.rms_norm`, `backend.silu_and_mul` for the other elementwise kernels, and
+`backend.per_token_quant_fp8` for the activations of FP8 linear layers.
 TorchAttentionBackend (the CPU backend) runs the pure-torch references; TritonAttentionBackend
 (CUDA) runs the kernels of `kernels/`.
 """
@@ -12,8 +13,9 @@ import torch
 from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.attention import paged_attention
 from pagedserve.kernels.norm import rms_norm
-from pagedserve.kernels.reference import (paged_attention_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref,
-                               write_kv_ref)
+from pagedserve.kernels.quant import per_token_quant_fp8
+from pagedserve.kernels.reference import (paged_attention_ref, per_token_quant_fp8_ref, rms_norm_ref, rotary_ref,
+                                          silu_and_mul_ref, write_kv_ref)
 from pagedserve.kernels.rotary import rotary_write_kv
 
 
@@ -36,35 +38,45 @@ class TorchAttentionBackend:
     """Pure-torch kernels: the CPU backend and the ground truth for the faster ones."""
     rms_norm = staticmethod(rms_norm_ref)
     silu_and_mul = staticmethod(silu_and_mul_ref)
+    per_token_quant_fp8 = staticmethod(per_token_quant_fp8_ref)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                kv_scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotates q and k by their positions [T], writes this step's k, v into the paged cache,
         then attends q over each whole context.
 
         q [T, heads, head_dim], k and v [T, kv_heads, head_dim]; returns [T, heads, head_dim].
-        q may be left rotated in place (the Triton backend does)."""
+        q and k may be left rotated in place (the Triton backend does). kv_scales: the layer's K
+        and V scales, which an fp8 cache divides by when written and multiplies by when read."""
         q, k = rotary_ref(positions, q, k, cos_sin_cache)
-        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, scale)
+                                   meta.query_start_loc, scale, kv_scales)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
     """The Triton kernels: rotary works in place, and no kernel reads a device value on the host."""
     rms_norm = staticmethod(rms_norm)
     silu_and_mul = staticmethod(silu_and_mul)
+    per_token_quant_fp8 = staticmethod(per_token_quant_fp8)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                kv_scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # One launch for rotary and the cache write: a decode step is bound by small launches.
         q = rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                            meta.slot_mapping)
+                            meta.slot_mapping, kv_scales)
+        # A prefill launch reads this step's keys (rotated in place above) and values from k
+        # and v rather than from their cache slots; decode steps, the ones CUDA graphs capture,
+        # read the cache alone.
+        k_new, v_new = (k, v) if meta.max_query_len > 1 else (None, None)
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                meta.query_start_loc, scale, max_query_len=meta.max_query_len,
-                               max_seq_len=meta.max_seq_len, num_splits=meta.num_splits)
+                               max_seq_len=meta.max_seq_len, num_splits=meta.num_splits,
+                               kv_scales=kv_scales, k_new=k_new, v_new=v_new)
 
 
 def get_backend(device: torch.device) -> TorchAttentionBackend:

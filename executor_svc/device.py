@@ -15,12 +15,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
-    """`auto`: float32 on the CPU, the checkpoint's dtype (bfloat16 when unstated) on a GPU."""
+def resolve_dtype(name: str, model: ModelConfig, device: torch.device,
+                  quantization: str | None = None) -> torch.dtype:
+    """`auto`: float32 on the CPU, the checkpoint's dtype (bfloat16 when unstated) on a GPU, and
+    bfloat16 there when quantized (the FP8 GEMM writes bfloat16)."""
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cpu":
         return torch.float32
+    if quantization:
+        return torch.bfloat16
     return getattr(torch, model.dtype or "bfloat16")
 
 

@@ -1,6 +1,6 @@
 """GGUF, llama.cpp's format: finds the file a --model names, turns its metadata into the
 config.json a Hugging Face checkpoint would carry, and reads its tensors under Hugging Face names,
-dequantized one at a time."""
+dequantized one at a time (or one rank's slice of each: only the blocks of that slice)."""
 import functools
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -80,9 +80,10 @@ def read_gguf_config(path: Path) -> dict:
     }
 
 
-def read_gguf_tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(Hugging Face name, reader) for each tensor; a reader dequantizes its tensor to float32 on
-    the host when called. A name this module does not know is passed on as it is."""
+def read_gguf_tensors(path: Path) -> Iterator[tuple[str, tuple[int, ...], Callable[..., torch.Tensor]]]:
+    """(Hugging Face name, shape, reader) for each tensor; a reader dequantizes its tensor, or the
+    slice `index` of it, to float32 on the host when called. A name this module does not know is
+    passed on as it is."""
     header = read_gguf_header(path)
     data = map_gguf(path)
     arch = _architecture(header.metadata, path)
@@ -96,7 +97,7 @@ def read_gguf_tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tens
             continue
         name = hf_name(tensor.name)
         module = name.rpartition(".")[0].rpartition(".")[2]
-        yield name, functools.partial(dequantize, data, tensor, rope_heads.get(module))
+        yield name, tensor.shape, functools.partial(dequantize, data, tensor, rope_heads.get(module))
 
 
 def map_gguf(path: Path) -> np.memmap:
@@ -116,12 +117,17 @@ def hf_name(name: str) -> str:
     return name
 
 
-def dequantize(data: np.memmap, tensor: GGUFTensorInfo, rope_heads: int | None = None) -> torch.Tensor:
-    """The tensor of the mapped file `data` as float32 in numpy's dimension order, its rows
-    un-permuted when `rope_heads`."""
+def dequantize(data: np.memmap, tensor: GGUFTensorInfo, rope_heads: int | None = None,
+               index: tuple[slice, ...] | None = None) -> torch.Tensor:
+    """The tensor of the mapped file `data` (or its slice `index`, which must cut rows at head
+    boundaries when `rope_heads`) as float32 in numpy's dimension order, its rows un-permuted when
+    `rope_heads`."""
     raw = data[tensor.offset:tensor.offset + tensor.n_bytes]
     # Quantized blocks are dequantized from rows of bytes: a row of blocks per row of weights.
     raw = raw.reshape(gguf.quant_shape_to_byte_shape(tensor.shape, tensor.ggml_type))
+    byte_index = None if index is None else _byte_index(index, tensor)
+    if byte_index is not None:
+        raw = raw[byte_index]
     try:
         values = gguf.quants.dequantize(raw, tensor.ggml_type)
     except NotImplementedError:
@@ -132,7 +138,21 @@ def dequantize(data: np.memmap, tensor: GGUFTensorInfo, rope_heads: int | None =
     if not values.flags.writeable:
         values = values.copy()
     weights = torch.from_numpy(values)
-    return weights if rope_heads is None else unpermute(weights, rope_heads)
+    if index is not None and byte_index is None:
+        weights = weights[index]
+    if rope_heads is None:
+        return weights
+    return unpermute(weights, rope_heads * weights.shape[0] // tensor.shape[0])
+
+
+def _byte_index(index: tuple[slice, ...], tensor: GGUFTensorInfo) -> tuple[slice, ...] | None:
+    """`index` into the tensor's bytes, or None when its innermost slice cuts through blocks."""
+    block, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
+    *outer, last = (*index, *(slice(None),) * (len(tensor.shape) - len(index)))
+    start, stop, _ = last.indices(tensor.shape[-1])
+    if start % block or stop % block:
+        return None
+    return (*outer, slice(start // block * type_size, stop // block * type_size))
 
 
 def unpermute(weights: torch.Tensor, heads: int) -> torch.Tensor:

@@ -6,11 +6,17 @@ import torch
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
+from pagedserve.kernels.reference import FP8_DTYPE
 
 log = get_logger(__name__)
 
 GiB = 1 << 30
 CPU_DEFAULT_BYTES = GiB
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto stores the model dtype, fp8 float8_e4m3fn (half the bytes of bf16)."""
+    return FP8_DTYPE if kv_cache_dtype == "fp8" else model_dtype
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -32,7 +38,8 @@ def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtyp
 
 
 def determine_num_blocks(config: EngineConfig, block_bytes: int, max_model_len: int,
-                         device: torch.device, measure_peak_bytes: Callable[[], int]) -> int:
+                         device: torch.device, measure_peak_bytes: Callable[[], int],
+                         kv_dtype: torch.dtype) -> int:
     """--num-gpu-blocks-override, else --kv-cache-memory-bytes, else a CPU default budget, else
     what --gpu-memory-utilization leaves after a profiling forward (`measure_peak_bytes`). A budget
     is capped at what max_num_seqs requests of max_model_len tokens can use: a small model would
@@ -55,7 +62,8 @@ def determine_num_blocks(config: EngineConfig, block_bytes: int, max_model_len: 
     _check_fits(num_blocks, config.block_size, max_model_len, block_bytes)
     tokens = num_blocks * config.block_size
     # vLLM's "maximum concurrency": requests of max_model_len tokens that fit at once.
-    log.info("kv_cache_sized", source=source, num_blocks=num_blocks, tokens=tokens,
+    log.info("kv_cache_sized", source=source, kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+             num_blocks=num_blocks, tokens=tokens,
              gib=round(num_blocks * block_bytes / GiB, 3), max_model_len=max_model_len,
              max_concurrency=round(tokens / max_model_len, 2))
     return num_blocks

@@ -23,7 +23,7 @@ def profile_peak_bytes(runner: "ModelRunner") -> int:
     before = torch.cuda.memory_allocated(device)
     scratch_tokens = min(config.max_num_batched_tokens, runner.max_model_len)
     scratch_bytes = (-(-scratch_tokens // runner.block_size)
-                     * bytes_per_block(runner.model_config, runner.block_size, runner.dtype))
+                     * bytes_per_block(runner.rank_config, runner.block_size, runner.kv_dtype))
     runner.dummy_run(config.max_num_batched_tokens, config.max_num_seqs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -44,7 +44,7 @@ def _graph_bytes(runner: "ModelRunner") -> int:
     (all graphs share one pool, the largest captured first) and every graph's output."""
     device, sizes = runner.device, runner.graph_sizes
     size = max(sizes)
-    scratch = allocate_kv_cache(runner.model_config, 1, runner.block_size, runner.dtype, device)
+    scratch = allocate_kv_cache(runner.rank_config, 1, runner.block_size, runner.kv_dtype, device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     runner.graphs.fill_padding(size)

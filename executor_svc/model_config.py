@@ -31,6 +31,8 @@ class ModelConfig:
     dtype: str | None
     eos_token_ids: list[int]
     sliding_window: int | None
+    # The checkpoint's own quantization (config.json's quantization_config): "fp8" or None.
+    quantization: str | None = None
 
 
 def load_model_config(model: str | Path) -> ModelConfig:
@@ -80,6 +82,7 @@ def model_config_from_dict(config: dict, generation_config: dict | None = None) 
         dtype=config.get("dtype") or config.get("torch_dtype"),
         eos_token_ids=_eos_token_ids(config, generation_config),
         sliding_window=_sliding_window(config, architecture),
+        quantization=_quantization(config.get("quantization_config")),
     )
 
 
@@ -129,3 +132,36 @@ def _sliding_window(config: dict, architecture: str) -> int | None:
     if architecture.startswith("Qwen") and not config.get("use_sliding_window", False):
         return None
     return config.get("sliding_window")
+
+
+def _quantization(quant: dict | None) -> str | None:
+    """ "fp8" for an FP8 checkpoint pagedserve loads (per-tensor or per-channel weight scales);
+    raises for any other quantization_config."""
+    if quant is None:
+        return None
+    method = quant.get("quant_method")
+    if method == "fp8":
+        if quant.get("weight_block_size"):
+            raise ValueError(f"block-wise FP8 checkpoints (weight_block_size {quant['weight_block_size']}) "
+                             "are not supported; pagedserve loads per-tensor or per-channel FP8, or "
+                             "quantizes a bf16 checkpoint with --quantization fp8")
+        return "fp8"
+    if method == "compressed-tensors":
+        for group in quant.get("config_groups", {}).values():
+            _check_fp8_weights(group.get("weights") or {})
+        ignored = [name for name in quant.get("ignore", []) if not name.endswith("lm_head")]
+        if ignored:
+            raise ValueError(f"this compressed-tensors checkpoint leaves {ignored[:3]} unquantized; "
+                             "pagedserve loads checkpoints whose every decoder Linear is FP8")
+        return "fp8"
+    raise ValueError(f"quantization method {method!r} is not supported; pagedserve loads FP8 "
+                     "checkpoints (quant_method fp8 or compressed-tensors) and quantizes bf16/fp16 "
+                     "ones with --quantization fp8")
+
+
+def _check_fp8_weights(weights: dict) -> None:
+    kind = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
+    if kind not in (("float", 8, "tensor"), ("float", 8, "channel")):
+        raise ValueError(f"compressed-tensors weights of type {kind[0]}, {kind[1]} bits, strategy "
+                         f"{kind[2]} are not supported; pagedserve loads FP8 (float, 8 bits) weights "
+                         "with per-tensor or per-channel scales")

@@ -1,6 +1,7 @@
 """The executor core: holds the model, the paged KV cache and each running request's state, and
 turns a step plan (a delta) into one forward pass and one sampled token per finished prefill or decode."""
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -12,18 +13,22 @@ from pagedserve.executor_svc.attention_backend import AttentionMetadata, get_bac
 from pagedserve.executor_svc.batch_limits import batch_defaults, resolve_batch_limits
 from pagedserve.executor_svc.cuda_graphs import CudaGraphs, bucket, capture_sizes, decode_metadata
 from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_device, resolve_dtype
+from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
 from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
-from pagedserve.executor_svc.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
+from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
+                                              resolve_kv_cache_dtype)
 from pagedserve.executor_svc.logits import (GrammarMask, LogprobRows, Penalties, SampledLogprobs, gather_logprobs,
                                             step_logprobs)
 from pagedserve.executor_svc.memory_profile import profile_peak_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.models.llama import KVCache, LlamaForCausalLM
+from pagedserve.executor_svc.parallel import init_group, rank_device, shard_config
 from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
 from pagedserve.executor_svc.step_buffers import StepBuffers, upload_pinned
 from pagedserve.executor_svc.step_clock import StepClock
 from pagedserve.executor_svc.structured_outputs import StructuredOutputs
+from pagedserve.executor_svc.tp_workers import start_workers
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
@@ -95,21 +100,42 @@ class RunnerStats:
 class ModelRunner:
     """Runs step plans against the model. Requests persist between plans, keyed by seq_id.
     `offline`: the batch limits a config leaves unset take vLLM's defaults for its LLM class
-    rather than for its API server."""
+    rather than for its API server.
 
-    def __init__(self, config: EngineConfig, offline: bool = False) -> None:
+    With --tensor-parallel-size N, rank 0's runner starts ranks 1..N-1, whose runners repeat its
+    launch, collect and reset calls (executor_svc/tp_workers.py); `rank` is this one's."""
+
+    def __init__(self, config: EngineConfig, offline: bool = False, rank: int = 0) -> None:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         self.model_config: ModelConfig = load_model_config(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        # The shapes this rank holds: its share of the heads, KV heads, MLP width and vocabulary.
+        self.rank_config = shard_config(self.model_config, config.tensor_parallel_size)
+        self.quantization = config.quantization or self.model_config.quantization
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device, self.quantization)
+        if self.quantization:
+            check_fp8_device(self.device, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
-        self.config = config = resolve_batch_limits(config, batch_defaults(self.device, offline),
-                                                    self.max_model_len)
-        self.block_size = config.block_size
+        self.config = resolve_batch_limits(config, batch_defaults(self.device, offline),
+                                           self.max_model_len)
+        self.block_size = self.config.block_size
+        self.tp = self.workers = None
+        if config.tensor_parallel_size > 1:
+            self._join_group(config, offline, rank)
+        try:
+            self._build(self.config)
+        except BaseException:
+            # The other ranks fail the same way, or wait for rank 0 in a collective: stop them.
+            if self.workers is not None:
+                self.workers.stop()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        backend = get_backend(self.device)
         with torch.device(self.device), default_dtype(self.dtype):
-            self.model = LlamaForCausalLM(self.model_config, get_backend(self.device),
-                                          self.max_model_len)
-        self._load_weights()
+            self.model = LlamaForCausalLM(self.rank_config, backend, self.max_model_len, self.tp)
+        self._load_weights(backend.per_token_quant_fp8 if self.quantization else None)
         self.sampler = Sampler()
         self.stats = RunnerStats()
         self.clock = StepClock(self.device)
@@ -135,17 +161,19 @@ class ModelRunner:
                                        device=self.device)
         # Each row's most recently sampled token, which the next step reads before the host has it.
         self.last_sampled = torch.zeros(self.max_seqs, dtype=torch.int64, device=self.device)
-        mc = self.model_config
+        mc = self.rank_config
         self.graph_metas = {size: decode_metadata(self.buffers, size, self.max_model_len,
                                                   mc.num_attention_heads, mc.num_key_value_heads,
                                                   mc.head_dim, self.dtype)
                             for size in self.graph_sizes}
         self.graphs = CudaGraphs(self.model, self.buffers, self.graph_metas)
-        block_bytes = bytes_per_block(self.model_config, self.block_size, self.dtype)
+        block_bytes = bytes_per_block(self.rank_config, self.block_size, self.kv_dtype)
         self.num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device,
-                                               partial(profile_peak_bytes, self))
-        self.kv_caches = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size,
-                                           self.dtype, self.device)
+                                               partial(profile_peak_bytes, self), self.kv_dtype)
+        if self.tp is not None:
+            self.num_blocks = self.tp.min(self.num_blocks)
+        self.kv_caches = allocate_kv_cache(self.rank_config, self.num_blocks, self.block_size,
+                                           self.kv_dtype, self.device)
         if self.graph_sizes and self.device.type == "cuda":
             self.graphs.capture(self.kv_caches)
         else:
@@ -154,15 +182,27 @@ class ModelRunner:
                  device=str(self.device), dtype=dtype_name(self.dtype),
                  max_model_len=self.max_model_len, num_blocks=self.num_blocks,
                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                 cuda_graphs=bool(self.graphs.graphs))
+                 cuda_graphs=bool(self.graphs.graphs), tensor_parallel_size=config.tensor_parallel_size)
 
-    def _load_weights(self) -> None:
+    def _join_group(self, config: EngineConfig, offline: bool, rank: int) -> None:
+        self.device = rank_device(self.device, rank)
+        if rank:
+            self.tp = init_group(rank, config.tensor_parallel_size, self.device)
+            return
+        self.workers = start_workers(config, offline, self.device)
+        self.tp = self.workers.tp
+        weakref.finalize(self, self.workers.stop)
+
+    def _load_weights(self, quantize: Quantize | None) -> None:
         config = self.config
         start = time.perf_counter()
-        load_weights(self.model, config.model, config.load_format, config.seed)
+        load_weights(self.model, config.model, config.load_format, config.seed, quantize)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info("model_loaded", weights_gib=round(weight_bytes / 2**30, 3),
-                 seconds=round(time.perf_counter() - start, 2), load_format=config.load_format)
+                 parameters=sum(p.numel() for p in self.model.parameters()),
+                 rank=0 if self.tp is None else self.tp.rank,
+                 seconds=round(time.perf_counter() - start, 2), load_format=config.load_format,
+                 quantization=self.quantization)
 
     def describe(self) -> ExecutorInfo:
         return ExecutorInfo(num_blocks=self.num_blocks, block_size=self.block_size,
@@ -176,6 +216,8 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forgets every request (the scheduler that sent them is gone)."""
+        if self.workers is not None:
+            self.workers.call("reset")
         self._settle()
         self.launched.clear()
         self.last_end = None
@@ -195,6 +237,8 @@ class ModelRunner:
         if len(self.launched) == MAX_STEPS_IN_FLIGHT:
             raise ValueError(f"{MAX_STEPS_IN_FLIGHT} steps are in flight already: collect the oldest "
                              "result before launching another step")
+        if self.workers is not None:
+            self.workers.call("launch", plan)
         host_start = time.perf_counter_ns()
         rows, query_lens, seq_ids = self._apply(plan)
         batch = self.batch
@@ -235,6 +279,8 @@ class ModelRunner:
         """The result of the oldest launched step, waiting for the device if it is not done."""
         if not self.launched or self.launched[0] is not step:
             raise ValueError("steps are collected in the order they were launched")
+        if self.workers is not None:
+            self.workers.defer("collect")
         self.launched.popleft()
         self._apply_sampled(step)
         host_start = time.perf_counter_ns()
@@ -281,7 +327,7 @@ class ModelRunner:
         largest step the engine will run, for memory profiling and warm-up."""
         seq_len = min(num_tokens, self.max_model_len)
         num_blocks = -(-seq_len // self.block_size)
-        scratch = allocate_kv_cache(self.model_config, num_blocks, self.block_size, self.dtype,
+        scratch = allocate_kv_cache(self.rank_config, num_blocks, self.block_size, self.kv_dtype,
                                     self.device)
         full, rest = divmod(num_tokens, seq_len)
         lens = np.array([seq_len] * full + ([rest] if rest else []), dtype=np.int64)
@@ -510,6 +556,10 @@ class ModelRunner:
         else:
             rows, device_rows = hidden[step.logits_indices], staging.upload(sample_rows)
         out = self.sampler(self.model.compute_logits(rows), sampling)
+        if self.tp is not None:
+            # Every rank samples from the same logits, but a random draw could still differ: the
+            # ranks take rank 0's tokens, which they feed back on the device.
+            self.tp.broadcast(out.tokens)
         staging.uploaded()
         self.last_sampled.index_copy_(0, device_rows, out.tokens)
         tokens, logprobs = out.tokens, out.logprobs

@@ -1,7 +1,7 @@
 """Loads a checkpoint (Hugging Face safetensors or GGUF) into the model, or fills it with dummy
-weights."""
-import functools
+weights. Under tensor parallelism each rank reads only its slice of each tensor."""
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -10,23 +10,80 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.common.log import get_logger
+from pagedserve.executor_svc.fp8 import Quantize, fp8_linears, quantize_linears
 from pagedserve.executor_svc.gguf_file import find_gguf, read_gguf_tensors
+from pagedserve.kernels.reference import FP8_DTYPE
 
 log = get_logger(__name__)
 
-# Old Llama checkpoints saved the rotary inverse frequencies; the model builds its own.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Old Llama checkpoints saved the rotary inverse frequencies; the model builds its own. FP8
+# checkpoints may hold static activation scales: pagedserve quantizes activations per token
+# instead, a finer scale than one per tensor.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale")
+SCALE_SUFFIX = ".weight_scale"
 DUMMY_STD = 0.02
 
+# A checkpoint tensor's slice, one slice per leading dim; None for the whole tensor.
+Index = tuple[slice, ...] | None
 
-def load_weights(model: nn.Module, model_path: str | Path, load_format: str, seed: int = 0) -> None:
+
+@dataclass(slots=True)
+class CheckpointTensor:
+    """One tensor of a checkpoint: its shape, and a reader of the whole tensor or a slice."""
+    shape: tuple[int, ...]
+    read: Callable[[Index], torch.Tensor]
+
+
+@dataclass(slots=True)
+class Target:
+    """Where one checkpoint tensor goes: rows [start, start + size) of `param`, which take the
+    rank-th of `parts` equal slices of the tensor along `dim` (the whole tensor when parts is 1)."""
+    param: torch.Tensor
+    start: int
+    size: int
+    dim: int = 0
+    rank: int = 0
+    parts: int = 1
+
+    @property
+    def view(self) -> torch.Tensor:
+        return self.param[self.start:self.start + self.size]
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        shape = list(self.view.shape)
+        shape[self.dim] *= self.parts
+        return tuple(shape)
+
+    def index(self) -> Index:
+        if self.parts == 1:
+            return None
+        n = self.view.shape[self.dim]
+        return (slice(None),) * self.dim + (slice(self.rank * n, (self.rank + 1) * n),)
+
+
+def load_weights(model: nn.Module, model_path: str | Path, load_format: str, seed: int = 0,
+                 quantize: Quantize | None = None) -> None:
     """Fills every parameter: `auto` from the GGUF file that `model_path` names or else the
     directory's *.safetensors, `safetensors` from those only, `dummy` with seeded random values
-    (norm weights 1, biases 0) without reading any weight file."""
+    (norm weights 1, biases 0) without reading any weight file.
+
+    With `quantize` (the backend's per-token FP8 quantizer) the decoder's projections run in FP8:
+    an FP8 checkpoint loads as it is, any other is quantized per output channel once loaded."""
+    serialized = quantize is not None and model.config.quantization == "fp8" and load_format != "dummy"
+    if serialized:
+        fp8_linears(model, quantize)
+    _fill(model, model_path, load_format, seed)
+    if quantize is not None and not serialized:
+        quantize_linears(model, quantize)
+
+
+def _fill(model: nn.Module, model_path: str | Path, load_format: str, seed: int) -> None:
     if load_format == "dummy":
-        fill_dummy(model, seed)
+        load_checkpoint(model, dummy_tensors(model, seed), "dummy weights")
     elif load_format == "auto" and (gguf_path := find_gguf(model_path)) is not None:
-        load_checkpoint(model, read_gguf_tensors(gguf_path), gguf_path)
+        tensors = ((name, CheckpointTensor(shape, read)) for name, shape, read in read_gguf_tensors(gguf_path))
+        load_checkpoint(model, tensors, gguf_path)
     elif load_format in ("auto", "safetensors"):
         device = next(model.parameters()).device
         load_checkpoint(model, read_safetensors(Path(model_path), device), model_path)
@@ -34,35 +91,44 @@ def load_weights(model: nn.Module, model_path: str | Path, load_format: str, see
         raise ValueError(f"unknown --load-format {load_format!r}; use auto, safetensors or dummy")
 
 
-@torch.no_grad()
-def fill_dummy(model: nn.Module, seed: int) -> None:
+def dummy_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, CheckpointTensor]]:
+    """The checkpoint `model` would load, made up: seeded random matrices, norm weights 1, biases
+    0. A rank draws each whole matrix and keeps its slice, so every -tp gets the same weights."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
+    for name, target in checkpoint_targets(model).items():
+        if target is None:
+            continue
+        shape, dtype = target.checkpoint_shape, target.param.dtype
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif param.dim() == 1:
-            param.zero_()
+            whole = torch.ones(shape, dtype=dtype, device=device)
+        elif len(shape) == 1:
+            whole = torch.zeros(shape, dtype=dtype, device=device)
         else:
-            param.normal_(0.0, DUMMY_STD, generator=generator)
+            whole = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, DUMMY_STD, generator=generator)
+        yield name, CheckpointTensor(shape, lambda index, t=whole: t if index is None else t[index])
 
 
 @torch.no_grad()
-def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]],
+def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTensor]],
                     source: str | Path) -> None:
-    """Copies each (Hugging Face name, tensor reader) into the parameter slice the name maps to,
-    reading one tensor at a time; every parameter must be filled and every tensor used."""
+    """Copies each (Hugging Face name, tensor) into the parameter slice the name maps to, reading
+    one tensor (this rank's slice of it) at a time; every parameter must be filled and every
+    tensor used."""
     targets = checkpoint_targets(model)
     # A tied model has no lm_head, yet some tied checkpoints still store a copy of the embeddings.
     tied = "lm_head.weight" not in targets
     loaded, unexpected = set(), []
-    for name, read in tensors:
+    for name, tensor in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
+        # The "fp8" quant_method's name for the same multiplier (w = q * scale) as weight_scale.
+        name = name.removesuffix("_inv") if name.endswith(SCALE_SUFFIX + "_inv") else name
         if name not in targets:
             unexpected.append(name)
             continue
-        _copy(name, read(), *targets[name])
+        if (target := targets[name]) is not None:
+            _copy(name, tensor, target)
         loaded.add(name)
     missing = sorted(targets.keys() - loaded)
     if missing or unexpected:
@@ -72,29 +138,38 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, Callable[[], 
     log.info("weights_loaded", model=str(source), tensors=len(loaded))
 
 
-def read_safetensors(model_dir: Path,
-                     device: torch.device) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+def read_safetensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, CheckpointTensor]]:
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                yield name, functools.partial(f.get_tensor, name)
+                part = f.get_slice(name)
+                yield name, CheckpointTensor(tuple(part.get_shape()),
+                                             lambda index, f=f, name=name, part=part:
+                                             f.get_tensor(name) if index is None else part[index])
 
 
-def checkpoint_targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Checkpoint tensor name -> (parameter, first row, rows) that it fills.
+def checkpoint_targets(model: nn.Module) -> dict[str, Target | None]:
+    """Checkpoint tensor name -> the Target it fills, or None for a tensor this rank skips (a
+    row-parallel bias off rank 0).
 
     A module with `shards` (a fused projection) takes several checkpoint tensors stacked along
-    dim 0, e.g. `self_attn.q_proj.weight` into rows [0, q_size) of `self_attn.qkv_proj.weight`."""
+    dim 0, e.g. `self_attn.q_proj.weight` into rows [0, q_size) of `self_attn.qkv_proj.weight`.
+    A module with `tp_split` (dim, rank, parts) holds the rank's slice of each of its tensors
+    along dim, of those that have that dim."""
     targets = {}
     for module_name, module in model.named_modules():
         shards = getattr(module, "shards", None)
+        dim, rank, parts = getattr(module, "tp_split", (0, 0, 1))
         parent = module_name.rpartition(".")[0]
         for param_name, param in module.named_parameters(recurse=False):
+            split = (dim, rank, parts) if param.dim() > dim else (0, 0, 1)
             if shards is None:
-                targets[_join(module_name, param_name)] = (param, 0, param.shape[0])
+                targets[_join(module_name, param_name)] = Target(param, 0, param.shape[0], *split)
                 continue
             for shard, (start, size) in shards.items():
-                targets[_join(parent, shard, param_name)] = (param, start, size)
+                targets[_join(parent, shard, param_name)] = Target(param, start, size, *split)
+        for param_name in getattr(module, "skipped", ()):
+            targets[_join(module_name, param_name)] = None
     return targets
 
 
@@ -110,12 +185,34 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _copy(name: str, tensor: torch.Tensor, param: torch.Tensor, start: int, size: int) -> None:
-    target = param[start:start + size]
-    if tensor.shape != target.shape:
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but the model "
-                         f"expects {tuple(target.shape)}; does the model's config match its weights?")
-    target.copy_(tensor)
+def _copy(name: str, tensor: CheckpointTensor, target: Target) -> None:
+    if name.endswith(SCALE_SUFFIX):
+        _copy_scale(name, tensor, target)
+        return
+    if tensor.shape != target.checkpoint_shape:
+        raise ValueError(f"checkpoint tensor {name} has shape {tensor.shape} but the model "
+                         f"expects {target.checkpoint_shape}; does the model's config match its weights?")
+    value = tensor.read(target.index())
+    if target.param.dtype == FP8_DTYPE and value.dtype != FP8_DTYPE:
+        raise ValueError(f"checkpoint tensor {name} is {value.dtype}, not FP8 E4M3 as config.json's "
+                         "quantization_config says; remove that quantization_config (pass "
+                         "--quantization fp8 to quantize at load) or use the FP8 export")
+    target.view.copy_(value)
+
+
+def _copy_scale(name: str, tensor: CheckpointTensor, target: Target) -> None:
+    """A weight scale, read whole (it is small): per tensor ([] or [1]) or per channel ([N] or
+    [N, 1]). A fused projection's per-tensor shard scales become per-channel scales of its rows,
+    which is exact; a column-parallel rank takes its channels, a row-parallel one all of them."""
+    value = tensor.read(None).reshape(-1, 1)
+    if value.shape[0] == 1:
+        value = value.expand(target.size, 1)
+    elif target.dim == 0 and target.parts > 1:
+        value = value[target.rank * target.size:(target.rank + 1) * target.size]
+    if value.shape != target.view.shape:
+        raise ValueError(f"checkpoint tensor {name} has {tensor.shape} scales but the model expects "
+                         f"{target.size * target.parts} channels; does the model's config match its weights?")
+    target.view.copy_(value)
 
 
 def _join(*parts: str) -> str:

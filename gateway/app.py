@@ -4,7 +4,7 @@ from aiohttp import web
 from pagedserve.gateway import ops_routes, routes, tokenize_routes
 from pagedserve.gateway.auth import auth_middleware
 from pagedserve.gateway.cors import CORS
-from pagedserve.gateway.engine_client import EngineClient
+from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
 from pagedserve.gateway.request_id import request_id_middleware
 from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway
@@ -14,9 +14,13 @@ from pagedserve.common.version import __version__
 SERVER = f"pagedserve/{__version__}"
 
 
-async def _close_engine(app: web.Application) -> None:
+async def _start_engines(app: web.Application) -> None:
+    app[GATEWAY].engines.start()
+
+
+async def _close_engines(app: web.Application) -> None:
     gateway = app[GATEWAY]
-    await gateway.engine.close()
+    await gateway.engines.close()
     gateway.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -34,12 +38,15 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
               body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
+    `scheduler_address` is one scheduler's address or several, comma-separated: each prompt goes
+    to one of those in rotation (see engine_pool).
+
     With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
     `log_requests` logs one line per finished request (vLLM's --enable-log-requests).
     `sampling_defaults` (the model's generation config) fill the sampling options a request omits.
     `tool_parser` reads tool calls under tool_choice "auto"; `reasoning_parser` splits off thinking.
     """
-    gateway = Gateway(EngineClient(scheduler_address), tokenizer,
+    gateway = Gateway(EnginePool(scheduler_address), tokenizer,
                       served_model_names=list(served_model_names or ()), stream_interval=stream_interval,
                       log_requests=log_requests, sampling_defaults=sampling_defaults or {},
                       tool_parser=tool_parser, reasoning_parser=reasoning_parser,
@@ -56,7 +63,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
         app.on_response_prepare.append(cors.on_prepare)
     app.on_response_prepare.append(_server_header)
     app[GATEWAY] = gateway
-    app.on_cleanup.append(_close_engine)
+    app.on_startup.append(_start_engines)
+    app.on_cleanup.append(_close_engines)
     app.router.add_get("/health", ops_routes.health)
     app.router.add_get("/version", ops_routes.version_info)
     app.router.add_get("/metrics", ops_routes.metrics)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.gateway.errors import APIError, bad_request, internal, overloaded, unavailable
+from pagedserve.gateway.errors import APIError, Unavailable, bad_request, internal, overloaded
 from pagedserve.common import service
 from pagedserve.common.sampling_params import SamplingParams, sampling_to_proto
 from pagedserve.v1 import engine_pb2 as pb
@@ -26,6 +26,10 @@ _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
                 grpc.StatusCode.ABORTED)
 
 
+class SchedulerDown(Unavailable):
+    """The scheduler is unreachable, not serving, or dropped the call: it leaves the rotation."""
+
+
 def _api_error(e: grpc.aio.AioRpcError) -> APIError:
     code = e.code()
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
@@ -34,7 +38,7 @@ def _api_error(e: grpc.aio.AioRpcError) -> APIError:
         return overloaded()
     if code in _UNAVAILABLE:
         # Details name socket addresses, which a client must not see.
-        return unavailable("The scheduler is unavailable; retry shortly.")
+        return SchedulerDown("The scheduler is unavailable; retry shortly.")
     return internal(f"The scheduler failed the request ({code.name}).")
 
 
@@ -55,7 +59,7 @@ class EngineClient:
         except grpc.aio.AioRpcError as e:
             raise _api_error(e) from e
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            raise unavailable("The scheduler is not serving (it is starting, stopping or reconnecting to its "
+            raise SchedulerDown("The scheduler is not serving (it is starting, stopping or reconnecting to its "
                               "executor); retry shortly.")
 
     async def model_info(self, timeout: float = 2.0) -> pb.ModelInfo:

@@ -51,14 +51,19 @@ def request_timeout(seconds: float) -> APIError:
                     "the server with a longer --body-read-timeout.", code="request_timeout")
 
 
+class Unavailable(APIError):
+    """A 503 the client may retry: the SDK retries 503 and honours Retry-After."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(503, message, type="service_unavailable", code=code, headers={"Retry-After": "1"})
+
+
 def unavailable(message: str) -> APIError:
-    # The SDK retries 503 and honours Retry-After.
-    return APIError(503, message, type="service_unavailable", headers={"Retry-After": "1"})
+    return Unavailable(message)
 
 
 def overloaded() -> APIError:
-    return APIError(503, "The server is overloaded; retry shortly.", type="service_unavailable",
-                    code="server_overloaded", headers={"Retry-After": "1"})
+    return Unavailable("The server is overloaded; retry shortly.", code="server_overloaded")
 
 
 def unauthorized() -> APIError:

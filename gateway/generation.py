@@ -3,10 +3,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from itertools import accumulate, groupby
+from operator import itemgetter
 
 from pagedserve.common.detokenizer import IncrementalDetokenizer
-from pagedserve.gateway.engine_client import EngineClient
-from pagedserve.gateway.errors import internal, unavailable
+from pagedserve.gateway.engine_client import SchedulerDown
+from pagedserve.gateway.engine_pool import Engine, EnginePool
+from pagedserve.gateway.errors import APIError, internal
 from pagedserve.gateway.logprobs import TokenLogprob, decode_logprobs
 from pagedserve.gateway.metrics import ChoiceStats, ModelMetrics
 from pagedserve.gateway.schemas import PromptTokensDetails, Usage
@@ -37,6 +40,8 @@ class Choice:
     prompt_token_ids: list[int]
     params: SamplingParams
     counts_prompt: bool
+    # The scheduler it runs on, picked when the generation starts.
+    engine: Engine | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
@@ -55,10 +60,10 @@ def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams) -
 class Generation:
     """Runs the choices of one request concurrently; events() yields their text as it is produced."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, choices: list[Choice],
+    def __init__(self, engines: EnginePool, tokenizer: Tokenizer, choices: list[Choice],
                  trace_id: str, metrics: ModelMetrics, arrival: float, stream_interval: int = 1,
                  log_requests: bool = False) -> None:
-        self._engine = engine
+        self._engines = engines
         self._trace_id = trace_id
         self._tokenizer = tokenizer
         self.choices = choices
@@ -86,6 +91,7 @@ class Generation:
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Merged events of all choices; closing it cancels every engine call still running."""
         queue = self._queue
+        self._pick_engines()
         tasks = [asyncio.create_task(self._run(c, queue)) for c in self.choices]
         running = len(tasks)
         try:
@@ -100,6 +106,15 @@ class Generation:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _pick_engines(self) -> None:
+        # A prompt's n choices share it, so they go to one scheduler, whose prefix cache then holds it.
+        prompt_numbers = accumulate(int(c.counts_prompt) for c in self.choices)
+        for _, group in groupby(zip(prompt_numbers, self.choices), key=itemgetter(0)):
+            same_prompt = [c for _, c in group]
+            engine = self._engines.pick(same_prompt[0].prompt_token_ids, len(same_prompt))
+            for choice in same_prompt:
+                choice.engine = engine
+
     async def _run(self, choice: Choice, queue: asyncio.Queue) -> None:
         stats = ChoiceStats(self.metrics, self._arrival)
         finish_reason = None
@@ -107,9 +122,13 @@ class Generation:
             event = await self._stream(choice, queue, stats)
             finish_reason = choice.finish_reason = event.finish_reason
             queue.put_nowait(event)
+        except APIError as e:
+            self._engines.failed(choice.engine, e)
+            queue.put_nowait(e)
         except Exception as e:
             queue.put_nowait(e)
         finally:
+            self._engines.ended(choice.engine)
             prompt_tokens = len(choice.prompt_token_ids) if choice.counts_prompt else 0
             stats.end(finish_reason, prompt_tokens, choice.completion_tokens)
 
@@ -119,7 +138,7 @@ class Generation:
                                        p.include_stop_str_in_output, choice.prompt_token_ids)
         logprobs: list[TokenLogprob] = []
         text, pending_tokens, sent, prompt = "", 0, False, None
-        async with aclosing(self._engine.generate(choice.request_id, choice.prompt_token_ids, p,
+        async with aclosing(choice.engine.client.generate(choice.request_id, choice.prompt_token_ids, p,
                                                    self._trace_id)) as stream:
             async for response in stream:
                 stats.response()
@@ -148,7 +167,7 @@ class Generation:
                 logprobs: list[TokenLogprob]) -> ChoiceEvent:
         reason = _FINISH.get(response.finish_reason)
         if reason is None:
-            raise unavailable("The scheduler aborted the request (it may be shutting down); retry.")
+            raise SchedulerDown("The scheduler aborted the request (it may be shutting down); retry.")
         stop_token = response.stop_token_id if response.HasField("stop_token_id") else None
         # vLLM's convention: stop_reason names a matched stop_token_ids entry, and is null for EOS.
         stop_reason = stop_token if stop_token in choice.params.stop_token_ids else None

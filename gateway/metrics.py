@@ -29,6 +29,26 @@ STEP_HISTOGRAMS = (
     ("step_forward", "step_forward_seconds", "Executor forward seconds per step."),
     ("step_idle", "step_idle_seconds", "Executor idle seconds between consecutive steps."))
 
+# The scheduler series: name, ModelInfo field, help.
+ENGINE_GAUGES = (
+    ("num_requests_running", "num_running", "Requests in the running batch."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "kv_cache_usage", "Share of KV-cache blocks in use (0 to 1)."))
+ENGINE_COUNTERS = (
+    ("num_preemptions", "num_preemptions", "Preemptions since the scheduler started."),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."))
+ENGINE_LABELS = ["model_name", "engine"]
+CACHE_CONFIG = ["block_size", "num_gpu_blocks", "gpu_memory_utilization", "enable_prefix_caching"]
+# The series vLLM has too, by pagedserve name: their vllm: names (kv_cache_usage_perc also under the
+# name vLLM had before, which vLLM production-stack's router still reads).
+VLLM_TWINS = {name: (name,) for name in (
+    "num_requests_running", "num_requests_waiting", "num_preemptions", "prefix_cache_queries",
+    "prefix_cache_hits", "cache_config_info", "time_to_first_token_seconds", "inter_token_latency_seconds",
+    "e2e_request_latency_seconds", "request_prompt_tokens", "request_generation_tokens", "request_params_n",
+    "request_params_max_tokens", "prompt_tokens", "generation_tokens", "request_success")}
+VLLM_TWINS["kv_cache_usage_perc"] = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
+
 # The *_created series double what a scrape carries and nothing reads them (vLLM turns them off too).
 prometheus_client.disable_created_metrics()
 
@@ -143,70 +163,92 @@ def rejection_reason(status: int, code: str | None) -> str | None:
 
 
 class _EngineCollector:
-    """The scheduler's series, from the ModelInfo fetched for the scrape being rendered."""
+    """Each scheduler's series, labelled engine="0", "1", ... in --scheduler-address order (as vLLM
+    labels its data-parallel engines), from the ModelInfos fetched for the scrape being rendered."""
 
     def __init__(self) -> None:
         self.model_name = ""
-        self.info: pb.ModelInfo | None = None
+        self.infos: list[pb.ModelInfo | None] = []
 
     def collect(self) -> Iterator[Metric]:
-        info, labels = self.info, [self.model_name]
-        if info is None:
+        engines = [(str(i), info) for i, info in enumerate(self.infos) if info is not None]
+        if not engines:
             return
-        for name, doc, value in (
-                ("num_requests_running", "Requests in the running batch.", info.num_running),
-                ("num_requests_waiting", "Requests waiting to be scheduled.", info.num_waiting),
-                ("kv_cache_usage_perc", "Share of KV-cache blocks in use (0 to 1).", info.kv_cache_usage)):
-            yield _one(GaugeMetricFamily(f"pagedserve:{name}", doc, labels=["model_name"]), labels, value)
-        for name, doc, value in (
-                ("num_preemptions", "Preemptions since the scheduler started.", info.num_preemptions),
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 info.prefix_cache_queries),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", info.prefix_cache_hits)):
-            yield _one(CounterMetricFamily(f"pagedserve:{name}", doc, labels=["model_name"]), labels, value)
-        config = {"block_size": info.block_size, "num_gpu_blocks": info.num_blocks,
-                  "gpu_memory_utilization": round(info.gpu_memory_utilization, 4),
-                  "enable_prefix_caching": info.enable_prefix_caching}
+        for kind, series in ((GaugeMetricFamily, ENGINE_GAUGES), (CounterMetricFamily, ENGINE_COUNTERS)):
+            for name, field, doc in series:
+                family = kind(f"pagedserve:{name}", doc, labels=ENGINE_LABELS)
+                for engine, info in engines:
+                    family.add_metric([self.model_name, engine], getattr(info, field))
+                yield family
         family = GaugeMetricFamily("pagedserve:cache_config_info", "KV-cache configuration.",
-                                   labels=["model_name", *config])
-        yield _one(family, labels + [str(v) for v in config.values()], 1)
+                                   labels=[*ENGINE_LABELS, *CACHE_CONFIG])
+        for engine, info in engines:
+            family.add_metric([self.model_name, engine, *_cache_config(info)], 1)
+        yield family
         for field, name, doc in STEP_HISTOGRAMS:
             # An Engine that does not time its steps leaves them out, and a histogram needs its buckets.
-            if info.HasField(field):
-                yield _histogram(f"pagedserve:{name}", doc, labels, getattr(info, field))
+            timed = [(engine, info) for engine, info in engines if info.HasField(field)]
+            if timed:
+                yield _histogram(f"pagedserve:{name}", doc, self.model_name, timed, field)
 
 
-def _one(family: GaugeMetricFamily | CounterMetricFamily, labels: list[str], value: float) -> Metric:
-    family.add_metric(labels, value)
+def _cache_config(info: pb.ModelInfo) -> list[str]:
+    return [str(info.block_size), str(info.num_blocks), str(round(info.gpu_memory_utilization, 4)),
+            str(info.enable_prefix_caching)]
+
+
+def _histogram(name: str, doc: str, model_name: str, engines: list[tuple[str, pb.ModelInfo]],
+               field: str) -> Metric:
+    family = HistogramMetricFamily(name, doc, labels=ENGINE_LABELS)
+    for engine, info in engines:
+        h = getattr(info, field)
+        bounds = [floatToGoString(b) for b in h.bucket_upper_bounds_s] + ["+Inf"]
+        family.add_metric([model_name, engine], list(zip(bounds, accumulate(h.bucket_counts))), h.sum_s)
     return family
 
 
-def _histogram(name: str, doc: str, labels: list[str], h: pb.StepHistogram) -> Metric:
-    family = HistogramMetricFamily(name, doc, labels=["model_name"])
-    bounds = [floatToGoString(b) for b in h.bucket_upper_bounds_s] + ["+Inf"]
-    family.add_metric(labels, list(zip(bounds, accumulate(h.bucket_counts))), h.sum_s)
-    return family
+class _VllmTwins:
+    """Every series of `source`, and beside each one vLLM names too, a copy under those names:
+    routers and dashboards built for vLLM read them unchanged."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            yield family
+            for name in VLLM_TWINS.get(family.name.removeprefix("pagedserve:"), ()):
+                yield _renamed(family, f"vllm:{name}")
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    twin = Metric(name, family.documentation, family.type, family.unit)
+    twin.samples = [s._replace(name=name + s.name[len(family.name):]) for s in family.samples]
+    return twin
 
 
 class Metrics:
-    """The gateway's registry: its own series and, at scrape time, the scheduler's."""
+    """The gateway's registry: its own series and, at scrape time, the schedulers'; each under its
+    pagedserve: name and, where vLLM has the series, its vllm: name too."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self._own = CollectorRegistry()
         self._engine = _EngineCollector()
-        self.registry.register(self._engine)
+        self._own.register(self._engine)
+        self.registry = CollectorRegistry()
+        self.registry.register(_VllmTwins(self._own))
         self._bound: ModelMetrics | None = None
 
     def bind(self, model_name: str, max_model_len: int) -> ModelMetrics:
         """The model's series, created on first use (their token buckets depend on max_model_len)."""
         if self._bound is None:
             # A gateway serves one model for its lifetime, so the first name is the only one.
-            self._bound = _create(self.registry, model_name, max_model_len)
+            self._bound = _create(self._own, model_name, max_model_len)
             self._engine.model_name = model_name
         return self._bound
 
-    def render(self, info: pb.ModelInfo | None, accept: str | None) -> tuple[bytes, str]:
-        """The exposition body and its content type; `info` None leaves the scheduler's series out."""
+    def render(self, infos: list[pb.ModelInfo | None], accept: str | None) -> tuple[bytes, str]:
+        """The exposition body and its content type; infos[i] is engine i's, None leaves its series out."""
         encoder, content_type = choose_encoder(accept)
-        self._engine.info = info
+        self._engine.infos = infos
         return encoder(self.registry), content_type

@@ -2,7 +2,7 @@
 import msgspec
 from aiohttp import web
 
-from pagedserve.gateway.errors import APIError
+from pagedserve.gateway.errors import APIError, unavailable
 from pagedserve.gateway.state import GATEWAY
 from pagedserve.common.version import __version__
 from pagedserve.common.log import get_logger
@@ -12,9 +12,15 @@ _VERSION = msgspec.json.encode({"version": __version__})
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the scheduler reports SERVING; 503 while it starts, stops, reattaches to its executor
-    or is unreachable, and while this gateway shuts down."""
-    await request.app[GATEWAY].engine.check_serving()
+    """200 while at least one scheduler reports SERVING; 503 while every one starts, stops, reattaches
+    to its executor or is unreachable, and while this gateway shuts down."""
+    states = await request.app[GATEWAY].engines.health()
+    if all(states):
+        if len(states) == 1:
+            raise unavailable(states[0])
+        # Engines by index (the order of --scheduler-address): addresses are for the logs only.
+        down = " ".join(f"Engine {i}: {reason}" for i, reason in enumerate(states))
+        raise unavailable(f"No scheduler is serving. {down}")
     return web.Response(body=b'{"status":"ok"}', content_type="application/json")
 
 
@@ -23,13 +29,13 @@ async def version_info(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus exposition; the scheduler's series are fetched now, and left out while it is down."""
+    """Prometheus exposition; each scheduler's series are fetched now, and left out while it is down."""
     gateway = request.app[GATEWAY]
     try:
         await gateway.model()
-        info = await gateway.engine.model_info()
+        infos = await gateway.engines.infos()
     except APIError as e:
         log.warning("metrics_without_scheduler", message=e.info.message)
-        info = None
-    body, content_type = gateway.metrics.render(info, request.headers.get("Accept"))
+        infos = []
+    body, content_type = gateway.metrics.render(infos, request.headers.get("Accept"))
     return web.Response(body=body, headers={"Content-Type": content_type})

@@ -202,7 +202,7 @@ async def _generate(request: web.Request, builder: ResponseBuilder, choices: lis
                     stream: bool, served: ServedModel) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     start = time.monotonic()
-    generation = Generation(gateway.engine, gateway.tokenizer, choices, current_request_id(),
+    generation = Generation(gateway.engines, gateway.tokenizer, choices, current_request_id(),
                             served.metrics, start, gateway.stream_interval, gateway.log_requests)
     try:
         with gateway.drain.track(generation):

@@ -15,6 +15,7 @@ from pagedserve.common.config import add_engine_args
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.gateway import reasoning, tool_parsers
 from pagedserve.gateway.app import build_app
+from pagedserve.gateway.engine_pool import split_addresses
 from pagedserve.common.tokenizer import Tokenizer, read_chat_template
 from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY
 from pagedserve.common.log import get_logger
@@ -35,8 +36,10 @@ LISTEN_BACKLOG = 2048
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     """Adds the gateway's flags; the model directory stays the caller's positional argument."""
     g = parser.add_argument_group("gateway")
-    g.add_argument("--scheduler-address", default="127.0.0.1:50051",
-                   help="the scheduler's Engine gRPC address: host:port or unix:///path")
+    g.add_argument("--scheduler-address", type=scheduler_addresses, default="127.0.0.1:50051",
+                   help="the scheduler's Engine gRPC address (host:port or unix:///path), or several "
+                        "comma-separated: each request goes to the least loaded one that serves, requests "
+                        "sharing a prompt prefix to the same one")
     g.add_argument("--listen-fd", type=int, default=None,
                    help="serve on this inherited, bound socket instead of binding --host/--port "
                         "(`pagedserve serve` binds the port before loading the model)")
@@ -99,6 +102,15 @@ def tool_parser(args: argparse.Namespace) -> str | None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     return args.tool_call_parser if args.enable_auto_tool_choice else None
+
+
+def scheduler_addresses(value: str) -> str:
+    """--scheduler-address, checked when parsed."""
+    try:
+        split_addresses(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def chat_template(value: str) -> str:

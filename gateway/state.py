@@ -1,4 +1,4 @@
-"""What the handlers share: the engine connection, the tokenizer, the metrics, the served name, the
+"""What the handlers share: the schedulers, the tokenizer, the metrics, the served name, the
 limits, the shutdown drain, and the pool that keeps large inputs off the event loop."""
 import asyncio
 import time
@@ -10,7 +10,8 @@ from typing import TypeVar
 from aiohttp import web
 
 from pagedserve.gateway.drain import Drain
-from pagedserve.gateway.engine_client import EngineClient, ModelSpec
+from pagedserve.gateway.engine_client import ModelSpec
+from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.metrics import Metrics, ModelMetrics
 from pagedserve.common.tokenizer import Tokenizer
 
@@ -38,7 +39,7 @@ class ServedModel:
 
 @dataclass(slots=True)
 class Gateway:
-    engine: EngineClient
+    engines: EnginePool
     tokenizer: Tokenizer
     metrics: Metrics = field(default_factory=Metrics)
     # --served-model-name: overrides the scheduler's name; every one is accepted as `model`.
@@ -59,8 +60,8 @@ class Gateway:
     started: int = field(default_factory=lambda: int(time.time()))
 
     async def model(self) -> ServedModel:
-        """The model clients address; raises a 503 APIError until the scheduler has answered once."""
-        spec = await self.engine.model_spec()
+        """The model clients address; raises a 503 APIError until a scheduler has answered once."""
+        spec = await self.engines.model_spec()
         names = tuple(self.served_model_names) or (spec.served_model_name,)
         return ServedModel(names[0], spec, self.metrics.bind(names[0], spec.max_model_len),
                            self.sampling_defaults, names)

@@ -3,13 +3,17 @@
 A program owns a tile of query positions x the query heads that share one KV head (GQA packing),
 so each KV tile is read once per tile of queries and both products run on tensor cores. The
 split-KV (flash-decoding) path runs the same kernel with a third grid axis over KV segments and
-merges the segments' partial results in a second, small kernel.
+merges the segments' partial results in a second, small kernel. An fp8 KV cache is widened
+to the query dtype as it is loaded (see kernels/reference.py for its scales).
 """
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from pagedserve.kernels.reference import is_fp8
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -31,12 +35,50 @@ def _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, k_head, v_head, stride_kb, stride_ks,
-                  stride_vb, stride_vs, q_limit, kv_end, tile_lo, tile_hi, qk_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  MASKED: tl.constexpr):
-    # Online softmax over KV tiles [tile_lo, tile_hi); only the tiles that cross the causal
-    # diagonal or the end of the context pay for masks.
+def _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr,
+                  LAZY_RESCALE: tl.constexpr):
+    """One KV tile of the online softmax; `visible` [rows, TILE] masks scores when MASKED."""
+    # An fp8 cache widens to the query dtype here; its K scale is folded into qk_scale and its
+    # V scale applied to the output.
+    s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    # Scores stay unscaled so that scaling and the max subtraction fuse into one FMA.
+    m_tile = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if LAZY_RESCALE:
+        # FlashAttention-4's conditional rescaling: keep a stale max unless a row's grows by
+        # more than 8 (p then stays below 2^8), and skip the rescale when no row's does.
+        grow = m_tile > m_i + 8.0
+        m_new = tl.where(grow, m_tile, m_i)
+    else:
+        m_new = m_tile
+    if MASKED:
+        # A row can see no key of a tile (or a whole segment): keep exp2 off -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+    if LAZY_RESCALE:
+        if tl.max(grow.to(tl.int32), 0) > 0:
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+    else:
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
+    l_i = l_i + tl.sum(p, 1)
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, stride_s,
+                  q_limit, kv_end, tile_lo, tile_hi, qk_scale, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr,
+                  LAZY_RESCALE: tl.constexpr):
+    # Online softmax over the paged cache's KV tiles [tile_lo, tile_hi); only the tiles that
+    # cross the causal diagonal or the end of the context pay for masks.
     offs_t = tl.arange(0, TILE)
     offs_d = tl.arange(0, HEAD_DIM)
     for j in range(tile_lo, tile_hi):
@@ -46,43 +88,54 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, k_head, v_head, str
             block = tl.load(table + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         else:
             block = tl.load(table + k_pos // BLOCK_SIZE).to(tl.int64)
-        slot_in_block = k_pos % BLOCK_SIZE
-        k_off = block * stride_kb + slot_in_block * stride_ks
-        v_off = block * stride_vb + slot_in_block * stride_vs
-        k_ptrs = k_cache + k_head + k_off[None, :] + offs_d[:, None]
-        v_ptrs = v_cache + v_head + v_off[:, None] + offs_d[None, :]
+        # K and V share one layout: one offset tile serves both.
+        kv_off = (block * stride_b + (k_pos % BLOCK_SIZE) * stride_s + kv_head)[:, None] + offs_d[None, :]
         if MASKED:
-            k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        s = tl.dot(q, k)
-        if MASKED:
+            k = tl.load(k_cache + kv_off, mask=in_range[:, None], other=0.0)
+            v = tl.load(v_cache + kv_off, mask=in_range[:, None], other=0.0)
             visible = (k_pos[None, :] <= q_limit[:, None]) & in_range[None, :]
-            s = tl.where(visible, s, float("-inf"))
-        # Scores stay unscaled so that scaling and the max subtraction fuse into one FMA.
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        # A row can see no key of a tile (or a whole segment): keep exp2 away from -inf - -inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        else:
+            k = tl.load(k_cache + kv_off)
+            v = tl.load(v_cache + kv_off)
+            visible = 0
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED,
+                                      LAZY_RESCALE)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column, q_fresh, query_len,
+                        tile_lo, tile_hi, qk_scale, TILE: tl.constexpr, MASKED: tl.constexpr,
+                        LAZY_RESCALE: tl.constexpr):
+    # The same over the sequence's own new keys, tiles [tile_lo, tile_hi) counted from its first
+    # new token, read by the tensor-memory accelerator straight from this step's k and v.
+    offs_t = tl.arange(0, TILE)
+    for j in range(tile_lo, tile_hi):
+        k = k_desc.load([q_start + j * TILE, column])
+        v = v_desc.load([q_start + j * TILE, column])
+        k_fresh = j * TILE + offs_t
+        visible = (k_fresh[None, :] <= q_fresh[:, None]) & (k_fresh[None, :] < query_len)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED,
+                                      LAZY_RESCALE)
     return acc, l_i, m_i
 
 
 # num_seqs changes every step: specialising on it (== 1, multiple of 16) would recompile mid-run.
 @triton.jit(do_not_specialize=["num_seqs"])
-def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, block_tables, seq_lens,
-                      query_start_loc, qk_scale, num_seqs, num_heads, stride_qt, stride_qh,
-                      stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                      stride_vh, stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_ptr, v_scale_ptr,
+                      k_desc, v_desc, block_tables, seq_lens, query_start_loc, qk_scale, num_seqs, num_heads,
+                      stride_qt, stride_qh, stride_ot, stride_oh, stride_b, stride_s, stride_h,
+                      stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      TILE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                      TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_SCALED: tl.constexpr,
+                      REVERSE: tl.constexpr, LAZY_RESCALE: tl.constexpr, FRESH: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
-    q_block = tl.program_id(0)
+    if REVERSE:
+        # Causal work grows along a sequence: start the longest q blocks first so that the
+        # short ones fill the tail of the grid (FlashAttention-2's order).
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -116,21 +169,46 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, block_tab
         tile_lo = tl.minimum(split * per_split, num_tiles)
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     table = block_tables + seq.to(tl.int64) * stride_bt
-    k_head = kv_head.to(tl.int64) * stride_kh
-    v_head = kv_head.to(tl.int64) * stride_vh
+    kv_head_off = kv_head.to(tl.int64) * stride_h
     q_limit = context_len + q_pos
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, k_head, v_head,
-                                  stride_kb, stride_ks, stride_vb, stride_vs, q_limit, kv_end,
-                                  tile_lo, tl.minimum(tile_hi, num_full), qk_scale, HEAD_DIM,
-                                  BLOCK_SIZE, TILE, False)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, k_head, v_head,
-                                  stride_kb, stride_ks, stride_vb, stride_vs, q_limit, kv_end,
-                                  tl.maximum(tile_lo, num_full), tile_hi, qk_scale, HEAD_DIM,
-                                  BLOCK_SIZE, TILE, True)
+    if FRESH:
+        # Unsplit: the cached context from the paged cache (only its last, partial tile
+        # masked), then the new keys from k_desc / v_desc (the diagonal tiles masked).
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
+                                      stride_b, stride_s, q_limit, context_len, 0,
+                                      context_len // TILE, qk_scale, HEAD_DIM, BLOCK_SIZE, TILE,
+                                      False, LAZY_RESCALE)
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
+                                      stride_b, stride_s, q_limit, context_len,
+                                      context_len // TILE, tl.cdiv(context_len, TILE), qk_scale,
+                                      HEAD_DIM, BLOCK_SIZE, TILE, True, LAZY_RESCALE)
+        fresh_full = (q_local * BLOCK_Q + 1) // TILE
+        fresh_end = tl.minimum((q_local + 1) * BLOCK_Q, query_len)
+        column = kv_head * HEAD_DIM
+        acc, l_i, m_i = _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column,
+                                            q_pos, query_len, 0, fresh_full, qk_scale, TILE,
+                                            False, LAZY_RESCALE)
+        acc, l_i, m_i = _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column,
+                                            q_pos, query_len, fresh_full,
+                                            tl.cdiv(fresh_end, TILE), qk_scale, TILE, True,
+                                            LAZY_RESCALE)
+    else:
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
+                                      stride_b, stride_s, q_limit, kv_end, tile_lo,
+                                      tl.minimum(tile_hi, num_full), qk_scale, HEAD_DIM,
+                                      BLOCK_SIZE, TILE, False, LAZY_RESCALE)
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
+                                      stride_b, stride_s, q_limit, kv_end,
+                                      tl.maximum(tile_lo, num_full), tile_hi, qk_scale,
+                                      HEAD_DIM, BLOCK_SIZE, TILE, True, LAZY_RESCALE)
+    if KV_SCALED:
+        acc = acc * tl.load(v_scale_ptr)
 
     if NUM_SPLITS == 1:
         o_ptrs = out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -161,25 +239,44 @@ def _merge_kernel(out, part_acc, part_ml, stride_ot, stride_oh, num_heads,
     tl.store(out + token * stride_ot + head * stride_oh + offs_d, o.to(out.dtype.element_ty))
 
 
-@dataclass(frozen=True)
-class _Config:
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """One launch's tiling: rows per program (query positions x the padded GQA group), KV tokens
+    per loop step, warps, software-pipeline stages; `reverse` starts the last (longest causal)
+    q blocks first, `lazy_rescale` rescales the accumulator only when a row's max grows by more
+    than 2^8, `fresh_kv` reads each sequence's new keys and values through tensor descriptors
+    (TMA on Hopper) from the k_new / v_new given to `paged_attention` rather than from the
+    paged cache."""
     block_m: int
     tile: int
     num_warps: int
     num_stages: int
+    reverse: bool = False
+    lazy_rescale: bool = False
+    fresh_kv: bool = False
 
 
-def _config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len: int) -> _Config:
+def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len: int,
+                   fresh_kv: bool = False) -> AttentionConfig:
+    """The tiling `paged_attention` picks when given none; `fresh_kv` when it is given k_new."""
     # Decode rows fill BLOCK_M with the GQA group (16 rows is the smallest tensor-core tile);
-    # prefill uses 128-row tiles so a KV tile is reused by many queries. KV tiles are capped
-    # at 16 KiB each. Measured on an H200 (Llama-3.1-8B shape, bf16): decode is fastest with
-    # 64-token tiles and 2 stages (3 stages cost a third of the bandwidth at batch 64, through
-    # lower occupancy); prefill is flat across 64/128-token tiles and 2/3 stages.
-    tile = max(16, min(64, 16384 // (head_dim * elem_bytes)))
+    # measured on an H200 (Llama-3.1-8B shape, bf16), decode is fastest with 64-token KV tiles
+    # (16 KiB) and 2 stages (3 stages cost a third of the bandwidth at batch 64, through lower
+    # occupancy).
     if max_query_len * group_pad <= 16:
-        return _Config(max(16, group_pad), tile, num_warps=4, num_stages=2)
+        tile = max(16, min(64, 16384 // (head_dim * elem_bytes)))
+        return AttentionConfig(max(16, group_pad), tile, num_warps=4, num_stages=2)
+    # Prefill: 128-row tiles so a KV tile is reused by many queries, 128-token KV tiles (32 KiB),
+    # longest q blocks first (FlashAttention-2's order), the step's own keys through TMA when
+    # given. `python -m pagedserve.bench.kernels --prefill-sweep` on an H200 (torch 2.11,
+    # triton 3.6; 8192 tokens per launch as 2 x 4096 and 1 x 16384) measured, in TFLOP/s:
+    # fresh_kv 471 / 515 (the fastest), this tiling without it 366 / 422, the 64-token tiling
+    # before 304 / 350, the lazy rescale 425 / 491 (slower), 2 stages 409 / 480, 64-row tiles
+    # 361 / 442; SDPA 528 at 2 x 4096 in its default dispatch (cuDNN), 280 / 332 forced to FA2.
+    tile = max(16, min(128, 32768 // (head_dim * elem_bytes)))
     block_m = max(group_pad, 128 if head_dim * elem_bytes <= 256 else 64)
-    return _Config(block_m, tile, num_warps=8, num_stages=3 if elem_bytes <= 2 else 2)
+    return AttentionConfig(block_m, tile, num_warps=8, num_stages=3 if elem_bytes <= 2 else 2,
+                           reverse=True, fresh_kv=fresh_kv)
 
 
 def choose_num_splits(num_q_blocks: int, num_kv_heads: int, max_seq_len: int, tile: int,
@@ -207,11 +304,28 @@ def default_num_splits(num_tokens: int, num_seqs: int, num_heads: int, num_kv_he
     """The KV segment count `paged_attention` picks when none is given: a CUDA graph fixes it
     for its batch size at capture."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    cfg = _config(group_pad, head_dim, elem_bytes, max_query_len)
+    cfg = default_config(group_pad, head_dim, elem_bytes, max_query_len)
+    return _num_splits(cfg, group_pad, num_tokens, num_seqs, num_kv_heads, max_query_len,
+                       max_seq_len, device)
+
+
+def _num_splits(cfg: AttentionConfig, group_pad: int, num_tokens: int, num_seqs: int,
+                num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                device: torch.device) -> int:
     block_q = cfg.block_m // group_pad
     # With short queries (decode rows) each sequence busies one q block per KV head.
     busy_blocks = num_seqs if max_query_len <= block_q else num_tokens // block_q + num_seqs
     return choose_num_splits(busy_blocks, num_kv_heads, max_seq_len, cfg.tile, _num_sms(device))
+
+
+def _rows_descriptor(x: torch.Tensor, tile: int) -> TensorDescriptor:
+    """x [num_tokens, num_kv_heads, head_dim] (heads contiguous) as a 2-D descriptor that loads
+    [tile, head_dim] boxes at (token, kv_head * head_dim); rows past the end read zeros."""
+    num_tokens, num_kv_heads, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim:
+        raise ValueError(f"k_new and v_new need contiguous heads, got strides {x.stride()}")
+    return TensorDescriptor(x, [num_tokens, num_kv_heads * head_dim], [x.stride(0), 1],
+                            [tile, head_dim])
 
 
 def _num_sms(device: torch.device) -> int:
@@ -224,18 +338,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
                     max_seq_len: int | None = None, num_splits: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    config: AttentionConfig | None = None, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context, in one launch.
 
     Same layouts and result as `paged_attention_ref`. `max_query_len` and `max_seq_len` are
     host-known upper bounds (defaults: all tokens, the block table's capacity); they only pick
     tile shapes and the split count, so no device value is read on the host. `num_splits`
     forces the number of KV segments (1 = no split-KV, rounded up to a power of two); `out`
-    receives the result if given.
-    The last dim of q, out and the caches must be contiguous; other strides are free.
+    receives the result if given. An fp8 cache holds K / k_scale and V / v_scale (kv_scales:
+    float32 [] tensors; none means 1.0). `config` overrides the tiling (`default_config`).
+    k_new and v_new [num_tokens, num_kv_heads, head_dim] (rotated k) are this step's keys and
+    values, as the cache holds them; a `fresh_kv` config (the default prefill one when they are
+    given) reads them instead of their cache slots when the launch is unsplit and the cache is
+    not fp8 (whose values differ from them); decode tilings ignore them.
+    The last dim of q, out and the caches must be contiguous, and k_cache and v_cache share
+    their strides; other strides are free.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache and v_cache must share strides, got {k_cache.stride()} and "
+                         f"{v_cache.stride()}: allocate them as halves of one tensor or alike")
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     num_seqs = seq_lens.shape[0]
@@ -243,13 +369,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_query_len = num_tokens
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
-    cfg = _config(group_pad, head_dim, q.element_size(), max_query_len)
+    cfg = config or default_config(group_pad, head_dim, q.element_size(), max_query_len,
+                                   fresh_kv=k_new is not None)
+    if cfg.block_m < group_pad:
+        raise ValueError(f"block_m {cfg.block_m} is below the padded GQA group {group_pad}")
     block_q = cfg.block_m // group_pad
     num_q_blocks = num_tokens // block_q + num_seqs
     if num_splits is None:
-        num_splits = default_num_splits(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim,
-                                        q.element_size(), max_query_len, max_seq_len, q.device)
+        num_splits = _num_splits(cfg, group_pad, num_tokens, num_seqs, num_kv_heads,
+                                 max_query_len, max_seq_len, q.device)
     num_splits = triton.next_power_of_2(num_splits)
+    scaled = is_fp8(k_cache) and kv_scales is not None
+    k_scale, v_scale = kv_scales if scaled else (None, None)
+    fresh = cfg.fresh_kv and k_new is not None and num_splits == 1 and not is_fp8(k_cache)
+    k_desc, v_desc = ((_rows_descriptor(k_new, cfg.tile), _rows_descriptor(v_new, cfg.tile))
+                      if fresh else (None, None))
     if out is None:
         out = torch.empty_like(q)
     if num_splits > 1:
@@ -260,11 +394,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_acc = part_ml = out
     _attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
-        out, part_acc, part_ml, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        scale * LOG2E, num_seqs, num_heads, *q.stride()[:2], *out.stride()[:2],
-        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0), GROUP=group,
-        GROUP_PAD=group_pad, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        TILE=cfg.tile, NUM_SPLITS=num_splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        out, part_acc, part_ml, q, k_cache, v_cache, k_scale, v_scale, k_desc, v_desc,
+        block_tables, seq_lens,
+        query_start_loc, scale * LOG2E, num_seqs, num_heads, *q.stride()[:2], *out.stride()[:2],
+        *k_cache.stride()[:3], block_tables.stride(0), GROUP=group, GROUP_PAD=group_pad,
+        BLOCK_M=cfg.block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=cfg.tile,
+        NUM_SPLITS=num_splits, KV_SCALED=scaled, REVERSE=cfg.reverse,
+        LAZY_RESCALE=cfg.lazy_rescale, FRESH=fresh, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if num_splits > 1:
         _merge_kernel[(num_tokens, num_heads)](out, part_acc, part_ml, out.stride(0),
                                                out.stride(1), num_heads, HEAD_DIM=head_dim,

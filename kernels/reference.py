@@ -6,27 +6,53 @@ Layouts shared with the Triton kernels:
   query_start_loc [num_seqs + 1] (cu_seqlens of the queries), seq_lens [num_seqs] (context length
   after this step, cached tokens plus new ones), block_tables [num_seqs, max_blocks_per_seq].
 - slot_mapping [num_tokens]: block_id * block_size + offset, or -1 for a padding token to skip.
+- An fp8 (float8_e4m3fn) cache holds x / scale saturated to +-448, with one float32 scale per
+  layer for K and one for V ([] tensors); other caches hold x as it is and take no scale.
 """
 import torch
 
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_DTYPE
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """x in the cache's storage: divided by the scale and saturated for fp8, else only cast."""
+    if cache_dtype != FP8_DTYPE:
+        return x.to(cache_dtype)
+    x = x.float() if scale is None else x.float() / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache entries as float32 values, times the scale if one is given (an fp8 cache's)."""
+    return x.float() if scale is None else x.float() * scale
+
 
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    k_scale, v_scale = kv_scales or (None, None)
+    k_cache[blocks, offsets] = quantize_kv(key[keep], k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = quantize_kv(value[keep], v_cache.dtype, v_scale)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                        query_start_loc: torch.Tensor, scale: float,
+                        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole paged context."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    k_scale, v_scale = kv_scales if kv_scales is not None and is_fp8(k_cache) else (None, None)
     out = torch.empty_like(q)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -38,8 +64,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         table = block_tables[i, :num_blocks].long()
         k = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1).float()
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        k = dequantize_kv(k.repeat_interleave(group, dim=1).transpose(0, 1), k_scale)
+        v = dequantize_kv(v.repeat_interleave(group, dim=1).transpose(0, 1), v_scale)
         qs = q[q_lo:q_hi].transpose(0, 1).float()
         scores = torch.matmul(qs, k.transpose(1, 2)) * scale
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
@@ -83,3 +109,17 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2 * d] holding gate then up projections; returns silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+# vLLM's floor on a dynamic scale: an all-zero row (CUDA-graph padding) divides by it, not by 0.
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (FP8 E4M3 [T, K], float32 scale [T, 1]), each row scaled by absmax / 448 so
+    that q * scale ~ x. Quantizes weights per output channel too (one row per channel)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale

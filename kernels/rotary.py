@@ -1,8 +1,13 @@
 """Neox-style (rotate-half) rotary position embedding fused with the write of new keys and values
-into the paged KV cache: one launch per layer instead of two."""
+into the paged KV cache: one launch per layer instead of two. An fp8 cache is written as
+x / scale saturated to +-448 (see kernels/reference.py)."""
 import torch
 import triton
 import triton.language as tl
+
+from pagedserve.kernels.reference import FP8_MAX, is_fp8
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -15,19 +20,36 @@ def _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF: tl.conste
 
 
 @triton.jit
-def _rotate_heads(src, stride_sh, dst, stride_dh, num_heads, cos, sin,
-                  HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
-    """Rotates one token's heads read from src and stores them, in dst's dtype, at dst (which may
-    be src itself)."""
+def _to_storage(x, scale, dst, FP8: tl.constexpr):
+    """x as dst stores it: divided by the scale and saturated for an fp8 dst."""
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -_FP8_MAX), _FP8_MAX)
+    return x.to(dst.dtype.element_ty)
+
+
+@triton.jit
+def _rotate_heads(src, stride_sh, num_heads, cos, sin, HEADS_PAD: tl.constexpr,
+                  HALF: tl.constexpr):
+    """One token's heads read from src, rotated: their low and high halves in fp32."""
     offs_h = tl.arange(0, HEADS_PAD)[:, None]
     offs_d = tl.arange(0, HALF)[None, :]
     mask = offs_h < num_heads
     src_lo = src + offs_h * stride_sh + offs_d
-    dst_lo = dst + offs_h * stride_dh + offs_d
     x1 = tl.load(src_lo, mask=mask).to(tl.float32)
     x2 = tl.load(src_lo + HALF, mask=mask).to(tl.float32)
-    tl.store(dst_lo, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst_lo + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _store_halves(dst, stride_dh, num_heads, lo, hi, scale, HEADS_PAD: tl.constexpr,
+                  HALF: tl.constexpr, FP8: tl.constexpr):
+    """Stores rotated heads at dst, in dst's storage (see _to_storage)."""
+    offs_h = tl.arange(0, HEADS_PAD)[:, None]
+    offs_d = tl.arange(0, HALF)[None, :]
+    mask = offs_h < num_heads
+    dst_lo = dst + offs_h * stride_dh + offs_d
+    tl.store(dst_lo, _to_storage(lo, scale, dst, FP8), mask=mask)
+    tl.store(dst_lo + HALF, _to_storage(hi, scale, dst, FP8), mask=mask)
 
 
 @triton.jit
@@ -37,60 +59,77 @@ def _cache_entry(cache, slot, stride_block, stride_slot, BLOCK_SIZE: tl.constexp
 
 
 @triton.jit
-def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, HEADS_PAD: tl.constexpr,
-                HEAD_DIM: tl.constexpr):
-    """Copies one token's heads from src to dst, converted to dst's dtype."""
+def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, scale, HEADS_PAD: tl.constexpr,
+                HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+    """Copies one token's heads from src to dst, converted to dst's storage."""
     offs_h = tl.arange(0, HEADS_PAD)[:, None]
     offs_d = tl.arange(0, HEAD_DIM)[None, :]
     mask = offs_h < num_heads
     x = tl.load(src + offs_h * stride_sh + offs_d, mask=mask)
-    tl.store(dst + offs_h * stride_dh + offs_d, x.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + offs_h * stride_dh + offs_d, _to_storage(x, scale, dst, FP8),
+             mask=mask)
 
 
 @triton.jit
 def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             stride_cache, stride_kcb, stride_kcs, stride_kch, stride_vcb,
                             stride_vcs, stride_vch, num_heads, num_kv_heads,
                             BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
-                            K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+                            K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
+                            KV_SCALED: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF)
     q_token = q + token * stride_qt
-    _rotate_heads(q_token, stride_qh, q_token, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF)
+    q_lo, q_hi = _rotate_heads(q_token, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF)
+    _store_halves(q_token, stride_qh, num_heads, q_lo, q_hi, 1.0, Q_HEADS_PAD, HALF, False)
+    # The rotated k also goes back to k: prefill attention reads the step's keys from there.
+    k_token = k + token * stride_kt
+    k_lo, k_hi = _rotate_heads(k_token, stride_kh, num_kv_heads, cos, sin, K_HEADS_PAD, HALF)
+    _store_halves(k_token, stride_kh, num_kv_heads, k_lo, k_hi, 1.0, K_HEADS_PAD, HALF, False)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     # Slot -1 marks a CUDA-graph padding token: it owns no cache slot.
     if slot < 0:
         return
-    # The rotated k goes from registers straight to the cache: nothing reads it from k again.
-    _rotate_heads(k + token * stride_kt, stride_kh,
-                  _cache_entry(k_cache, slot, stride_kcb, stride_kcs, BLOCK_SIZE), stride_kch,
-                  num_kv_heads, cos, sin, K_HEADS_PAD, HALF)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_SCALED:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    _store_halves(_cache_entry(k_cache, slot, stride_kcb, stride_kcs, BLOCK_SIZE), stride_kch,
+                  num_kv_heads, k_lo, k_hi, k_scale, K_HEADS_PAD, HALF, FP8)
     _copy_heads(v + token * stride_vt, stride_vh,
                 _cache_entry(v_cache, slot, stride_vcb, stride_vcs, BLOCK_SIZE), stride_vch,
-                num_kv_heads, K_HEADS_PAD, 2 * HALF)
+                num_kv_heads, v_scale, K_HEADS_PAD, 2 * HALF, FP8)
 
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> torch.Tensor:
+                    slot_mapping: torch.Tensor,
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`rotary_ref` then `write_kv_ref` in one kernel launch: rotates q [T, num_heads, head_dim]
-    IN PLACE by positions [T] (cos_sin_cache [max_positions, head_dim] holds cos then sin
+    and k IN PLACE by positions [T] (cos_sin_cache [max_positions, head_dim] holds cos then sin
     halves), and writes the rotated k and v [T, num_kv_heads, head_dim] to their slots of the
     paged caches [num_blocks, block_size, num_kv_heads, head_dim], skipping tokens with slot -1
-    (CUDA-graph padding).
+    (CUDA-graph padding). An fp8 cache stores k / k_scale and v / v_scale (kv_scales: float32
+    [] tensors; none means 1.0), saturated to +-448; other caches ignore kv_scales.
 
-    Returns q. k and v are only read: the rotated k exists only in k_cache. q, k and v may be
-    strided views (of the fused qkv output) whose last dim is contiguous; head_dim a power of two.
+    Returns q. v is only read. q, k and v may be strided views (of the fused qkv output) whose
+    last dim is contiguous; head_dim a power of two.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    fp8 = is_fp8(k_cache)
+    scaled = fp8 and kv_scales is not None
+    k_scale, v_scale = kv_scales if scaled else (None, None)
     if num_tokens > 0:
         _rotary_write_kv_kernel[(num_tokens,)](
-            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q.stride(0),
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+            q.stride(0),
             q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_heads, num_kv_heads,
             BLOCK_SIZE=k_cache.shape[1], Q_HEADS_PAD=triton.next_power_of_2(num_heads),
-            K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2)
+            K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2, FP8=fp8,
+            KV_SCALED=scaled)
     return q

@@ -40,15 +40,28 @@ def run_cli(argv: list[str]) -> None:
 def pagedserve(argv: list[str], ready: Callable[[], bool], timeout: float = 180,
                **popen) -> Iterator[subprocess.Popen]:
     """`python -m pagedserve <argv>` once `ready()` holds; killed at the end if still running."""
-    process = subprocess.Popen([sys.executable, "-m", "pagedserve", *argv], **popen)
+    with pagedserve_many([(argv, ready)], timeout, **popen) as processes:
+        yield processes[0]
+
+
+@contextmanager
+def pagedserve_many(services: list[tuple[list[str], Callable[[], bool]]], timeout: float = 180,
+                    **popen) -> Iterator[list[subprocess.Popen]]:
+    """`python -m pagedserve <argv>` of each (argv, ready) pair, started together, once every `ready()`
+    holds; those still running are killed at the end."""
+    processes = []
     try:
+        for argv, _ in services:
+            processes.append(subprocess.Popen([sys.executable, "-m", "pagedserve", *argv], **popen))
         deadline = time.monotonic() + timeout
-        while not ready():
-            assert process.poll() is None, f"pagedserve {argv[0]} exited with {process.returncode}"
-            assert time.monotonic() < deadline, f"pagedserve {argv[0]} not ready in {timeout} s"
-            time.sleep(0.2)
-        yield process
+        for (argv, ready), process in zip(services, processes):
+            while not ready():
+                assert process.poll() is None, f"pagedserve {argv[0]} exited with {process.returncode}"
+                assert time.monotonic() < deadline, f"pagedserve {argv[0]} not ready in {timeout} s"
+                time.sleep(0.2)
+        yield processes
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()

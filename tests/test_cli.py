@@ -43,23 +43,27 @@ def test_model_positional_or_flag_and_several_served_names():
     assert config_from_args(args).name == "llama"
 
 
-@pytest.mark.parametrize("argv", [["-tp", "1"], ["--tensor-parallel-size", "1"], ["--trust-remote-code"],
+@pytest.mark.parametrize("argv", [["-tp", "1"], ["--tensor-parallel-size", "2"], ["--trust-remote-code"],
                                   ["--disable-log-requests"], ["--enable-log-requests"], ["--disable-log-stats"],
                                   ["--uvicorn-log-level", "warning"], ["--kv-cache-dtype", "auto"],
-                                  ["--enable-prefix-caching"], ["--enforce-eager"]])
+                                  ["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e4m3"],
+                                  ["--enable-prefix-caching"], ["--enforce-eager"], ["-dp", "2"],
+                                  ["--data-parallel-size", "3"]])
 def test_accepted_vllm_flags(argv):
     parse(*argv)
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["-tp", "2"], "tensor parallelism is not built yet"),
-    (["--quantization", "awq"], "quantization is not built yet"),
-    (["--kv-cache-dtype", "fp8"], "is not built yet"),
+    (["-tp", "0"], "must be a positive integer"),
+    (["--quantization", "awq"], "quantization other than fp8 is not built yet (only fp8 is"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "fp8_e5m2 KV caches are not built; use fp8 (e4m3) or auto"),
+    (["--kv-cache-dtype", "int8"], "invalid choice"),
     (["--tool-call-parser", "pythonic"], "invalid choice"),
     (["--reasoning-parser", "granite"], "invalid choice"),
     (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
     (["--gpu-memory-utilization", "0"], "must be in (0, 1]"),
     (["--max-num-seqs", "0"], "must be a positive integer"),
+    (["-dp", "0"], "must be a positive integer"),
     (["--max-model-len", "1.5K"], "decimals do not go with binary suffixes"),
     (["--port", "70000"], "must be a TCP port"),
     (["--dtype", "int8"], "invalid choice"),
@@ -82,9 +86,9 @@ def test_help_shows_defaults_and_says_no_remote_code_runs(capsys):
 
 def test_each_child_gets_its_own_flags():
     config = config_from_args(parse("--max-num-seqs", "16", "--max-model-len", "4k", "--no-enable-prefix-caching",
-                                    "--served-model-name", "a", "b"))
+                                    "--served-model-name", "a", "b", "-q", "FP8"))
     executor, scheduler = config_to_argv(config, EXECUTOR_FLAGS), config_to_argv(config, SCHEDULER_FLAGS)
-    assert executor == ["--max-model-len", "4000", "--max-num-seqs", "16"]
+    assert executor == ["--max-model-len", "4000", "--max-num-seqs", "16", "--quantization", "fp8"]
     assert scheduler == ["--served-model-name", "a", "b", "--no-enable-prefix-caching"]
     build_parser().parse_args(["executor", *executor])
     build_parser().parse_args(["scheduler", *scheduler])

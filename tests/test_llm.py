@@ -18,8 +18,8 @@ def test_unset_batch_limits_take_vllms_offline_defaults_for_a_cpu(llm):
 
 
 @pytest.mark.parametrize("kwargs, says", [
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=2: tensor parallelism is not built yet"),
-    (dict(quantization="awq"), "quantization='awq': quantization is not built yet"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size=0: must be a positive integer"),
+    (dict(quantization="awq"), "quantization='awq': quantization other than fp8 is not built yet"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5: must be in (0, 1]"),
     (dict(max_num_seqs=0), "max_num_seqs=0: must be a positive integer"),
     (dict(dtype="int8"), "dtype='int8': choose from"),

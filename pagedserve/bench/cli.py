@@ -166,7 +166,8 @@ def run_throughput(args: argparse.Namespace) -> None:
                   device_step_s=round(stats.device_ns / 1e9, 3),
                   device_idle_s=round(stats.idle_ns / 1e9, 3),
                   async_scheduling=llm.config.async_scheduling, structured_fraction=args.structured_fraction,
-                  model=args.model_config or args.model, **environment())
+                  model=args.model_config or args.model, quantization=llm.runner.quantization,
+                  **environment())
     print(f"useful output tokens/s: {result['output_tokens_per_s']:.1f}")
     print(f"total tokens/s:         {result['total_tokens_per_s']:.1f}")
     print(f"seconds:                {result['seconds']:.2f}")
@@ -222,7 +223,8 @@ def run_latency(args: argparse.Namespace) -> None:
                   host_step_ms=round(stats.host_ns / steps / 1e6, 3),
                   cuda_graphs=bool(llm.runner.graphs.graphs),
                   async_scheduling=llm.config.async_scheduling, structured=args.structured,
-                  model=args.model_config or args.model, **environment())
+                  model=args.model_config or args.model, quantization=llm.runner.quantization,
+                  **environment())
     print(f"mean decode step:  {result['decode_step_ms_mean']:.3f} ms (median "
           f"{result['decode_step_ms_median']:.3f} ms; launch to launch of consecutive decode steps, "
           f"CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, async scheduling "

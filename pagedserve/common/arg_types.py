@@ -57,6 +57,14 @@ def dtype(value: str) -> str:
     return DTYPE_ALIASES.get(value, value)
 
 
+def kv_cache_dtype(value: str) -> str:
+    """vLLM's KV-cache dtype names: fp8 and fp8_e4m3 are one format; fp8_e5m2 is not built."""
+    name = str(value).lower()
+    if name == "fp8_e5m2":
+        raise argparse.ArgumentTypeError("fp8_e5m2 KV caches are not built; use fp8 (e4m3) or auto")
+    return "fp8" if name == "fp8_e4m3" else name
+
+
 def only(supported: object, feature: str, what_runs: str) -> Callable[[object], object]:
     """A flag whose one supported value is `supported` until `feature` is built; others fail."""
     def check(value: object) -> object:

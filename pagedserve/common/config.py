@@ -27,10 +27,14 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     load_format: str = "auto"
+    # None: the checkpoint's own (an FP8 one loads as FP8), else unquantized.
+    quantization: str | None = None
     device: str = "auto"
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
     async_scheduling: bool = True
     disable_log_stats: bool = False
 
@@ -44,15 +48,17 @@ SCHEDULER_FLAGS = ("served_model_name", "max_num_queued_reqs", "enable_prefix_ca
                    "disable_log_stats")
 EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes", "dtype",
-                  "seed", "load_format", "device", "enforce_eager")
+                  "kv_cache_dtype", "seed", "load_format", "quantization", "device", "enforce_eager",
+                  "tensor_parallel_size")
 # Executor flags whose value Describe reports back; a scheduler given one checks it against that.
 GEOMETRY_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "num_gpu_blocks_override", "dtype")
 # vLLM flags accepted for what pagedserve does anyway; any other value fails, naming what is not
 # built. Checked where they are given, carried to no process.
-COMPAT_FLAGS = ("tensor_parallel_size", "quantization", "kv_cache_dtype", "trust_remote_code")
+COMPAT_FLAGS = ("trust_remote_code",)
 ENGINE_FLAGS = SCHEDULER_FLAGS + EXECUTOR_FLAGS + COMPAT_FLAGS
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def _flag_specs() -> dict[str, dict]:
@@ -102,15 +108,19 @@ def _flag_specs() -> dict[str, dict]:
         "disable_log_stats": dict(action="store_true",
                                   help="no periodic line of throughput, running and waiting requests "
                                        "and KV-cache usage (every 10 s while busy)"),
-        "tensor_parallel_size": dict(flags=("-tp",), default=1,
-                                     type=arg_types.only(1, "tensor parallelism", "pagedserve runs a model on one GPU"),
-                                     help="GPUs per model; only 1 until tensor parallelism is built"),
-        "quantization": dict(flags=("-q",), default=None,
-                             type=arg_types.only(None, "quantization", "pagedserve runs unquantized weights"),
-                             help="not built yet: pagedserve runs unquantized weights; any value fails"),
-        "kv_cache_dtype": dict(default="auto", type=arg_types.only("auto", "a KV-cache dtype of its own",
-                                                                   "the KV cache takes the model's dtype"),
-                               help="only auto (the model's dtype) until FP8 KV caches are built"),
+        "tensor_parallel_size": dict(flags=("-tp",), type=arg_types.positive_int, default=d.tensor_parallel_size,
+                                     help="GPUs per model (cuda:0 to cuda:N-1; processes on a CPU): each "
+                                          "holds 1/N of the heads, MLP and vocabulary, and the executor "
+                                          "starts the other N-1 ranks itself"),
+        "quantization": dict(flags=("-q",), default=d.quantization,
+                             type=arg_types.only("fp8", "quantization other than fp8",
+                                                 "only fp8 is: FP8 weights and activations"),
+                             help="fp8: FP8 E4M3 weights (per output channel) and activations (per "
+                                  "token) in the decoder's linear layers; an FP8 checkpoint loads as "
+                                  "FP8 without it"),
+        "kv_cache_dtype": dict(default=d.kv_cache_dtype, type=arg_types.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                               help="KV-cache storage: auto (the model's dtype) or fp8 (also fp8_e4m3: "
+                                    "float8_e4m3fn with per-layer K and V scales, twice the tokens)"),
         "trust_remote_code": dict(action="store_true",
                                   help="accepted for vLLM's commands; pagedserve never runs code from a "
                                        "model directory, so it changes nothing"),

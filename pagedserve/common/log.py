@@ -8,16 +8,31 @@ import structlog
 
 # Loggers of gRPC's Python layer; its C core obeys GRPC_VERBOSITY.
 GRPC_LOGGERS = ("grpc", "grpc._cython", "grpc.aio")
+# The last configure's level and format, for child processes that log the same way.
+settings = {"level": "info", "fmt": "text"}
+
+
+class _Stderr:
+    """sys.stderr as it is when a line is written. Loggers are cached on first use, so one bound to
+    the stream of configure time keeps writing there after sys.stderr is swapped (pytest does, per
+    test, and closes the old one: every later log line then raised)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def configure(level: str = "info", service: str = "pagedserve", fmt: str = "text") -> None:
     """Configures structlog and the standard library's logging for this process; call once at start."""
+    settings.update(level=level, fmt=fmt)
     shared = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
               structlog.processors.TimeStamper(fmt="iso", utc=True)]
     renderer = (structlog.processors.JSONRenderer() if fmt == "json"
                 else structlog.dev.ConsoleRenderer(colors=False, pad_event_to=0, pad_level=False,
                                                    exception_formatter=structlog.dev.plain_traceback))
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_Stderr())
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         processor=renderer, foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name]))
     root = logging.getLogger()
@@ -26,7 +41,7 @@ def configure(level: str = "info", service: str = "pagedserve", fmt: str = "text
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_Stderr()),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)

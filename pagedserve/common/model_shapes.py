@@ -28,11 +28,12 @@ def write_shape(name: str, path: str | None = None, tokenizer: bool = False) -> 
     config = SHAPES[name]
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer:
-        _write_tokenizer(out, config["vocab_size"])
+        write_tokenizer(out, config["vocab_size"])
     return str(out)
 
 
-def _write_tokenizer(path: Path, vocab_size: int) -> None:
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer.json in `path`: token i is the word `w{i}`."""
     # Real weights would come with their real tokenizer; this one only has to decode every id.
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

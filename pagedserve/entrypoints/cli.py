@@ -4,7 +4,7 @@ import json
 import os
 import sys
 
-from pagedserve.common import aio
+from pagedserve.common import aio, arg_types
 from pagedserve.common.config import (COMPAT_FLAGS, EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_FLAGS,
                                       EngineConfig, add_engine_args, add_geometry_checks,
                                       config_from_args, config_to_argv)
@@ -95,7 +95,11 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "if neither this nor --model is given")
     serve.add_argument("--model", default=None, help="the same as MODEL, as vLLM's api_server takes it")
     serve.add_argument("--scheduler-address", default=None,
-                       help="also expose the scheduler's gRPC Engine service here (e.g. 127.0.0.1:50051)")
+                       help="also expose the scheduler's gRPC Engine service here (e.g. 127.0.0.1:50051); "
+                            "with --data-parallel-size N, N comma-separated addresses")
+    serve.add_argument("--data-parallel-size", "-dp", type=arg_types.positive_int, default=1,
+                       help="engines (executor + scheduler, each on its own GPU) behind the one gateway, "
+                            "which sends each request to the least loaded and shared prefixes to one")
     serve.add_argument("--startup-timeout", type=float, default=900.0,
                        help="seconds each process may take to become ready")
     from pagedserve.gateway.server import add_serving_args
@@ -118,6 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
     args.model = args.model or args.model_path
     args.model = _model_dir(args)
     preflight.check_model(args.model, args.max_model_len)
+    scheduler_addresses = _scheduler_addresses(args)
     listener = preflight.bind(args.host, args.port)
     config = config_from_args(args)
     if args.api_key:
@@ -128,8 +133,19 @@ def run_serve(args: argparse.Namespace) -> int:
             "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + logs,
             "gateway": _gateway_argv(args, config) + logs}
     from pagedserve.entrypoints.launcher import serve
-    return serve(args.model, argv, listener, args.scheduler_address, args.startup_timeout,
-                 args.shutdown_timeout)
+    return serve(args.model, argv, listener, scheduler_addresses, args.startup_timeout,
+                 args.shutdown_timeout, args.data_parallel_size, config.tensor_parallel_size)
+
+
+def _scheduler_addresses(args: argparse.Namespace) -> list[str] | None:
+    if args.scheduler_address is None:
+        return None
+    from pagedserve.gateway.engine_pool import split_addresses
+    addresses = split_addresses(args.scheduler_address)
+    if len(addresses) != args.data_parallel_size:
+        raise ValueError(f"--scheduler-address lists {len(addresses)} addresses for --data-parallel-size "
+                         f"{args.data_parallel_size}; list one per engine")
+    return addresses
 
 
 def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:

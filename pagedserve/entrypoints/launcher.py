@@ -1,9 +1,12 @@
 """`pagedserve serve`: starts executor, scheduler and gateway as child processes and supervises them.
+With --data-parallel-size N, N executor + scheduler pairs (an engine each, on its own GPU) behind one
+gateway.
 
-If any child exits, all stop. SIGINT/SIGTERM stop the gateway first (it refuses new requests and
+If any child exits, all stop (as vLLM stops when one data-parallel engine dies; run the pieces apart
+to keep the other engines serving). SIGINT/SIGTERM stop the gateway first (it refuses new requests and
 gives running ones --shutdown-timeout to finish), then the scheduler, then the executor. Children
 die with the launcher even if it is killed (PDEATHSIG)."""
-import ctypes
+import os
 import shutil
 import signal
 import socket
@@ -19,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.common.log import get_logger
+from pagedserve.common.process import die_with_parent
 from pagedserve.entrypoints.preflight import connect_host
 
 log = get_logger(__name__)
@@ -45,10 +49,21 @@ class Launcher:
     def start(self, name: str, argv: list[str], ready: Callable[[], bool], timeout: float,
               pass_fds: tuple[int, ...] = ()) -> None:
         """Starts `pagedserve <argv>` and waits until `ready()` holds or the child dies."""
+        self.wait_ready(self.spawn(name, argv, pass_fds), ready, timeout)
+
+    def spawn(self, name: str, argv: list[str], pass_fds: tuple[int, ...] = (),
+              env: dict[str, str] | None = None) -> Child:
+        """Starts `pagedserve <argv>`, with `env` added to this process's environment."""
         command = [sys.executable, "-m", "pagedserve", *argv]
-        process = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent,
-                                   pass_fds=pass_fds)
-        self.children.append(Child(name, process))
+        process = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent,
+                                   pass_fds=pass_fds, env={**os.environ, **(env or {})})
+        child = Child(name, process)
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, child: Child, ready: Callable[[], bool], timeout: float) -> None:
+        """Waits until `ready()` holds; exits if the child dies or the timeout passes first."""
+        name, process = child.name, child.process
         deadline = time.monotonic() + timeout
         while not self.stopping:
             code = process.poll()
@@ -116,37 +131,57 @@ def http_ready(url: str) -> Callable[[], bool]:
     return probe
 
 
-def _die_with_parent() -> None:
-    if sys.platform == "linux":
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def engine_devices(data_parallel_size: int, gpus_per_engine: int, visible: str | None) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each engine's executor: consecutive groups of `gpus_per_engine` of the
+    GPUs `visible` lists (this process's CUDA_VISIBLE_DEVICES), else of GPUs 0, 1, ..."""
+    total = data_parallel_size * gpus_per_engine
+    gpus = visible.split(",") if visible else [str(i) for i in range(total)]
+    if len(gpus) < total:
+        raise ValueError(f"--data-parallel-size {data_parallel_size} needs {total} GPUs but "
+                         f"CUDA_VISIBLE_DEVICES={visible} lists {len(gpus)}; list more or lower the size")
+    return [",".join(gpus[i * gpus_per_engine:(i + 1) * gpus_per_engine]) for i in range(data_parallel_size)]
 
 
-def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, scheduler_address: str | None,
-          startup_timeout: float, shutdown_timeout: float = 0.0) -> int:
+def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, scheduler_addresses: list[str] | None,
+          startup_timeout: float, shutdown_timeout: float = 0.0, data_parallel_size: int = 1,
+          tensor_parallel_size: int = 1) -> int:
     """Runs the whole stack on this machine until a signal; returns the exit code. `argv` holds each
     child's own flags, by child ("executor", "scheduler", "gateway"); the gateway serves on
     `listener`, bound already, so that only it can answer on that port, and drains for
-    `shutdown_timeout` (its --shutdown-timeout) on a signal."""
+    `shutdown_timeout` (its --shutdown-timeout) on a signal. `data_parallel_size` engines (executor
+    and scheduler, each on `tensor_parallel_size` GPUs) start side by side, the schedulers at
+    `scheduler_addresses` when given."""
     host, port = listener.getsockname()[:2]
     launcher = Launcher(shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, launcher.request_stop)
-    executor_address = launcher.socket("executor")
-    scheduler_address = scheduler_address or launcher.socket("scheduler")
+    engines = range(data_parallel_size)
+    names = [""] if data_parallel_size == 1 else [f" {i}" for i in engines]
+    executor_addresses = [launcher.socket(f"executor{i}") for i in engines]
+    scheduler_addresses = scheduler_addresses or [launcher.socket(f"scheduler{i}") for i in engines]
+    # One engine keeps the GPUs it is given, as before data parallelism.
+    devices = ([{}] if data_parallel_size == 1 else
+               [{"CUDA_VISIBLE_DEVICES": d} for d in engine_devices(data_parallel_size, tensor_parallel_size,
+                                                                    os.environ.get("CUDA_VISIBLE_DEVICES"))])
     try:
-        launcher.start("executor", ["executor", model, "--address", executor_address, *argv["executor"]],
-                       grpc_ready(executor_address), startup_timeout)
-        launcher.start("scheduler", ["scheduler", model, "--address", scheduler_address,
-                                     "--executor-address", executor_address, *argv["scheduler"]],
-                       grpc_ready(scheduler_address), startup_timeout)
+        executors = [launcher.spawn(f"executor{names[i]}", ["executor", model, "--address", executor_addresses[i],
+                                                            *argv["executor"]],
+                                    env=devices[i]) for i in engines]
+        for child, address in zip(executors, executor_addresses):
+            launcher.wait_ready(child, grpc_ready(address), startup_timeout)
+        schedulers = [launcher.spawn(f"scheduler{names[i]}", ["scheduler", model, "--address", scheduler_addresses[i],
+                                                              "--executor-address", executor_addresses[i],
+                                                              *argv["scheduler"]]) for i in engines]
+        for child, address in zip(schedulers, scheduler_addresses):
+            launcher.wait_ready(child, grpc_ready(address), startup_timeout)
         launcher.start("gateway", ["gateway", model, "--host", host, "--port", str(port),
                                    "--listen-fd", str(listener.fileno()),
-                                   "--scheduler-address", scheduler_address, *argv["gateway"]],
+                                   "--scheduler-address", ",".join(scheduler_addresses), *argv["gateway"]],
                        http_ready(f"http://{connect_host(host)}:{port}/health"), startup_timeout,
                        pass_fds=(listener.fileno(),))
         if not launcher.stopping:
-            log.info("pagedserve_ready", url=f"http://{connect_host(host)}:{port}/v1")
+            log.info("pagedserve_ready", url=f"http://{connect_host(host)}:{port}/v1",
+                     data_parallel_size=data_parallel_size)
         return launcher.supervise()
     finally:
         listener.close()

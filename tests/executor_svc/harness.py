@@ -92,8 +92,9 @@ class MiniScheduler:
 
 
 def make_runner(path, block_size: int = 8, **overrides) -> ModelRunner:
-    config = EngineConfig(model=str(path), block_size=block_size, num_gpu_blocks_override=NUM_BLOCKS,
-                          device="cpu", max_model_len=256, **overrides)
+    config = EngineConfig(**{"model": str(path), "block_size": block_size,
+                             "num_gpu_blocks_override": NUM_BLOCKS, "device": "cpu",
+                             "max_model_len": 256, **overrides})
     return ModelRunner(config)
 
 
@@ -104,14 +105,17 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def paged_prefill_logits(path, prompts: list[list[int]], backend=None,
                          device: torch.device = torch.device("cpu"),
-                         dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+                         dtype: torch.dtype = torch.float32, fp8: bool = False,
+                         load_format: str = "auto", kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Every prompt's logits at every position, all prompts packed into one flattened batch whose
-    KV blocks are shuffled across the cache."""
+    KV blocks are shuffled across the cache (of kv_dtype, by default the model's). `fp8`: the
+    decoder's projections in FP8, quantized at load (an FP8 checkpoint loads as FP8 either way)."""
     config = load_model_config(path)
+    backend = backend or TorchAttentionBackend()
     with torch.device(device), default_dtype(dtype):
-        model = LlamaForCausalLM(config, backend or TorchAttentionBackend(),
-                                 config.max_position_embeddings)
-    load_weights(model, path, "auto")
+        model = LlamaForCausalLM(config, backend, config.max_position_embeddings)
+    fp8 = fp8 or config.quantization is not None
+    load_weights(model, path, load_format, quantize=backend.per_token_quant_fp8 if fp8 else None)
     num_blocks = [-(-len(p) // BLOCK_SIZE) for p in prompts]
     block_ids = list(range(sum(num_blocks) + 3))
     random.Random(0).shuffle(block_ids)
@@ -128,7 +132,7 @@ def paged_prefill_logits(path, prompts: list[list[int]], backend=None,
     meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(device), seq_lens=lens.to(device),
                              query_start_loc=starts.to(device), block_tables=tables.to(device),
                              max_query_len=int(lens.max()), max_seq_len=int(lens.max()))
-    kv_caches = allocate_kv_cache(config, sum(num_blocks) + 3, BLOCK_SIZE, dtype, device)
+    kv_caches = allocate_kv_cache(config, sum(num_blocks) + 3, BLOCK_SIZE, kv_dtype or dtype, device)
     with torch.inference_mode():
         hidden = model(torch.tensor(sum(prompts, []), device=device),
                        torch.cat(positions).to(device), kv_caches, meta)

@@ -1,8 +1,11 @@
-import psutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from pagedserve.executor_svc.kv_cache import GiB, allocate_kv_cache, bytes_per_block, determine_num_blocks
+from pagedserve.executor_svc.kv_cache import (GiB, allocate_kv_cache, bytes_per_block, determine_num_blocks,
+                                              resolve_kv_cache_dtype)
 from pagedserve.executor_svc.model_config import model_config_from_dict
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.model_shapes import SHAPES
@@ -25,7 +28,8 @@ def test_override_then_bytes_then_cpu_default():
 
     def sized(**flags) -> int:
         limits = dict(max_num_seqs=256, max_num_batched_tokens=2048)
-        return determine_num_blocks(EngineConfig(**{**limits, **flags}), per_block, 1024, CPU, never_profiled)
+        return determine_num_blocks(EngineConfig(**{**limits, **flags}), per_block, 1024, CPU, never_profiled,
+                                    torch.float32)
 
     assert sized(num_gpu_blocks_override=100, kv_cache_memory_bytes=GiB) == 100
     assert sized(kv_cache_memory_bytes=GiB) == GiB // per_block
@@ -38,7 +42,7 @@ def test_refuses_a_cache_smaller_than_one_full_request():
     per_block = bytes_per_block(LLAMA_8B, 16, torch.bfloat16)
     with pytest.raises(ValueError, match="needs 64 blocks.*lower --max-model-len"):
         determine_num_blocks(EngineConfig(num_gpu_blocks_override=63), per_block, 1024, CPU,
-                             never_profiled)
+                             never_profiled, torch.bfloat16)
 
 
 def test_layers_are_views_of_one_allocation():
@@ -53,15 +57,39 @@ def test_layers_are_views_of_one_allocation():
     assert k0.sum() == 0 and v2.sum() == 5 * 4 * 8 * 128
 
 
+# Run in a fresh process: in this one, memory that earlier tests freed may still be mapped and
+# resident, and an allocation that reuses it shows no growth.
+ARENA_PROBE = """
+import psutil, torch
+from pagedserve.common.model_shapes import SHAPES
+from pagedserve.executor_svc.kv_cache import allocate_kv_cache, bytes_per_block
+from pagedserve.executor_svc.model_config import model_config_from_dict
+tiny = model_config_from_dict({**SHAPES["llama-3.1-8b"], "num_hidden_layers": 2})
+before = psutil.Process().memory_info().rss
+caches = allocate_kv_cache(tiny, 256, 16, torch.float32, torch.device("cpu"))
+print(psutil.Process().memory_info().rss - before, 256 * bytes_per_block(tiny, 16, torch.float32))
+"""
+
+
 def test_the_cpu_arena_is_resident_as_soon_as_it_is_allocated():
     """Written once at start, so the resident size right after start-up is the steady state."""
-    process = psutil.Process()
-    tiny = model_config_from_dict({**SHAPES["llama-3.1-8b"], "num_hidden_layers": 2})
-    # 64 MiB: above malloc's largest mmap threshold (32 MiB), so fresh pages rather than a reuse of
-    # memory that earlier tests freed, which is resident already.
-    num_blocks = 256
-    arena = num_blocks * bytes_per_block(tiny, 16, torch.float32)
-    before = process.memory_info().rss
-    caches = allocate_kv_cache(tiny, num_blocks, 16, torch.float32, CPU)
-    assert process.memory_info().rss - before >= 0.9 * arena
+    probe = subprocess.run([sys.executable, "-c", ARENA_PROBE], capture_output=True, text=True, check=True)
+    grown, arena = map(int, probe.stdout.split())
+    assert grown >= 0.9 * arena
+    caches = allocate_kv_cache(LLAMA_8B, 3, 16, torch.float32, CPU)
     assert all(k.count_nonzero() == 0 and v.count_nonzero() == 0 for k, v in caches)
+
+
+def test_fp8_cache_holds_twice_the_blocks_of_bf16_in_the_same_bytes():
+    fp8 = resolve_kv_cache_dtype("fp8", torch.bfloat16)
+    assert fp8 == torch.float8_e4m3fn and resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert bytes_per_block(LLAMA_8B, 16, fp8) * 2 == bytes_per_block(LLAMA_8B, 16, torch.bfloat16)
+    config = EngineConfig(kv_cache_memory_bytes=GiB, max_num_seqs=256, max_num_batched_tokens=2048)
+
+    def sized(dtype: torch.dtype) -> int:
+        return determine_num_blocks(config, bytes_per_block(LLAMA_8B, 16, dtype), 1024, CPU,
+                                    never_profiled, dtype)
+
+    assert sized(fp8) == 2 * sized(torch.bfloat16) == 2 * 512
+    k, v = allocate_kv_cache(LLAMA_8B, 3, 16, fp8, CPU)[0]
+    assert k.dtype == v.dtype == fp8 and k.stride() == v.stride()

@@ -93,6 +93,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.cancelled: dict[str, float] = {}
         self.aborted: list[str] = []
         self.address = ""
+        self.model = MODEL
         self.steps = ENGINE_STEPS
 
     async def Generate(self, request, context):
@@ -130,7 +131,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         return pb.AbortResponse(found=False)
 
     async def GetModelInfo(self, request, context):
-        return pb.ModelInfo(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
+        return pb.ModelInfo(served_model_name=self.model, max_model_len=MAX_MODEL_LEN,
                             vocab_size=self.vocab_size, eos_token_ids=[self.eos], **ENGINE_STATS,
                             **self.steps)
 

@@ -61,14 +61,14 @@ async def test_n_choices_count_the_prompt_once(http, base_url):
 
 async def test_engine_series_come_from_the_scheduler(http, base_url):
     m = await scrape(http, base_url)
-    assert value(m, "num_requests_running") == ENGINE_STATS["num_running"]
-    assert value(m, "num_requests_waiting") == ENGINE_STATS["num_waiting"]
-    assert value(m, "kv_cache_usage_perc") == ENGINE_STATS["kv_cache_usage"]
-    assert value(m, "num_preemptions_total") == ENGINE_STATS["num_preemptions"]
-    assert value(m, "prefix_cache_queries_total") == ENGINE_STATS["prefix_cache_queries"]
-    assert value(m, "prefix_cache_hits_total") == ENGINE_STATS["prefix_cache_hits"]
-    assert value(m, "cache_config_info", block_size="16", num_gpu_blocks="100", gpu_memory_utilization="0.9",
-                 enable_prefix_caching="True") == 1
+    assert value(m, "num_requests_running", engine="0") == ENGINE_STATS["num_running"]
+    assert value(m, "num_requests_waiting", engine="0") == ENGINE_STATS["num_waiting"]
+    assert value(m, "kv_cache_usage_perc", engine="0") == ENGINE_STATS["kv_cache_usage"]
+    assert value(m, "num_preemptions_total", engine="0") == ENGINE_STATS["num_preemptions"]
+    assert value(m, "prefix_cache_queries_total", engine="0") == ENGINE_STATS["prefix_cache_queries"]
+    assert value(m, "prefix_cache_hits_total", engine="0") == ENGINE_STATS["prefix_cache_hits"]
+    assert value(m, "cache_config_info", engine="0", block_size="16", num_gpu_blocks="100",
+                 gpu_memory_utilization="0.9", enable_prefix_caching="True") == 1
     assert not any(name.endswith("_created") for name, _ in m)
 
 
@@ -78,14 +78,15 @@ async def test_step_histograms_come_from_the_scheduler(http, base_url):
                 "step_forward_seconds": ({"0.001": 0, "0.01": 4, "+Inf": 5}, 0.05),
                 "step_idle_seconds": ({"0.0001": 2, "0.001": 3, "+Inf": 4}, 0.0021)}
     for name, (buckets, total) in expected.items():
-        assert {le: value(m, f"{name}_bucket", le=le) for le in buckets} == buckets, name
-        assert value(m, f"{name}_count") == buckets["+Inf"] and value(m, f"{name}_sum") == total, name
+        assert {le: value(m, f"{name}_bucket", engine="0", le=le) for le in buckets} == buckets, name
+        assert value(m, f"{name}_count", engine="0") == buckets["+Inf"], name
+        assert value(m, f"{name}_sum", engine="0") == total, name
 
 
 async def test_an_engine_without_step_histograms_leaves_them_out(http, base_url, engine):
     engine.steps = {}
     m = await scrape(http, base_url)
-    assert value(m, "num_requests_running") == ENGINE_STATS["num_running"]
+    assert value(m, "num_requests_running", engine="0") == ENGINE_STATS["num_running"]
     assert not any(name.startswith("pagedserve:step_") for name, _ in m)
 
 
@@ -132,3 +133,28 @@ async def test_openmetrics_on_request(http, base_url):
     async with http.get(f"{base_url}/metrics", headers={"Accept": "application/openmetrics-text"}) as r:
         assert r.headers["Content-Type"].startswith("application/openmetrics-text")
         assert (await r.text()).endswith("# EOF\n")
+
+
+async def test_vllm_series_equal_their_pagedserve_twins(http, base_url):
+    await asyncio.gather(*[_request(http, base_url, stream=i % 2 == 0) for i in range(N)])
+    async with http.get(f"{base_url}/metrics") as r:
+        families = {f.name: f for f in text_string_to_metric_families(await r.text())}
+    vllm = {name: f for name, f in families.items() if name.startswith("vllm:")}
+    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "gpu_cache_usage_perc",
+                 "prefix_cache_queries", "prefix_cache_hits", "cache_config_info", "time_to_first_token_seconds",
+                 "e2e_request_latency_seconds", "inter_token_latency_seconds", "request_success", "prompt_tokens",
+                 "generation_tokens", "request_prompt_tokens", "request_generation_tokens"):
+        assert f"vllm:{name}" in vllm, name
+    assert vllm["vllm:prefix_cache_hits"].type == "counter" and vllm["vllm:kv_cache_usage_perc"].type == "gauge"
+    assert vllm["vllm:request_success"].samples[0].name == "vllm:request_success_total"
+    for name, family in vllm.items():
+        short = name.removeprefix("vllm:")
+        twin = families["pagedserve:" + ("kv_cache_usage_perc" if short == "gpu_cache_usage_perc" else short)]
+        assert family.type == twin.type and _samples(family) == _samples(twin), name
+        assert all(s.labels["model_name"] == MODEL for s in family.samples), name
+    assert ("_count", {"model_name": MODEL}, N) in _samples(vllm["vllm:time_to_first_token_seconds"])
+
+
+def _samples(family) -> list[tuple[str, dict, float]]:
+    """Name suffix (_total, _bucket, ...), labels and value of each sample."""
+    return [(s.name[len(family.name):], s.labels, s.value) for s in family.samples]

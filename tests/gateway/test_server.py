@@ -9,6 +9,7 @@ import time
 from contextlib import asynccontextmanager
 
 import aiohttp
+import pytest
 
 from pagedserve.gateway.server import add_gateway_args
 
@@ -99,9 +100,41 @@ def test_serve_passes_the_reliability_flags_to_their_owners(monkeypatch, tmp_pat
     assert cli.main(["serve", model, "--port", "0", "--shutdown-timeout", "7", "--max-num-queued-reqs", "3",
                      "--max-client-batch-size", "64", "--timeout-keep-alive", "9",
                      "--body-read-timeout", "11"]) == 0
-    argv, shutdown_timeout = calls[0][1], calls[0][-1]
+    argv, shutdown_timeout = calls[0][1], calls[0][5]
     gateway = cli.build_parser().parse_args(["gateway", model, *argv["gateway"]])
     assert (gateway.shutdown_timeout, gateway.max_client_batch_size) == (7, 64)
     assert (gateway.timeout_keep_alive, gateway.body_read_timeout) == (9, 11)
     scheduler = cli.build_parser().parse_args(["scheduler", model, *argv["scheduler"]])
     assert scheduler.max_num_queued_reqs == 3 and shutdown_timeout == 7
+
+
+def test_serve_data_parallel_gives_the_launcher_one_address_per_engine(monkeypatch, tmp_path, capsys):
+    from pagedserve.common.model_shapes import write_shape
+    from pagedserve.entrypoints import cli, launcher
+
+    calls = []
+    monkeypatch.setattr(launcher, "serve", lambda *a: calls.append(a) or a[2].close() or 0)
+    model = write_shape("llama-3.1-8b", str(tmp_path))
+    assert cli.main(["serve", model, "--port", "0", "-dp", "2", "--scheduler-address", "127.0.0.1:1,127.0.0.1:2"]) == 0
+    assert calls[0][3] == ["127.0.0.1:1", "127.0.0.1:2"] and calls[0][6] == 2
+    assert cli.main(["serve", model, "--port", "0", "-dp", "2", "--scheduler-address", "127.0.0.1:1"]) == 1
+    assert "lists 1 addresses for --data-parallel-size 2; list one per engine" in capsys.readouterr().err
+
+
+def test_each_engine_gets_its_own_gpus():
+    from pagedserve.entrypoints.launcher import engine_devices
+
+    assert engine_devices(2, 1, None) == ["0", "1"]
+    assert engine_devices(2, 2, "4,5,6,7") == ["4,5", "6,7"]
+    with pytest.raises(ValueError, match="needs 4 GPUs but CUDA_VISIBLE_DEVICES=0,1 lists 2"):
+        engine_devices(2, 2, "0,1")
+
+
+@pytest.mark.parametrize("value, says", [("127.0.0.1:1,,127.0.0.1:2", "has an empty entry"),
+                                         ("127.0.0.1:1,127.0.0.1:1", "lists an address twice")])
+def test_gateway_refuses_a_bad_scheduler_list(capsys, value, says):
+    from pagedserve.entrypoints import cli
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["gateway", "--scheduler-address", value])
+    assert says in capsys.readouterr().err

@@ -1,24 +1,46 @@
 import pytest
 import torch
 
-from tests.kernels.kernel_testing import (DEVICE, assert_close, poison_next_alloc, random_paged_kv,
+from tests.kernels.kernel_testing import (DEVICE, assert_close, poison_next_alloc, random_paged_kv, rel_err,
                             skip_bf16_dot_on_cpu)
 from pagedserve.kernels import attention
-from pagedserve.kernels.attention import MAX_SPLITS, choose_num_splits, paged_attention
-from pagedserve.kernels.reference import paged_attention_ref
+from pagedserve.kernels.attention import MAX_SPLITS, AttentionConfig, choose_num_splits, paged_attention
+from pagedserve.kernels.reference import FP8_DTYPE, paged_attention_ref, quantize_kv
 
 NUM_KV_HEADS = 2
 # (cached prefix, new queries): decodes, a short prompt, a long prompt, chunks continuing over a
 # cached prefix (one ending mid-block, one past a whole tile), and a sequence with no queries.
 MIXED = [(9, 1), (0, 5), (0, 70), (37, 1), (30, 41), (130, 19), (4, 0), (0, 1)]
+DECODES = [(600, 1), (3, 1), (77, 1), (450, 1)]
+# e4m3 keeps 3 mantissa bits: about 2-3% relative error on random K and V against attention
+# over the unquantized cache.
+FP8_TOLERANCE = 6e-2
 
 
 def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size: int,
              dtype: torch.dtype, num_splits: int | None, strided: bool = False,
-             max_query_len: int | None = None) -> None:
+             max_query_len: int | None = None, config: AttentionConfig | None = None,
+             q_gain: float = 1.0, kv_scales: tuple[float, float] | None = None,
+             fresh: bool = False, poison_new: bool = False) -> None:
+    """Kernel against the reference on the same cache; with kv_scales, on an fp8 cache of
+    K / k_scale and V / v_scale, and also against the reference on the unquantized cache; with
+    fresh, given the new tokens' K and V as the step's k_new, v_new too; with poison_new, on a
+    cache whose new tokens' slots hold NaN (the reference sees them)."""
     seq_lens = [c + n for c, n in batch]
     query_lens = [n for _, n in batch]
     k_cache, v_cache, table = random_paged_kv(seq_lens, NUM_KV_HEADS, head_dim, block_size, dtype)
+    exact_caches = k_cache, v_cache
+    scales = None
+    if kv_scales is not None:
+        k_cache, v_cache = (c * s for c, s in zip(exact_caches, kv_scales))
+        exact_caches = k_cache, v_cache
+        scales = tuple(torch.tensor(s, device=DEVICE) for s in kv_scales)
+        k_cache, v_cache = (quantize_kv(c, FP8_DTYPE, s) for c, s in zip(exact_caches, scales))
+    k_new, v_new = ((new_token_rows(c, table, batch, block_size) for c in (k_cache, v_cache))
+                    if fresh else (None, None))
+    ref_caches = k_cache, v_cache
+    if poison_new:
+        k_cache, v_cache = (poison_new_slots(c, table, batch, block_size) for c in ref_caches)
     num_heads, num_tokens = NUM_KV_HEADS * group, sum(query_lens)
     if strided:
         # q as the first columns of a fused qkv projection; k and v caches as halves of one
@@ -30,16 +52,45 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
         k_cache, v_cache = kv[:, 0], kv[:, 1]
     else:
         q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=DEVICE)
+    q *= q_gain
     starts = torch.tensor([0] + query_lens, device=DEVICE).cumsum(0).int()
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     got = paged_attention(q, k_cache, v_cache, table, lens, starts, scale,
                           max_query_len=max_query_len, max_seq_len=max(seq_lens),
-                          num_splits=num_splits, out=out)
+                          num_splits=num_splits, out=out, kv_scales=scales, config=config,
+                          k_new=k_new, v_new=v_new)
     assert got is out
-    ref = paged_attention_ref(q, k_cache, v_cache, table, lens, starts, scale)
+    ref = paged_attention_ref(q, *ref_caches, table, lens, starts, scale, scales)
     assert_close(out, ref)
+    if kv_scales is not None:
+        exact = paged_attention_ref(q, *exact_caches, table, lens, starts, scale)
+        assert rel_err(out, exact) < FP8_TOLERANCE
+
+
+def new_token_slots(table: torch.Tensor, batch: list[tuple[int, int]],
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of each sequence's new tokens in the cache, in step order."""
+    blocks, offsets = [], []
+    for i, (cached, n) in enumerate(batch):
+        pos = torch.arange(cached, cached + n, device=DEVICE)
+        blocks.append(table[i, pos // block_size].long())
+        offsets.append(pos % block_size)
+    return torch.cat(blocks), torch.cat(offsets)
+
+
+def new_token_rows(cache: torch.Tensor, table: torch.Tensor, batch: list[tuple[int, int]],
+                   block_size: int) -> torch.Tensor:
+    """The cache entries of each sequence's new tokens, packed as the step's k or v."""
+    return cache[new_token_slots(table, batch, block_size)]
+
+
+def poison_new_slots(cache: torch.Tensor, table: torch.Tensor, batch: list[tuple[int, int]],
+                     block_size: int) -> torch.Tensor:
+    poisoned = cache.clone()
+    poisoned[new_token_slots(table, batch, block_size)] = float("nan")
+    return poisoned
 
 
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["unsplit", "split4"])
@@ -53,6 +104,52 @@ def test_mixed_batch(group: int, head_dim: int, block_size: int, dtype: torch.dt
                      num_splits: int) -> None:
     skip_bf16_dot_on_cpu(dtype)
     run_case(MIXED, group, head_dim, block_size, dtype, num_splits)
+
+
+# Prefill tilings the benchmark sweeps: reverse order, 128-token KV tiles, 64-row tiles, and the
+# lazy rescale, on sharp scores (q x 6) whose running max grows past 2^8 in some tiles only.
+@pytest.mark.parametrize("config", [
+    AttentionConfig(128, 64, 8, 3, reverse=False),
+    AttentionConfig(128, 128, 8, 3, reverse=True),
+    AttentionConfig(64, 32, 4, 2, reverse=True, lazy_rescale=True),
+    AttentionConfig(128, 16, 8, 3, lazy_rescale=True),
+], ids=str)
+def test_prefill_configs(config: AttentionConfig) -> None:
+    run_case(MIXED, 4, 32, 8, torch.float32, num_splits=1, config=config, q_gain=6.0)
+
+
+# New keys through tensor descriptors: 64-token tiles (one diagonal tile per q block) and
+# 16-token tiles (several, behind a cached context of partial tiles), then a split launch, which
+# reads the paged cache alone.
+@pytest.mark.parametrize("config, num_splits", [
+    (AttentionConfig(128, 64, 8, 3, reverse=True, fresh_kv=True), 1),
+    (AttentionConfig(64, 16, 4, 2, lazy_rescale=True, fresh_kv=True), 1),
+    (AttentionConfig(128, 64, 8, 3, fresh_kv=True), 4),
+], ids=str)
+def test_fresh_kv_from_the_step(config: AttentionConfig, num_splits: int) -> None:
+    run_case(MIXED, 4, 32, 8, torch.float32, num_splits=num_splits, config=config, q_gain=6.0,
+             fresh=True, poison_new=num_splits == 1)
+
+
+# The default prefill tiling given k_new (128-token KV tiles): chunks after cached prefixes
+# longer than themselves (a whole tile and a partial one; a block of 16-token pages), a decode
+# row, and a prompt past one KV tile. The new tokens' cache slots hold NaN, so only a kernel
+# that reads them from k_new / v_new and the prefixes from the paged cache passes.
+def test_default_prefill_reads_chunks_over_a_cached_prefix() -> None:
+    run_case([(150, 40), (260, 3), (9, 1), (0, 200)], 4, 32, 16, torch.float32,
+             num_splits=None, fresh=True, poison_new=True)
+
+
+@pytest.mark.parametrize("batch, max_query_len, num_splits", [
+    (MIXED, None, 1), (MIXED, None, 4), (DECODES, 1, 1), (DECODES, 1, 4)],
+    ids=["prefill", "prefill-split4", "decode", "decode-split4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache(batch: list[tuple[int, int]], max_query_len: int | None, num_splits: int,
+                   dtype: torch.dtype) -> None:
+    skip_bf16_dot_on_cpu(dtype)
+    # Given k_new as serving gives it, an fp8 cache still reads the paged cache alone.
+    run_case(batch, 4, 64, 16, dtype, num_splits, max_query_len=max_query_len,
+             kv_scales=(0.02, 3.0), fresh=True)
 
 
 def test_strided_q_and_cache_views() -> None:

@@ -1,0 +1,45 @@
+"""A tensor-parallel rank other than 0: `python -m pagedserve.executor_svc.tp_worker SPEC`, started
+by rank 0 (tp_workers.start_workers) with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and
+LOCAL_RANK set. It builds the same ModelRunner as rank 0 (on cuda:LOCAL_RANK on GPUs) and repeats
+rank 0's runner calls on it until rank 0 stops it or dies."""
+import json
+import os
+import sys
+
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.log import configure, get_logger
+from pagedserve.executor_svc.model_runner import ModelRunner
+
+log = get_logger(__name__)
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    configure(spec["log"]["level"], service=f"executor-rank{rank}", fmt=spec["log"]["fmt"])
+    if os.getppid() != spec["parent"]:
+        # Rank 0 died before this process asked to die with it.
+        return 1
+    try:
+        runner = ModelRunner(EngineConfig(**spec["config"]), spec["offline"], rank=rank)
+    except Exception as e:  # noqa: BLE001 - rank 0 reports the rank's exit; this says why
+        sys.stderr.write(f"pagedserve: error: tensor-parallel rank {rank}: {e}\n")
+        return 1
+    repeat_calls(runner)
+    return 0
+
+
+def repeat_calls(runner: ModelRunner) -> None:
+    while True:
+        for method, args in runner.tp.receive():
+            try:
+                if method == "collect":
+                    runner.collect(runner.launched[0])
+                else:
+                    getattr(runner, method)(*args)
+            except Exception as e:  # noqa: BLE001 - rank 0 failed the same call and reports it
+                log.debug("tp_call_failed", method=method, error=str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
