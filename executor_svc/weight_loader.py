@@ -21,6 +21,10 @@ log = get_logger(__name__)
 # instead, a finer scale than one per tensor.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale")
 SCALE_SUFFIX = ".weight_scale"
+# Calibrated FP8 KV-cache scales, optional: vLLM's names and compressed-tensors' older ones, each
+# into its attention layer's buffer (used only when the cache is fp8).
+KV_SCALE_SUFFIXES = {".self_attn.k_scale": "k_scale", ".self_attn.v_scale": "v_scale",
+                     ".self_attn.k_proj.output_scale": "k_scale", ".self_attn.v_proj.output_scale": "v_scale"}
 DUMMY_STD = 0.02
 
 # A checkpoint tensor's slice, one slice per leading dim; None for the whole tensor.
@@ -122,6 +126,9 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTen
     for name, tensor in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
+        if (kv_scale := _kv_scale_buffer(model, name)) is not None:
+            kv_scale.copy_(tensor.read(None).reshape(()))
+            continue
         # The "fp8" quant_method's name for the same multiplier (w = q * scale) as weight_scale.
         name = name.removesuffix("_inv") if name.endswith(SCALE_SUFFIX + "_inv") else name
         if name not in targets:
@@ -136,6 +143,13 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTen
                          f"missing {_few(missing)}, unexpected {_few(unexpected)}; is it a "
                          f"complete checkpoint of the architecture its config names?")
     log.info("weights_loaded", model=str(source), tensors=len(loaded))
+
+
+def _kv_scale_buffer(model: nn.Module, name: str) -> torch.Tensor | None:
+    suffix = next((s for s in KV_SCALE_SUFFIXES if name.endswith(s)), None)
+    if suffix is None:
+        return None
+    return model.get_buffer(f"{name.removesuffix(suffix)}.self_attn.{KV_SCALE_SUFFIXES[suffix]}")
 
 
 def read_safetensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, CheckpointTensor]]:

@@ -101,8 +101,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
         self.qk_norm = config.qk_norm
         self.scale = self.head_dim ** -0.5
-        # The fp8 KV cache's per-layer scales (vLLM's k_scale, v_scale): 1.0, as checkpoint
-        # scales are not loaded yet.
+        # The fp8 KV cache's per-layer scales (vLLM's k_scale, v_scale): 1.0 unless the
+        # checkpoint has calibrated ones (weight_loader.KV_SCALE_SUFFIXES).
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
         self.backend = backend

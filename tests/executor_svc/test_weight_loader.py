@@ -92,3 +92,13 @@ def test_dummy_weights_need_only_config_json(llama, tmp_path):
 def test_unknown_load_format_is_refused(llama):
     with pytest.raises(ValueError, match="--load-format 'pt'"):
         loaded(llama, "pt")
+
+
+def test_calibrated_kv_cache_scales_load_into_their_layers(llama, tmp_path):
+    def add_scales(tensors):
+        tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+        tensors["model.layers.1.self_attn.v_proj.output_scale"] = torch.tensor([0.25])
+    rewrite_checkpoint(llama, tmp_path, add_scales)
+    layers = loaded(tmp_path).model.layers
+    assert layers[0].self_attn.k_scale.item() == 0.5 and layers[1].self_attn.v_scale.item() == 0.25
+    assert layers[0].self_attn.v_scale.item() == layers[1].self_attn.k_scale.item() == 1.0
