@@ -2,8 +2,8 @@
 With --data-parallel-size N, N executor + scheduler pairs (an engine each, on its own GPU) behind one
 gateway.
 
-If any child exits, all stop (as vLLM stops when one data-parallel engine dies; run the pieces apart
-to keep the other engines serving). SIGINT/SIGTERM stop the gateway first (it refuses new requests and
+If any child exits, all stop, except a data-parallel engine's executor: it is started again, its
+scheduler reattaches, and meanwhile the other engines serve. SIGINT/SIGTERM stop the gateway first (it refuses new requests and
 gives running ones --shutdown-timeout to finish), then the scheduler, then the executor. Children
 die with the launcher even if it is killed (PDEATHSIG)."""
 import os
@@ -33,6 +33,8 @@ STOP_TIMEOUT_S = 5.0
 class Child:
     name: str
     process: subprocess.Popen
+    # Starts it again when it exits, for a child that is restarted rather than stopping all.
+    restart: Callable[[], subprocess.Popen] | None = None
 
 
 class Launcher:
@@ -52,12 +54,15 @@ class Launcher:
         self.wait_ready(self.spawn(name, argv, pass_fds), ready, timeout)
 
     def spawn(self, name: str, argv: list[str], pass_fds: tuple[int, ...] = (),
-              env: dict[str, str] | None = None) -> Child:
-        """Starts `pagedserve <argv>`, with `env` added to this process's environment."""
+              env: dict[str, str] | None = None, restart: bool = False) -> Child:
+        """Starts `pagedserve <argv>`, with `env` added to this process's environment; with
+        `restart`, supervise() starts it again whenever it exits."""
         command = [sys.executable, "-m", "pagedserve", *argv]
-        process = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent,
-                                   pass_fds=pass_fds, env={**os.environ, **(env or {})})
-        child = Child(name, process)
+
+        def start() -> subprocess.Popen:
+            return subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent,
+                                    pass_fds=pass_fds, env={**os.environ, **(env or {})})
+        child = Child(name, start(), start if restart else None)
         self.children.append(child)
         return child
 
@@ -84,10 +89,15 @@ class Launcher:
         """Blocks until a signal (returns 0) or until a child exits on its own (returns 1)."""
         while not self.stopping:
             for child in self.children:
-                if child.process.poll() is not None:
+                if child.process.poll() is None:
+                    continue
+                if child.restart is None:
                     log.error("service_exited", service=child.name, code=child.process.returncode,
                               message=f"the {child.name} stopped; stopping pagedserve")
                     return 1
+                log.warning("service_restarting", service=child.name, code=child.process.returncode,
+                            message=f"the {child.name} stopped; starting it again")
+                child.process = child.restart()
             time.sleep(0.2)
         return 0
 
@@ -166,7 +176,7 @@ def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, sched
     try:
         executors = [launcher.spawn(f"executor{names[i]}", ["executor", model, "--address", executor_addresses[i],
                                                             *argv["executor"]],
-                                    env=devices[i]) for i in engines]
+                                    env=devices[i], restart=data_parallel_size > 1) for i in engines]
         for child, address in zip(executors, executor_addresses):
             launcher.wait_ready(child, grpc_ready(address), startup_timeout)
         schedulers = [launcher.spawn(f"scheduler{names[i]}", ["scheduler", model, "--address", scheduler_addresses[i],

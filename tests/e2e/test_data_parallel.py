@@ -1,13 +1,16 @@
 """Two engines behind one gateway on the default model: `serve --data-parallel-size 2` spreads a burst
-over both and keeps a shared prefix on one; a gateway over two separately started engines keeps
-serving from the survivor when one engine's executor is SIGKILLed. Loopback only."""
+over both, keeps a shared prefix on one, and restarts a killed executor while the other engine
+serves; a gateway over two separately started engines keeps serving from the survivor when one
+engine's executor is SIGKILLed. Loopback only."""
 import asyncio
 import json
 import re
 import subprocess
+import time
 from contextlib import ExitStack
 
 import aiohttp
+import psutil
 import pytest
 
 from pagedserve.entrypoints.launcher import grpc_ready, http_ready
@@ -91,6 +94,39 @@ async def test_vllm_series_are_the_engines_own(server):
     assert len([k for k in vllm if k.startswith("num_requests_running{")]) == 2
     assert all(ours[k] == v for k, v in vllm.items() if not k.startswith("gpu_cache")), \
         {k: (v, ours.get(k)) for k, v in vllm.items() if ours.get(k) != v}
+
+
+def engine_child(serve: subprocess.Popen, service: str, engine: int) -> tuple[psutil.Process, str]:
+    """The `service` process of one engine under `serve`, and the address it serves at."""
+    for child in psutil.Process(serve.pid).children():
+        command = child.cmdline()
+        if command[3] == service and f"{service}{engine}.sock" in " ".join(command):
+            return child, command[command.index("--address") + 1]
+    raise AssertionError(f"no {service} of engine {engine} under serve")
+
+
+async def test_serve_restarts_a_killed_executor_while_the_other_engine_serves(server):
+    process, base = server
+    executor, _ = engine_child(process, "executor", 0)
+    _, scheduler = engine_child(process, "scheduler", 0)
+    executor.kill()
+    deadline = time.monotonic() + 10
+    while grpc_ready(scheduler)():
+        assert time.monotonic() < deadline, "engine 0's scheduler never noticed its executor was gone"
+        await asyncio.sleep(0.1)
+    # Two of the gateway's polls: it has taken engine 0 out of the rotation.
+    await asyncio.sleep(1.0)
+    async with aiohttp.ClientSession() as http:
+        for _ in range(4):
+            async with http.post(base + CHAT, json=long_chat(4, stream=False)) as r:
+                assert r.status == 200, await r.text()
+        deadline = time.monotonic() + 120
+        while not grpc_ready(scheduler)():
+            assert time.monotonic() < deadline, "engine 0 did not serve again"
+            await asyncio.sleep(0.5)
+        assert process.poll() is None and engine_child(process, "executor", 0)[0].pid != executor.pid
+        async with http.get(f"{base}/health") as r:
+            assert r.status == 200
 
 
 async def test_a_killed_executor_fails_only_its_engines_requests(tmp_path):
