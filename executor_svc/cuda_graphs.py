@@ -36,11 +36,13 @@ def bucket(sizes: list[int], num_seqs: int) -> int | None:
 
 
 def decode_metadata(buffers: StepBuffers, size: int, max_model_len: int, num_heads: int,
-                    num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> AttentionMetadata:
+                    num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    kv_dtype: torch.dtype) -> AttentionMetadata:
     """The metadata of a padded decode step of `size` rows, with a launch configuration that does
     not depend on the step's values."""
     num_splits = default_num_splits(size, size, num_heads, num_kv_heads, head_dim,
-                                    dtype.itemsize, 1, max_model_len, buffers.input_ids.device)
+                                    dtype.itemsize, 1, max_model_len, buffers.input_ids.device,
+                                    kv_bytes=kv_dtype.itemsize)
     return AttentionMetadata(slot_mapping=buffers.slot_mapping[:size],
                              query_start_loc=buffers.decode_query_start_loc[:size + 1],
                              seq_lens=buffers.seq_lens[:size],

@@ -164,7 +164,7 @@ class ModelRunner:
         mc = self.rank_config
         self.graph_metas = {size: decode_metadata(self.buffers, size, self.max_model_len,
                                                   mc.num_attention_heads, mc.num_key_value_heads,
-                                                  mc.head_dim, self.dtype)
+                                                  mc.head_dim, self.dtype, self.kv_dtype)
                             for size in self.graph_sizes}
         self.graphs = CudaGraphs(self.model, self.buffers, self.graph_metas)
         block_bytes = bytes_per_block(self.rank_config, self.block_size, self.kv_dtype)

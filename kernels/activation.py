@@ -3,9 +3,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
+
 
 @triton.jit
-def _silu_and_mul_kernel(x, out, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x, out, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -23,5 +26,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(d))
     if x2.shape[0] > 0:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block)
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, PDL=pdl.enabled(x.device),
+            launch_pdl=pdl.enabled(x.device))
     return out.view(*x.shape[:-1], d)

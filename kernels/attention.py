@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels.reference import is_fp8
 
 LOG2E = 1.4426950408889634
@@ -36,11 +37,15 @@ def _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr,
-                  LAZY_RESCALE: tl.constexpr):
-    """One KV tile of the online softmax; `visible` [rows, TILE] masks scores when MASKED."""
+                  LAZY_RESCALE: tl.constexpr, K_T: tl.constexpr):
+    """One KV tile of the online softmax; `visible` [rows, TILE] masks scores when MASKED; k is
+    [HEAD_DIM, TILE] when K_T, else [TILE, HEAD_DIM]."""
     # An fp8 cache widens to the query dtype here; its K scale is folded into qk_scale and its
     # V scale applied to the output.
-    s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if K_T:
+        s = tl.dot(q, k.to(q.dtype))
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     # Scores stay unscaled so that scaling and the max subtraction fuse into one FMA.
@@ -76,7 +81,7 @@ def _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED: tl.constexp
 def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, stride_s,
                   q_limit, kv_end, tile_lo, tile_hi, qk_scale, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr,
-                  LAZY_RESCALE: tl.constexpr):
+                  LAZY_RESCALE: tl.constexpr, K_T: tl.constexpr):
     # Online softmax over the paged cache's KV tiles [tile_lo, tile_hi); only the tiles that
     # cross the causal diagonal or the end of the context pay for masks.
     offs_t = tl.arange(0, TILE)
@@ -88,18 +93,26 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, 
             block = tl.load(table + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         else:
             block = tl.load(table + k_pos // BLOCK_SIZE).to(tl.int64)
-        # K and V share one layout: one offset tile serves both.
-        kv_off = (block * stride_b + (k_pos % BLOCK_SIZE) * stride_s + kv_head)[:, None] + offs_d[None, :]
+        # K and V share one layout: one offset vector serves both.
+        slot = block * stride_b + (k_pos % BLOCK_SIZE) * stride_s + kv_head
+        v_off = slot[:, None] + offs_d[None, :]
+        if K_T:
+            k_off = slot[None, :] + offs_d[:, None]
+        else:
+            k_off = v_off
         if MASKED:
-            k = tl.load(k_cache + kv_off, mask=in_range[:, None], other=0.0)
-            v = tl.load(v_cache + kv_off, mask=in_range[:, None], other=0.0)
+            if K_T:
+                k = tl.load(k_cache + k_off, mask=in_range[None, :], other=0.0)
+            else:
+                k = tl.load(k_cache + k_off, mask=in_range[:, None], other=0.0)
+            v = tl.load(v_cache + v_off, mask=in_range[:, None], other=0.0)
             visible = (k_pos[None, :] <= q_limit[:, None]) & in_range[None, :]
         else:
-            k = tl.load(k_cache + kv_off)
-            v = tl.load(v_cache + kv_off)
+            k = tl.load(k_cache + k_off)
+            v = tl.load(v_cache + v_off)
             visible = 0
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED,
-                                      LAZY_RESCALE)
+                                      LAZY_RESCALE, K_T)
     return acc, l_i, m_i
 
 
@@ -116,7 +129,7 @@ def _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column, q_fre
         k_fresh = j * TILE + offs_t
         visible = (k_fresh[None, :] <= q_fresh[:, None]) & (k_fresh[None, :] < query_len)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED,
-                                      LAZY_RESCALE)
+                                      LAZY_RESCALE, False)
     return acc, l_i, m_i
 
 
@@ -128,7 +141,9 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
                       stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_SCALED: tl.constexpr,
-                      REVERSE: tl.constexpr, LAZY_RESCALE: tl.constexpr, FRESH: tl.constexpr):
+                      REVERSE: tl.constexpr, LAZY_RESCALE: tl.constexpr, FRESH: tl.constexpr,
+                      K_T: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_previous(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     if REVERSE:
         # Causal work grows along a sequence: start the longest q blocks first so that the
@@ -156,6 +171,11 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
     token = (q_start + q_pos).to(tl.int64)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
+    if DOT_FP16:
+        # An fp8 cache's products run in fp16: E4M3 widens to fp16 in one instruction per pair
+        # but to bf16 only through fp32 (1.3x the decode time at 64 x 4k on an H200), and fp16
+        # keeps more of q and p than the cache's 3 mantissa bits lose.
+        q = q.to(tl.float16)
 
     # Keys visible to the block's last query, and the prefix of whole tiles every query sees.
     kv_end = tl.minimum(context_len + (q_local + 1) * BLOCK_Q, seq_len)
@@ -183,11 +203,11 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
                                       stride_b, stride_s, q_limit, context_len, 0,
                                       context_len // TILE, qk_scale, HEAD_DIM, BLOCK_SIZE, TILE,
-                                      False, LAZY_RESCALE)
+                                      False, LAZY_RESCALE, K_T)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
                                       stride_b, stride_s, q_limit, context_len,
                                       context_len // TILE, tl.cdiv(context_len, TILE), qk_scale,
-                                      HEAD_DIM, BLOCK_SIZE, TILE, True, LAZY_RESCALE)
+                                      HEAD_DIM, BLOCK_SIZE, TILE, True, LAZY_RESCALE, K_T)
         fresh_full = (q_local * BLOCK_Q + 1) // TILE
         fresh_end = tl.minimum((q_local + 1) * BLOCK_Q, query_len)
         column = kv_head * HEAD_DIM
@@ -202,11 +222,11 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
                                       stride_b, stride_s, q_limit, kv_end, tile_lo,
                                       tl.minimum(tile_hi, num_full), qk_scale, HEAD_DIM,
-                                      BLOCK_SIZE, TILE, False, LAZY_RESCALE)
+                                      BLOCK_SIZE, TILE, False, LAZY_RESCALE, K_T)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
                                       stride_b, stride_s, q_limit, kv_end,
                                       tl.maximum(tile_lo, num_full), tile_hi, qk_scale,
-                                      HEAD_DIM, BLOCK_SIZE, TILE, True, LAZY_RESCALE)
+                                      HEAD_DIM, BLOCK_SIZE, TILE, True, LAZY_RESCALE, K_T)
     if KV_SCALED:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -224,7 +244,8 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
 
 @triton.jit
 def _merge_kernel(out, part_acc, part_ml, stride_ot, stride_oh, num_heads,
-                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -246,7 +267,7 @@ class AttentionConfig:
     q blocks first, `lazy_rescale` rescales the accumulator only when a row's max grows by more
     than 2^8, `fresh_kv` reads each sequence's new keys and values through tensor descriptors
     (TMA on Hopper) from the k_new / v_new given to `paged_attention` rather than from the
-    paged cache."""
+    paged cache, `k_transposed` loads cached keys as [head_dim, tile]."""
     block_m: int
     tile: int
     num_warps: int
@@ -254,18 +275,24 @@ class AttentionConfig:
     reverse: bool = False
     lazy_rescale: bool = False
     fresh_kv: bool = False
+    k_transposed: bool = False
 
 
 def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len: int,
-                   fresh_kv: bool = False) -> AttentionConfig:
-    """The tiling `paged_attention` picks when given none; `fresh_kv` when it is given k_new."""
-    # Decode rows fill BLOCK_M with the GQA group (16 rows is the smallest tensor-core tile);
-    # measured on an H200 (Llama-3.1-8B shape, bf16), decode is fastest with 64-token KV tiles
-    # (16 KiB) and 2 stages (3 stages cost a third of the bandwidth at batch 64, through lower
-    # occupancy).
+                   fresh_kv: bool = False, kv_bytes: int | None = None) -> AttentionConfig:
+    """The tiling `paged_attention` picks when given none; `fresh_kv` when it is given k_new;
+    elem_bytes is the query's element size, kv_bytes the cache's (default: the same)."""
+    # Decode rows fill BLOCK_M with the GQA group (16 rows is the smallest tensor-core tile)
+    # and stream 16 KiB KV tiles, K loaded [head_dim, tile]. A sweep on an H200 (Llama-3.1-8B
+    # shape, batch 64-512 x context 1k-16k) measured bf16 fastest with 64-token tiles and 2
+    # stages: 0.260 ms at 64 x 4k (K loaded [tile, head_dim] 0.325, 3 stages 0.359); fp8 with
+    # 128-token tiles and 3 stages: 0.200 ms (64-token tiles 0.252, 2 stages 0.206), and 2.85
+    # ms at 256 x 16k against 3.92 for bf16.
     if max_query_len * group_pad <= 16:
-        tile = max(16, min(64, 16384 // (head_dim * elem_bytes)))
-        return AttentionConfig(max(16, group_pad), tile, num_warps=4, num_stages=2)
+        kv_bytes = kv_bytes or elem_bytes
+        tile = max(16, min(128, 16384 // (head_dim * kv_bytes)))
+        return AttentionConfig(max(16, group_pad), tile, num_warps=4,
+                               num_stages=2 if kv_bytes >= 2 else 3, k_transposed=True)
     # Prefill: 128-row tiles so a KV tile is reused by many queries, 128-token KV tiles (32 KiB),
     # longest q blocks first (FlashAttention-2's order), the step's own keys through TMA when
     # given. `python -m pagedserve.bench.kernels --prefill-sweep` on an H200 (torch 2.11,
@@ -300,11 +327,11 @@ def choose_num_splits(num_q_blocks: int, num_kv_heads: int, max_seq_len: int, ti
 
 def default_num_splits(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
                        head_dim: int, elem_bytes: int, max_query_len: int, max_seq_len: int,
-                       device: torch.device) -> int:
+                       device: torch.device, kv_bytes: int | None = None) -> int:
     """The KV segment count `paged_attention` picks when none is given: a CUDA graph fixes it
     for its batch size at capture."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    cfg = default_config(group_pad, head_dim, elem_bytes, max_query_len)
+    cfg = default_config(group_pad, head_dim, elem_bytes, max_query_len, kv_bytes=kv_bytes)
     return _num_splits(cfg, group_pad, num_tokens, num_seqs, num_kv_heads, max_query_len,
                        max_seq_len, device)
 
@@ -370,7 +397,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     cfg = config or default_config(group_pad, head_dim, q.element_size(), max_query_len,
-                                   fresh_kv=k_new is not None)
+                                   fresh_kv=k_new is not None, kv_bytes=k_cache.element_size())
     if cfg.block_m < group_pad:
         raise ValueError(f"block_m {cfg.block_m} is below the padded GQA group {group_pad}")
     block_q = cfg.block_m // group_pad
@@ -400,10 +427,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         *k_cache.stride()[:3], block_tables.stride(0), GROUP=group, GROUP_PAD=group_pad,
         BLOCK_M=cfg.block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=cfg.tile,
         NUM_SPLITS=num_splits, KV_SCALED=scaled, REVERSE=cfg.reverse,
-        LAZY_RESCALE=cfg.lazy_rescale, FRESH=fresh, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        LAZY_RESCALE=cfg.lazy_rescale, FRESH=fresh, K_T=cfg.k_transposed,
+        DOT_FP16=is_fp8(k_cache), PDL=pdl.enabled(q.device), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, launch_pdl=pdl.enabled(q.device))
     if num_splits > 1:
         _merge_kernel[(num_tokens, num_heads)](out, part_acc, part_ml, out.stride(0),
                                                out.stride(1), num_heads, HEAD_DIM=head_dim,
-                                               NUM_SPLITS=num_splits)
+                                               NUM_SPLITS=num_splits, PDL=pdl.enabled(q.device),
+                                               launch_pdl=pdl.enabled(q.device))
     return out

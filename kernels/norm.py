@@ -3,10 +3,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x, residual, weight, out, sum_out, stride_x, stride_r, stride_o, stride_s,
-                     hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -41,7 +45,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, sum_out, x2.stride(0), r2.stride(0), out.stride(0),
             sum_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(hidden), num_warps=8 if hidden >= 4096 else 4)
+            BLOCK=triton.next_power_of_2(hidden), PDL=pdl.enabled(x.device),
+            num_warps=8 if hidden >= 4096 else 4, launch_pdl=pdl.enabled(x.device))
     if residual is None:
         return out.view(x.shape), None
     return out.view(x.shape), sum_out.view(x.shape)

@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels.reference import FP8_MAX, is_fp8
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -77,7 +78,8 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                             stride_vcs, stride_vch, num_heads, num_kv_heads,
                             BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
                             K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
-                            KV_SCALED: tl.constexpr):
+                            KV_SCALED: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF)
     q_token = q + token * stride_qt
@@ -131,5 +133,5 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_heads, num_kv_heads,
             BLOCK_SIZE=k_cache.shape[1], Q_HEADS_PAD=triton.next_power_of_2(num_heads),
             K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2, FP8=fp8,
-            KV_SCALED=scaled)
+            KV_SCALED=scaled, PDL=pdl.enabled(q.device), launch_pdl=pdl.enabled(q.device))
     return q

@@ -106,10 +106,12 @@ def test_mixed_batch(group: int, head_dim: int, block_size: int, dtype: torch.dt
     run_case(MIXED, group, head_dim, block_size, dtype, num_splits)
 
 
-# Prefill tilings the benchmark sweeps: reverse order, 128-token KV tiles, 64-row tiles, and the
-# lazy rescale, on sharp scores (q x 6) whose running max grows past 2^8 in some tiles only.
+# Prefill tilings the benchmark sweeps: reverse order, 128-token KV tiles, 64-row tiles, the
+# lazy rescale, on sharp scores (q x 6) whose running max grows past 2^8 in some tiles only, and
+# keys loaded transposed (the decode tiling's) under a causal diagonal.
 @pytest.mark.parametrize("config", [
     AttentionConfig(128, 64, 8, 3, reverse=False),
+    AttentionConfig(64, 32, 4, 2, k_transposed=True),
     AttentionConfig(128, 128, 8, 3, reverse=True),
     AttentionConfig(64, 32, 4, 2, reverse=True, lazy_rescale=True),
     AttentionConfig(128, 16, 8, 3, lazy_rescale=True),
@@ -174,7 +176,9 @@ def test_decode_batch_picks_split_on_its_own(monkeypatch: pytest.MonkeyPatch) ->
     starts = torch.arange(len(batch) + 1, dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     got = paged_attention(q, k_cache, v_cache, table, lens, starts, 0.2, max_query_len=1)
-    assert chosen == [4]
+    # 16 KiB tiles of float32 head_dim 32 hold 128 tokens: 601 keys keep 2 tiles per segment
+    # in 2 segments.
+    assert chosen == [2]
     assert_close(got, paged_attention_ref(q, k_cache, v_cache, table, lens, starts, 0.2))
 
 

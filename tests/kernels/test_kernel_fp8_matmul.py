@@ -13,9 +13,10 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.fl
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 3, SMALL_BATCH])
 @pytest.mark.parametrize("bias", [False, True])
-def test_w8a16_matches_the_dequantized_matmul(dtype: torch.dtype, num_tokens: int, bias: bool) -> None:
-    # N and K off the tile sizes, so the masks are exercised.
-    n, k = 72, 1100
+# N and K off the tile sizes, so the masks are exercised; then K a multiple of the GEMV's step.
+@pytest.mark.parametrize("n, k", [(72, 1100), (40, 2048)])
+def test_w8a16_matches_the_dequantized_matmul(dtype: torch.dtype, num_tokens: int, bias: bool,
+                                              n: int, k: int) -> None:
     weight, weight_scale = per_token_quant_fp8_ref(torch.randn(n, k, device=DEVICE) * 0.05)
     b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
     x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)

@@ -1,0 +1,35 @@
+"""Programmatic dependent launch (PDL, Hopper and newer) for the kernels of a decode step.
+
+A kernel launched with `launch_pdl` is scheduled while the kernel before it in the stream is
+still finishing, then waits for it (`wait_for_previous`) before it touches memory, and lets its
+own successor be scheduled the same way. A batch-1 decode step is some 300 small kernels in a
+row, each of which otherwise pays the launch gap. Every kernel launched with PDL calls
+`wait_for_previous` before its first load or store, which keeps stream order for all memory.
+PAGEDSERVE_PDL=0 turns it off.
+"""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: CUDA of compute capability 9.0+, not the
+    Triton interpreter, not turned off (read once)."""
+    return device.type == "cuda" and _enabled(device.index or 0)
+
+
+@functools.cache
+def _enabled(index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("PAGEDSERVE_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(index) >= (9, 0)
