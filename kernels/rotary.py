@@ -29,13 +29,18 @@ def _to_storage(x, scale, dst, FP8: tl.constexpr):
 
 
 @triton.jit
+def _head_tile(base, stride_h, num_heads, HEADS_PAD: tl.constexpr, WIDTH: tl.constexpr):
+    """Pointers to the first WIDTH elements of each of one token's heads at base, and the mask
+    of the heads that exist (HEADS_PAD is num_heads rounded up to a power of two)."""
+    offs_h = tl.arange(0, HEADS_PAD)[:, None]
+    return base + offs_h * stride_h + tl.arange(0, WIDTH)[None, :], offs_h < num_heads
+
+
+@triton.jit
 def _rotate_heads(src, stride_sh, num_heads, cos, sin, HEADS_PAD: tl.constexpr,
                   HALF: tl.constexpr):
     """One token's heads read from src, rotated: their low and high halves in fp32."""
-    offs_h = tl.arange(0, HEADS_PAD)[:, None]
-    offs_d = tl.arange(0, HALF)[None, :]
-    mask = offs_h < num_heads
-    src_lo = src + offs_h * stride_sh + offs_d
+    src_lo, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, HALF)
     x1 = tl.load(src_lo, mask=mask).to(tl.float32)
     x2 = tl.load(src_lo + HALF, mask=mask).to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
@@ -45,10 +50,7 @@ def _rotate_heads(src, stride_sh, num_heads, cos, sin, HEADS_PAD: tl.constexpr,
 def _store_halves(dst, stride_dh, num_heads, lo, hi, scale, HEADS_PAD: tl.constexpr,
                   HALF: tl.constexpr, FP8: tl.constexpr):
     """Stores rotated heads at dst, in dst's storage (see _to_storage)."""
-    offs_h = tl.arange(0, HEADS_PAD)[:, None]
-    offs_d = tl.arange(0, HALF)[None, :]
-    mask = offs_h < num_heads
-    dst_lo = dst + offs_h * stride_dh + offs_d
+    dst_lo, mask = _head_tile(dst, stride_dh, num_heads, HEADS_PAD, HALF)
     tl.store(dst_lo, _to_storage(lo, scale, dst, FP8), mask=mask)
     tl.store(dst_lo + HALF, _to_storage(hi, scale, dst, FP8), mask=mask)
 
@@ -63,12 +65,9 @@ def _cache_entry(cache, slot, stride_block, stride_slot, BLOCK_SIZE: tl.constexp
 def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, scale, HEADS_PAD: tl.constexpr,
                 HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
     """Copies one token's heads from src to dst, converted to dst's storage."""
-    offs_h = tl.arange(0, HEADS_PAD)[:, None]
-    offs_d = tl.arange(0, HEAD_DIM)[None, :]
-    mask = offs_h < num_heads
-    x = tl.load(src + offs_h * stride_sh + offs_d, mask=mask)
-    tl.store(dst + offs_h * stride_dh + offs_d, _to_storage(x, scale, dst, FP8),
-             mask=mask)
+    src_heads, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, HEAD_DIM)
+    dst_heads, _ = _head_tile(dst, stride_dh, num_heads, HEADS_PAD, HEAD_DIM)
+    tl.store(dst_heads, _to_storage(tl.load(src_heads, mask=mask), scale, dst, FP8), mask=mask)
 
 
 @triton.jit
