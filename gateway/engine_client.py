@@ -19,6 +19,10 @@ class ModelSpec:
     max_model_len: int
     vocab_size: int
 
+    @classmethod
+    def of(cls, info: pb.ModelInfo) -> "ModelSpec":
+        return cls(info.served_model_name, info.max_model_len, info.vocab_size)
+
 
 # A call the gateway cancels itself never raises (a client that leaves cancels the handler), so a
 # CANCELLED here is the scheduler's: it stopped, restarted or shed the call.
@@ -49,7 +53,6 @@ class EngineClient:
         self._channel = service.channel(address)
         self._stub = EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._spec: ModelSpec | None = None
 
     async def check_serving(self, timeout: float = 2.0) -> None:
         """Raises a 503 APIError unless the scheduler's health service reports SERVING (it does not
@@ -63,20 +66,11 @@ class EngineClient:
                               "executor); retry shortly.")
 
     async def model_info(self, timeout: float = 2.0) -> pb.ModelInfo:
-        """Fresh ModelInfo, live counters included; raises a 503 APIError if the scheduler is down.
-        The model facts are taken anew each time, so a restarted scheduler's are the ones used."""
+        """Fresh ModelInfo, live counters included; raises a 503 APIError if the scheduler is down."""
         try:
-            info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise _api_error(e) from e
-        self._spec = ModelSpec(info.served_model_name, info.max_model_len, info.vocab_size)
-        return info
-
-    async def model_spec(self) -> ModelSpec:
-        """The static model facts, fetched once."""
-        if self._spec is None:
-            await self.model_info()
-        return self._spec
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        trace_id: str | None = None) -> AsyncIterator[pb.GenerateResponse]:

@@ -151,7 +151,7 @@ class EnginePool:
         engine.info, engine.pending, engine.down, engine.backoff = info, 0, None, MIN_BACKOFF_S
 
     def _mismatch(self, engine: Engine, info: pb.ModelInfo) -> str | None:
-        spec = ModelSpec(info.served_model_name, info.max_model_len, info.vocab_size)
+        spec = ModelSpec.of(info)
         # The reference's own facts stay current: a restarted scheduler may serve a new model.
         if self._reference in (None, engine):
             self.spec, self.block_size, self._reference = spec, info.block_size, engine

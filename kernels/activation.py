@@ -26,6 +26,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(d))
     if x2.shape[0] > 0:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, PDL=pdl.enabled(x.device),
-            launch_pdl=pdl.enabled(x.device))
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, **pdl.launch_args(x.device))
     return out.view(*x.shape[:-1], d)

@@ -406,9 +406,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_splits = _num_splits(cfg, group_pad, num_tokens, num_seqs, num_kv_heads,
                                  max_query_len, max_seq_len, q.device)
     num_splits = triton.next_power_of_2(num_splits)
-    scaled = is_fp8(k_cache) and kv_scales is not None
+    fp8 = is_fp8(k_cache)
+    scaled = fp8 and kv_scales is not None
     k_scale, v_scale = kv_scales if scaled else (None, None)
-    fresh = cfg.fresh_kv and k_new is not None and num_splits == 1 and not is_fp8(k_cache)
+    fresh = cfg.fresh_kv and k_new is not None and num_splits == 1 and not fp8
     k_desc, v_desc = ((_rows_descriptor(k_new, cfg.tile), _rows_descriptor(v_new, cfg.tile))
                       if fresh else (None, None))
     if out is None:
@@ -420,6 +421,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                               device=q.device)
     else:
         part_acc = part_ml = out
+    launch = pdl.launch_args(q.device)
     _attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, part_acc, part_ml, q, k_cache, v_cache, k_scale, v_scale, k_desc, v_desc,
         block_tables, seq_lens,
@@ -428,11 +430,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_M=cfg.block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=cfg.tile,
         NUM_SPLITS=num_splits, KV_SCALED=scaled, REVERSE=cfg.reverse,
         LAZY_RESCALE=cfg.lazy_rescale, FRESH=fresh, K_T=cfg.k_transposed,
-        DOT_FP16=is_fp8(k_cache), PDL=pdl.enabled(q.device), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=pdl.enabled(q.device))
+        DOT_FP16=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if num_splits > 1:
         _merge_kernel[(num_tokens, num_heads)](out, part_acc, part_ml, out.stride(0),
                                                out.stride(1), num_heads, HEAD_DIM=head_dim,
-                                               NUM_SPLITS=num_splits, PDL=pdl.enabled(q.device),
-                                               launch_pdl=pdl.enabled(q.device))
+                                               NUM_SPLITS=num_splits, **launch)
     return out

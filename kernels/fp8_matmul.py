@@ -80,9 +80,9 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         block_k = min(block_k, triton.next_power_of_2(K))
         _gemv_kernel[(triton.cdiv(N, 8),)](x, weight, weight_scale, bias_arg, out, N, K,
                                            HAS_BIAS=bias is not None, BLOCK_N=8, BLOCK_K=block_k,
-                                           EVEN_K=K % block_k == 0, PDL=pdl.enabled(x.device),
-                                           num_warps=4, num_stages=2 if block_k == 1024 else 3,
-                                           launch_pdl=pdl.enabled(x.device))
+                                           EVEN_K=K % block_k == 0, num_warps=4,
+                                           num_stages=2 if block_k == 1024 else 3,
+                                           **pdl.launch_args(x.device))
         return out
     block_k = 256 if N >= 16384 else 512
     _small_batch_kernel[(triton.cdiv(N, 32),)](x, weight, weight_scale, bias_arg, out, num_tokens, N, K,

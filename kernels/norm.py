@@ -45,8 +45,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, sum_out, x2.stride(0), r2.stride(0), out.stride(0),
             sum_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(hidden), PDL=pdl.enabled(x.device),
-            num_warps=8 if hidden >= 4096 else 4, launch_pdl=pdl.enabled(x.device))
+            BLOCK=triton.next_power_of_2(hidden), num_warps=8 if hidden >= 4096 else 4,
+            **pdl.launch_args(x.device))
     if residual is None:
         return out.view(x.shape), None
     return out.view(x.shape), sum_out.view(x.shape)

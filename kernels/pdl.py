@@ -22,10 +22,15 @@ def wait_for_previous(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: CUDA of compute capability 9.0+, not the
-    Triton interpreter, not turned off (read once)."""
-    return device.type == "cuda" and _enabled(device.index or 0)
+_ON = {"PDL": True, "launch_pdl": True}
+_OFF = {"PDL": False, "launch_pdl": False}
+
+
+def launch_args(device: torch.device) -> dict[str, bool]:
+    """The keyword arguments to launch a kernel with a PDL constexpr on `device`: the flag its
+    wait_for_previous reads and Triton's launch_pdl, always equal. PDL is on for CUDA of compute
+    capability 9.0+, off under the Triton interpreter and with PAGEDSERVE_PDL=0 (read once)."""
+    return _ON if device.type == "cuda" and _enabled(device.index or 0) else _OFF
 
 
 @functools.cache

@@ -12,7 +12,9 @@ Layouts shared with the Triton kernels:
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+# vLLM's floor on a dynamic scale: an all-zero row (CUDA-graph padding) divides by it, not by 0.
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 def is_fp8(cache: torch.Tensor) -> bool:
@@ -109,12 +111,6 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2 * d] holding gate then up projections; returns silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
-
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max
-# vLLM's floor on a dynamic scale: an all-zero row (CUDA-graph padding) divides by it, not by 0.
-FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,5 +132,5 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_heads, num_kv_heads,
             BLOCK_SIZE=k_cache.shape[1], Q_HEADS_PAD=triton.next_power_of_2(num_heads),
             K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2, FP8=fp8,
-            KV_SCALED=scaled, PDL=pdl.enabled(q.device), launch_pdl=pdl.enabled(q.device))
+            KV_SCALED=scaled, **pdl.launch_args(q.device))
     return q
