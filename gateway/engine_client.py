@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.gateway.engine_stream import EngineStream, Failed
 from pagedserve.gateway.errors import APIError, Unavailable, bad_request, internal, overloaded
 from pagedserve.common import service
 from pagedserve.common.sampling_params import SamplingParams, sampling_to_proto
@@ -34,10 +35,9 @@ class SchedulerDown(Unavailable):
     """The scheduler is unreachable, not serving, or dropped the call: it leaves the rotation."""
 
 
-def _api_error(e: grpc.aio.AioRpcError) -> APIError:
-    code = e.code()
+def api_error(code: grpc.StatusCode, details: str | None) -> APIError:
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-        return bad_request(e.details() or "The scheduler rejected the request.")
+        return bad_request(details or "The scheduler rejected the request.")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return overloaded()
     if code in _UNAVAILABLE:
@@ -53,6 +53,7 @@ class EngineClient:
         self._channel = service.channel(address)
         self._stub = EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._stream: EngineStream | None = None
 
     async def check_serving(self, timeout: float = 2.0) -> None:
         """Raises a 503 APIError unless the scheduler's health service reports SERVING (it does not
@@ -60,7 +61,7 @@ class EngineClient:
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            raise _api_error(e) from e
+            raise api_error(e.code(), e.details()) from e
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             raise SchedulerDown("The scheduler is not serving (it is starting, stopping or reconnecting to its "
                               "executor); retry shortly.")
@@ -70,31 +71,41 @@ class EngineClient:
         try:
             return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            raise _api_error(e) from e
+            raise api_error(e.code(), e.details()) from e
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        trace_id: str | None = None) -> AsyncIterator[pb.GenerateResponse]:
-        """Streams responses; closing or cancelling the iterator cancels the call (the scheduler aborts).
-
-        `trace_id` (the HTTP X-Request-Id) travels as x-request-id metadata; it defaults to request_id.
-        """
+        """Streams responses over the scheduler's shared GenerateStream call; closing the iterator
+        early aborts the request there. `trace_id` (the HTTP X-Request-Id) defaults to request_id."""
         request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      params=sampling_to_proto(params))
-        call = self._stub.Generate(request, metadata=(("x-request-id", trace_id or request_id),))
+        stream = self._open_stream()
+        queue = stream.open(request, trace_id or request_id)
         try:
-            async for response in call:
-                yield response
-        except grpc.aio.AioRpcError as e:
-            raise _api_error(e) from e
+            while True:
+                reply = await queue.get()
+                if isinstance(reply, Failed):
+                    raise api_error(reply.code, reply.details)
+                yield reply
+                if reply.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    return
         finally:
-            call.cancel()
+            stream.close(request_id)
+
+    def _open_stream(self) -> EngineStream:
+        # A broken call has failed its requests; the next request opens another.
+        if self._stream is None or self._stream.error is not None:
+            self._stream = EngineStream(self._stub)
+        return self._stream
 
     async def abort(self, request_id: str) -> bool:
         try:
             response = await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=2.0)
         except grpc.aio.AioRpcError as e:
-            raise _api_error(e) from e
+            raise api_error(e.code(), e.details()) from e
         return response.found
 
     async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.aclose()
         await self._channel.close()

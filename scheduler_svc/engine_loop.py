@@ -54,10 +54,11 @@ class EngineLoop:
         self.seq_counter = itertools.count(1)
         self.error: ExecutorLost | None = None
 
-    def add(self, request_id: str, prompt_token_ids: list[int],
-            params: SamplingParams) -> tuple[int, asyncio.Queue]:
-        """Queues a request; raises ValueError for one the scheduler cannot take, QueueFull when the
-        queue is full, and ExecutorLost while the executor is away."""
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            queue: asyncio.Queue | None = None) -> tuple[int, asyncio.Queue]:
+        """Queues a request whose outputs go to `queue` (a new one by default, which several requests
+        may share); raises ValueError for one the scheduler cannot take, QueueFull when the queue is
+        full, and ExecutorLost while the executor is away."""
         if self.error:
             raise self.error
         if request_id in self.seq_ids:
@@ -65,7 +66,7 @@ class EngineLoop:
         seq_id = next(self.seq_counter)
         self.scheduler.add(Request(seq_id=seq_id, request_id=request_id,
                                    prompt_token_ids=prompt_token_ids, sampling=params))
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = asyncio.Queue() if queue is None else queue
         self.outputs[seq_id] = queue
         self.seq_ids[request_id] = seq_id
         self.wakeup.set()
@@ -109,7 +110,7 @@ class EngineLoop:
     def _fail(self, reason: str) -> None:
         self.error = ExecutorLost(f"the executor is unavailable ({reason}); retry shortly")
         log.error("executor_lost", reason=reason, failed_requests=len(self.outputs))
-        for queue in self.outputs.values():
+        for queue in set(self.outputs.values()):
             queue.put_nowait(self.error)
 
     async def _wait_for_work(self) -> None:

@@ -3,6 +3,7 @@ import argparse
 import asyncio
 import gc
 import math
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -18,7 +19,8 @@ from pagedserve.common.plan import ExecutorInfo, info_from_proto
 from pagedserve.common.sampling_params import sampling_from_proto
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
-from pagedserve.scheduler_svc.request import RequestDelta
+from pagedserve.scheduler_svc.generate_stream import StreamCall
+from pagedserve.scheduler_svc.responses import refusal_code, response_from_outputs
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from pagedserve.scheduler_svc.stats_logger import StatsLogger, interval_from_env
 from pagedserve.scheduler_svc.step_stats import BUCKETS_US, Histogram
@@ -26,8 +28,6 @@ from pagedserve.scheduler_svc.step_stats import BUCKETS_US, Histogram
 log = get_logger(__name__)
 
 BUCKETS_S = [b / 1e6 for b in BUCKETS_US]
-FINISH_REASONS = {None: engine_pb2.FINISH_REASON_UNSPECIFIED, "stop": engine_pb2.FINISH_REASON_STOP,
-                  "length": engine_pb2.FINISH_REASON_LENGTH, "abort": engine_pb2.FINISH_REASON_ABORT}
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
@@ -35,6 +35,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.loop = loop
         self.config = config
         self.info = info
+        # Set once the server stops: GenerateStream then refuses new requests, as the server
+        # refuses new calls.
+        self.draining = False
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         # Each RPC runs in its own task, so the bound id stays with this request's events.
@@ -45,12 +48,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         try:
             params = sampling_from_proto(request.params)
             _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ExecutorLost as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except (ValueError, QueueFull, ExecutorLost) as e:
+            await context.abort(refusal_code(e), str(e))
         finished = False
         try:
             while not finished:
@@ -69,6 +68,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 self.loop.abort(request.request_id)
             log.debug("request_finished" if finished else "request_aborted",
                       engine_request_id=request.request_id)
+
+    async def GenerateStream(self, request_iterator: AsyncIterator[engine_pb2.StreamRequest],
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.StreamResponse]:
+        call = StreamCall(self.loop, lambda: self.draining)
+        reading = asyncio.create_task(call.read(request_iterator))
+        try:
+            async for response in call.responses(context):
+                yield response
+        finally:
+            reading.cancel()
+            call.abort_all()
 
     async def Abort(self, request: engine_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
@@ -94,24 +104,6 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 def histogram_to_proto(h: Histogram) -> engine_pb2.StepHistogram:
     return engine_pb2.StepHistogram(bucket_upper_bounds_s=BUCKETS_S, bucket_counts=h.counts, count=h.count,
                                     sum_s=h.sum_ns / 1e9)
-
-
-def response_from_outputs(outs: list[RequestDelta]) -> engine_pb2.GenerateResponse:
-    """One response for consecutive outputs of one request: their tokens, the last one's state."""
-    last = outs[-1]
-    response = engine_pb2.GenerateResponse(
-        token_ids=[t for out in outs for t in out.new_token_ids],
-        finish_reason=FINISH_REASONS[last.finish_reason], prompt_tokens=last.num_prompt_tokens,
-        completion_tokens=last.num_output_tokens, cached_tokens=last.num_cached_tokens,
-        stop_token_id=last.stop_token_id)
-    for out in outs:
-        for t in out.logprobs or ():
-            response.logprobs.add(logprob=t.logprob, rank=t.rank, top_token_ids=t.top_token_ids,
-                                  top_logprobs=t.top_logprobs)
-        for t in out.prompt_logprobs or ():
-            response.prompt_logprobs.add(logprob=t.logprob, rank=t.rank, top_token_ids=t.top_token_ids,
-                                         top_logprobs=t.top_logprobs)
-    return response
 
 
 class ExecutorMismatch(Exception):
@@ -165,8 +157,9 @@ async def _serve(config: EngineConfig, address: str, executor_address: str, expe
         # The block pool and everything loaded so far live as long as the process: frozen, they
         # leave the collector's full passes, which took ~30 ms (a stalled step) at 18k blocks.
         gc.freeze()
-        running = await service.start("scheduler", address, partial(
-            engine_pb2_grpc.add_EngineServicer_to_server, EngineService(loop, config, info)))
+        engine = EngineService(loop, config, info)
+        running = await service.start("scheduler", address, partial(engine_pb2_grpc.add_EngineServicer_to_server,
+                                                                    engine))
         log.info("scheduler_ready", address=address, num_blocks=info.num_blocks,
                  block_size=info.block_size, max_model_len=info.max_model_len,
                  max_num_seqs=info.max_num_seqs, max_num_batched_tokens=info.max_num_batched_tokens)
@@ -177,6 +170,7 @@ async def _serve(config: EngineConfig, address: str, executor_address: str, expe
         try:
             done, _ = await asyncio.wait({stepping, signalled}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            engine.draining = True
             await running.stop()
             stepping.cancel()
             signalled.cancel()

@@ -67,6 +67,34 @@ class AbortRequest(_message.Message):
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
+class StreamRequest(_message.Message):
+    __slots__ = ("generate", "abort", "trace_id")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateRequest
+    abort: AbortRequest
+    trace_id: str
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
+
+class StreamOutput(_message.Message):
+    __slots__ = ("request_id", "response", "error_code", "error_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: GenerateResponse
+    error_code: int
+    error_message: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[StreamOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[StreamOutput, _Mapping]]] = ...) -> None: ...
+
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
     FOUND_FIELD_NUMBER: _ClassVar[int]

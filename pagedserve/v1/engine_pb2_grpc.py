@@ -40,6 +40,11 @@ class EngineStub:
                 request_serializer=pagedserve_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/pagedserve.v1.Engine/GenerateStream',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.StreamRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.StreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagedserve.v1.Engine/Abort',
                 request_serializer=pagedserve_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -58,6 +63,14 @@ class EngineServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many requests on one call, for a gateway: each message from the scheduler carries the outputs
+        of one engine step for every request of the call, where Generate sends one message per request.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -81,6 +94,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pagedserve_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.StreamRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.StreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -121,6 +139,33 @@ class Engine:
             '/pagedserve.v1.Engine/Generate',
             pagedserve_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             pagedserve_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedserve.v1.Engine/GenerateStream',
+            pagedserve_dot_v1_dot_engine__pb2.StreamRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -77,6 +77,13 @@ def fake_logprobs(i: int, token: int, k: int, vocab_size: int) -> pb.TokenLogpro
                             top_logprobs=[logprob - j for j in range(k)])
 
 
+class Refused(Exception):
+    """Ends a fake request with a gRPC status, as the scheduler would."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+
+
 class FakeEngine(engine_pb2_grpc.EngineServicer):
     """Replies with REPLY's tokens, one per message after `delay` seconds, cycling until max_tokens;
     with logprobs asked, fake_logprobs of each."""
@@ -92,15 +99,56 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.metadata: list[dict] = []
         self.cancelled: dict[str, float] = {}
         self.aborted: list[str] = []
+        self.stream_calls = 0
         self.address = ""
         self.model = MODEL
         self.steps = ENGINE_STEPS
 
     async def Generate(self, request, context):
-        self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
+        try:
+            async for response in self._replies(request):
+                yield response
+        except Refused as e:
+            await context.abort(e.code, e.details)
+
+    async def GenerateStream(self, request_iterator, context):
+        """Each request runs as Generate would, its responses and failure sent as the call's outputs."""
+        self.stream_calls += 1
+        outputs: asyncio.Queue = asyncio.Queue()
+        running: dict[str, asyncio.Task] = {}
+
+        async def run(request):
+            try:
+                async for response in self._replies(request):
+                    outputs.put_nowait(pb.StreamOutput(request_id=request.request_id, response=response))
+            except Refused as e:
+                outputs.put_nowait(pb.StreamOutput(request_id=request.request_id, error_code=e.code.value[0],
+                                                   error_message=e.details))
+
+        async def read():
+            async for message in request_iterator:
+                if message.HasField("abort"):
+                    task = running.pop(message.abort.request_id, None)
+                    if task is not None:
+                        task.cancel()
+                    continue
+                self.metadata.append({"x-request-id": message.trace_id})
+                running[message.generate.request_id] = asyncio.create_task(run(message.generate))
+
+        reading = asyncio.create_task(read())
+        try:
+            while True:
+                yield pb.StreamResponse(outputs=[await outputs.get()])
+        finally:
+            reading.cancel()
+            for task in running.values():
+                task.cancel()
+
+    async def _replies(self, request):
+        self.requests.append(request)
         if self.reject is not None:
-            await context.abort(self.reject, "rejected by the fake engine")
+            raise Refused(self.reject, "rejected by the fake engine")
         p = request.params
         limit = p.max_tokens if p.HasField("max_tokens") else MAX_MODEL_LEN - len(request.prompt_token_ids)
         finished = False
@@ -108,7 +156,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             for i in range(limit):
                 await asyncio.sleep(self.delay)
                 if i == self.fail_after:
-                    await context.abort(grpc.StatusCode.INTERNAL, "executor crashed at /secret/path")
+                    raise Refused(grpc.StatusCode.INTERNAL, "executor crashed at /secret/path")
                 token = self.reply[i % len(self.reply)]
                 stop = token in p.stop_token_ids or (token == self.eos and not p.ignore_eos)
                 finish = (pb.FINISH_REASON_STOP if stop else
@@ -122,7 +170,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                     completion_tokens=i + 1, cached_tokens=CACHED_TOKENS,
                     stop_token_id=token if stop else None, logprobs=logprobs)
         finally:
-            # A cancelled call shows up as CancelledError or as the generator being closed early.
+            # A cancelled request shows up as CancelledError or as the generator being closed early.
             if not finished:
                 self.cancelled[request.request_id] = time.monotonic()
 

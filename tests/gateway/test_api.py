@@ -228,10 +228,11 @@ async def test_failure_before_first_token_is_an_http_error(client, engine):
         await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
 
 
-async def test_concurrent_requests(client):
+async def test_concurrent_requests_share_one_engine_call(client, engine):
     replies = await asyncio.gather(*[client.completions.create(model=MODEL, prompt="Hi", max_tokens=8)
                                      for _ in range(20)])
     assert len({r.choices[0].text for r in replies}) == 1
+    assert len(engine.requests) == 20 and engine.stream_calls == 1
 
 
 async def test_the_models_generation_config_fills_omitted_sampling_options(serve, engine):
