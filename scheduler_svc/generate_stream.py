@@ -79,7 +79,7 @@ class StreamCall:
             lost = next((i for i in items if isinstance(i, ExecutorLost)), None)
             if lost:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(lost))
-            self.closed |= None in items
+            self.closed |= any(i is None for i in items)
             outputs = self._outputs([i for i in items if i is not None])
             if outputs:
                 yield engine_pb2.StreamResponse(outputs=outputs)
