@@ -1,5 +1,5 @@
 """Async client for the scheduler's pagedserve.v1.Engine gRPC service."""
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -73,24 +73,22 @@ class EngineClient:
         except grpc.aio.AioRpcError as e:
             raise api_error(e.code(), e.details()) from e
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       trace_id: str | None = None) -> AsyncIterator[pb.GenerateResponse]:
-        """Streams responses over the scheduler's shared GenerateStream call; closing the iterator
-        early aborts the request there. `trace_id` (the HTTP X-Request-Id) defaults to request_id."""
+    def start(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, trace_id: str,
+              deliver: Callable[[pb.GenerateResponse | APIError], None]) -> None:
+        """Sends a request on the scheduler's shared GenerateStream call: `deliver` receives each of
+        its responses, and an APIError last if the scheduler refused or failed it. `trace_id` is the
+        HTTP X-Request-Id, which the scheduler logs with it."""
         request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      params=sampling_to_proto(params))
-        stream = self._open_stream()
-        queue = stream.open(request, trace_id or request_id)
-        try:
-            while True:
-                reply = await queue.get()
-                if isinstance(reply, Failed):
-                    raise api_error(reply.code, reply.details)
-                yield reply
-                if reply.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    return
-        finally:
-            stream.close(request_id)
+
+        def reply(r: pb.GenerateResponse | Failed) -> None:
+            deliver(api_error(r.code, r.details) if isinstance(r, Failed) else r)
+        self._open_stream().open(request, trace_id, reply)
+
+    def stop(self, request_id: str) -> None:
+        """Ends a request started here: one still running is aborted on the scheduler."""
+        if self._stream is not None:
+            self._stream.close(request_id)
 
     def _open_stream(self) -> EngineStream:
         # A broken call has failed its requests; the next request opens another.

@@ -1,7 +1,7 @@
 """The one GenerateStream call a gateway keeps to each scheduler: every request it sends that
 scheduler goes out on it, and each message back carries an engine step's outputs for all of them."""
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -19,7 +19,7 @@ class Failed:
     details: str
 
 
-# What a request's queue receives: its responses, and a Failed last if it did not finish.
+# What a request's callback receives: its responses, and a Failed last if it did not finish.
 Reply = pb.GenerateResponse | Failed
 
 
@@ -29,21 +29,19 @@ class EngineStream:
 
     def __init__(self, stub: EngineStub) -> None:
         self._writes: asyncio.Queue[pb.StreamRequest] = asyncio.Queue()
-        self._queues: dict[str, asyncio.Queue[Reply]] = {}
+        self._deliver_to: dict[str, Callable[[Reply], None]] = {}
         self.error: Failed | None = None
         self._call = stub.GenerateStream(self._requests())
         self._reading = asyncio.create_task(self._read())
 
-    def open(self, request: pb.GenerateRequest, trace_id: str) -> asyncio.Queue[Reply]:
-        """Sends `request`; its replies arrive on the queue returned."""
-        queue: asyncio.Queue[Reply] = asyncio.Queue()
-        self._queues[request.request_id] = queue
+    def open(self, request: pb.GenerateRequest, trace_id: str, deliver: Callable[[Reply], None]) -> None:
+        """Sends `request`; `deliver` is called with each of its replies, as they arrive."""
+        self._deliver_to[request.request_id] = deliver
         self._writes.put_nowait(pb.StreamRequest(generate=request, trace_id=trace_id))
-        return queue
 
     def close(self, request_id: str) -> None:
         """Ends a request's part in the call; one the scheduler has not ended is aborted there."""
-        if self._queues.pop(request_id, None) is not None and self.error is None:
+        if self._deliver_to.pop(request_id, None) is not None and self.error is None:
             self._writes.put_nowait(pb.StreamRequest(abort=pb.AbortRequest(request_id=request_id)))
 
     async def aclose(self) -> None:
@@ -66,18 +64,18 @@ class EngineStream:
         finally:
             # However the call ends, no request is left waiting on it.
             self.error = error
-            for queue in self._queues.values():
-                queue.put_nowait(error)
-            self._queues.clear()
+            for deliver in self._deliver_to.values():
+                deliver(error)
+            self._deliver_to.clear()
 
     def _deliver(self, output: pb.StreamOutput) -> None:
-        queue = self._queues.get(output.request_id)
-        if queue is None:
+        deliver = self._deliver_to.get(output.request_id)
+        if deliver is None:
             return
         if output.error_code:
-            del self._queues[output.request_id]
-            queue.put_nowait(Failed(_CODES[output.error_code], output.error_message))
+            del self._deliver_to[output.request_id]
+            deliver(Failed(_CODES[output.error_code], output.error_message))
             return
         if output.response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            del self._queues[output.request_id]
-        queue.put_nowait(output.response)
+            del self._deliver_to[output.request_id]
+        deliver(output.response)

@@ -1,7 +1,6 @@
-"""One request's choices: a gRPC Generate call per choice, merged into a single stream of text events."""
+"""One request's choices: an engine request per choice, merged into a single stream of text events."""
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from itertools import accumulate, groupby
 from operator import itemgetter
@@ -9,7 +8,7 @@ from operator import itemgetter
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.gateway.engine_client import SchedulerDown
 from pagedserve.gateway.engine_pool import Engine, EnginePool
-from pagedserve.gateway.errors import APIError, internal
+from pagedserve.gateway.errors import APIError
 from pagedserve.gateway.logprobs import TokenLogprob, decode_logprobs
 from pagedserve.gateway.metrics import ChoiceStats, ModelMetrics
 from pagedserve.gateway.schemas import PromptTokensDetails, Usage
@@ -34,6 +33,23 @@ class ChoiceEvent:
 
 
 @dataclass(slots=True)
+class _Progress:
+    """What a choice has received and not yet sent as an event."""
+    detok: IncrementalDetokenizer
+    stats: ChoiceStats
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_tokens: int = 0
+    sent: bool = False
+    prompt: list[pb.TokenLogprobs] | None = None
+
+    def event(self, index: int) -> ChoiceEvent:
+        event = ChoiceEvent(index, self.text, logprobs=self.logprobs, prompt_logprobs=self.prompt)
+        self.text, self.logprobs, self.pending_tokens, self.sent, self.prompt = "", [], 0, True, None
+        return event
+
+
+@dataclass(slots=True)
 class Choice:
     index: int
     request_id: str
@@ -45,6 +61,10 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    # Set when its engine request starts.
+    progress: _Progress | None = None
+    # Whether its engine request has ended (finished, failed or stopped here).
+    ended: bool = False
 
 
 def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
@@ -58,7 +78,10 @@ def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams) -
 
 
 class Generation:
-    """Runs the choices of one request concurrently; events() yields their text as it is produced."""
+    """Runs the choices of one request concurrently; events() yields their text as it is produced.
+
+    The replies of every choice land on one queue that events() reads, so a token costs one task
+    switch between the scheduler's stream and the client's."""
 
     def __init__(self, engines: EnginePool, tokenizer: Tokenizer, choices: list[Choice],
                  trace_id: str, metrics: ModelMetrics, arrival: float, stream_interval: int = 1,
@@ -74,7 +97,7 @@ class Generation:
         self._stream_interval = stream_interval
         # Whether its end is logged at info with its parameters (--enable-log-requests).
         self.log_requests = log_requests
-        self._queue: asyncio.Queue[ChoiceEvent | Exception] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[Choice, pb.GenerateResponse | APIError] | Exception] = asyncio.Queue()
 
     def usage(self) -> Usage:
         # The n choices of one prompt share it: its tokens count once, as OpenAI counts them.
@@ -89,22 +112,30 @@ class Generation:
         self._queue.put_nowait(error)
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
-        """Merged events of all choices; closing it cancels every engine call still running."""
-        queue = self._queue
+        """Merged events of all choices; closing it aborts every engine request still running."""
         self._pick_engines()
-        tasks = [asyncio.create_task(self._run(c, queue)) for c in self.choices]
-        running = len(tasks)
+        for choice in self.choices:
+            self._start(choice)
+        running = len(self.choices)
         try:
             while running:
-                event = await queue.get()
-                if isinstance(event, Exception):
-                    raise event
-                running -= event.finish_reason is not None
+                item = await self._queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                choice, reply = item
+                if choice.ended:
+                    continue
+                event = self._receive(choice, reply)
+                if event is None:
+                    continue
+                if event.finish_reason is not None:
+                    running -= 1
+                    self._end(choice, event.finish_reason)
                 yield event
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for choice in self.choices:
+                if not choice.ended:
+                    self._end(choice, None)
 
     def _pick_engines(self) -> None:
         # A prompt's n choices share it, so they go to one scheduler, whose prefix cache then holds it.
@@ -115,60 +146,67 @@ class Generation:
             for choice in same_prompt:
                 choice.engine = engine
 
-    async def _run(self, choice: Choice, queue: asyncio.Queue) -> None:
-        stats = ChoiceStats(self.metrics, self._arrival)
-        finish_reason = None
-        try:
-            event = await self._stream(choice, queue, stats)
-            finish_reason = choice.finish_reason = event.finish_reason
-            queue.put_nowait(event)
-        except APIError as e:
-            self._engines.failed(choice.engine, e)
-            queue.put_nowait(e)
-        except Exception as e:
-            queue.put_nowait(e)
-        finally:
-            self._engines.ended(choice.engine)
-            prompt_tokens = len(choice.prompt_token_ids) if choice.counts_prompt else 0
-            stats.end(finish_reason, prompt_tokens, choice.completion_tokens)
-
-    async def _stream(self, choice: Choice, queue: asyncio.Queue, stats: ChoiceStats) -> ChoiceEvent:
+    def _start(self, choice: Choice) -> None:
         p = choice.params
         detok = IncrementalDetokenizer(self._tokenizer, p.skip_special_tokens, p.stop,
                                        p.include_stop_str_in_output, choice.prompt_token_ids)
-        logprobs: list[TokenLogprob] = []
-        text, pending_tokens, sent, prompt = "", 0, False, None
-        async with aclosing(choice.engine.client.generate(choice.request_id, choice.prompt_token_ids, p,
-                                                   self._trace_id)) as stream:
-            async for response in stream:
-                stats.response()
-                choice.completion_tokens += len(response.token_ids)
-                choice.cached_tokens = max(choice.cached_tokens, response.cached_tokens)
-                if response.logprobs:
-                    logprobs += decode_logprobs(self._tokenizer, response.token_ids, response.logprobs)
-                if response.prompt_logprobs:
-                    prompt = list(response.prompt_logprobs)
-                text += detok.add(response.token_ids)
-                pending_tokens += len(response.token_ids)
-                if detok.stopped:
-                    # Leaving the block cancels the call, which the scheduler turns into an abort.
-                    return ChoiceEvent(choice.index, text, "stop", detok.stop_reason, logprobs, prompt)
-                if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    event = self._finish(choice, response, text + detok.flush(), logprobs)
-                    event.prompt_logprobs = prompt
-                    return event
-                # The first text goes out at once: the interval must not delay the time to first token.
-                if text and (pending_tokens >= self._stream_interval or not sent):
-                    queue.put_nowait(ChoiceEvent(choice.index, text, logprobs=logprobs, prompt_logprobs=prompt))
-                    text, logprobs, pending_tokens, sent, prompt = "", [], 0, True, None
-        raise internal("The scheduler ended a generation without a finish reason.")
+        choice.progress = _Progress(detok, ChoiceStats(self.metrics, self._arrival))
+        queue = self._queue
+        choice.engine.client.start(choice.request_id, choice.prompt_token_ids, p, self._trace_id,
+                                   lambda reply: queue.put_nowait((choice, reply)))
 
-    def _finish(self, choice: Choice, response: pb.GenerateResponse, text: str,
-                logprobs: list[TokenLogprob]) -> ChoiceEvent:
+    def _end(self, choice: Choice, finish_reason: str | None) -> None:
+        # Ending a request the scheduler has not finished (a stop string, a client gone) aborts it.
+        choice.ended = True
+        choice.finish_reason = finish_reason
+        choice.engine.client.stop(choice.request_id)
+        self._engines.ended(choice.engine)
+        prompt_tokens = len(choice.prompt_token_ids) if choice.counts_prompt else 0
+        choice.progress.stats.end(finish_reason, prompt_tokens, choice.completion_tokens)
+
+    def _receive(self, choice: Choice, reply: pb.GenerateResponse | APIError) -> ChoiceEvent | None:
+        """The event a reply makes, if any: the choice's last when it carries a finish. Raises the
+        APIError of a failed request, taking a scheduler that is down out of rotation."""
+        try:
+            if isinstance(reply, APIError):
+                raise reply
+            return self._event(choice, reply)
+        except APIError as e:
+            self._engines.failed(choice.engine, e)
+            raise
+
+    def _event(self, choice: Choice, response: pb.GenerateResponse) -> ChoiceEvent | None:
+        progress = choice.progress
+        progress.stats.response()
+        choice.completion_tokens += len(response.token_ids)
+        choice.cached_tokens = max(choice.cached_tokens, response.cached_tokens)
+        if response.logprobs:
+            progress.logprobs += decode_logprobs(self._tokenizer, response.token_ids, response.logprobs)
+        if response.prompt_logprobs:
+            progress.prompt = list(response.prompt_logprobs)
+        detok = progress.detok
+        progress.text += detok.add(response.token_ids)
+        progress.pending_tokens += len(response.token_ids)
+        if detok.stopped:
+            event = progress.event(choice.index)
+            event.finish_reason, event.stop_reason = "stop", detok.stop_reason
+            return event
+        if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            progress.text += detok.flush()
+            event = progress.event(choice.index)
+            event.finish_reason, event.stop_reason = self._finish(choice, response)
+            return event
+        # The first text goes out at once: the interval must not delay the time to first token.
+        if progress.text and (progress.pending_tokens >= self._stream_interval or not progress.sent):
+            return progress.event(choice.index)
+        return None
+
+    def _finish(self, choice: Choice, response: pb.GenerateResponse) -> tuple[str, int | None]:
+        """The finish_reason and stop_reason of a response that ends its request."""
         reason = _FINISH.get(response.finish_reason)
         if reason is None:
             raise SchedulerDown("The scheduler aborted the request (it may be shutting down); retry.")
         stop_token = response.stop_token_id if response.HasField("stop_token_id") else None
         # vLLM's convention: stop_reason names a matched stop_token_ids entry, and is null for EOS.
         stop_reason = stop_token if stop_token in choice.params.stop_token_ids else None
-        return ChoiceEvent(choice.index, text, reason, stop_reason, logprobs)
+        return reason, stop_reason
