@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.gateway.engine_stream import EngineStream, Failed
+from pagedserve.gateway.engine_stream import EngineStream
 from pagedserve.gateway.errors import APIError, Unavailable, bad_request, internal, overloaded
 from pagedserve.common import service
 from pagedserve.common.sampling_params import SamplingParams, sampling_to_proto
@@ -47,7 +47,7 @@ def api_error(code: grpc.StatusCode, details: str | None) -> APIError:
 
 
 class EngineClient:
-    """Calls Generate/Abort/GetModelInfo on `address` (host:port or unix:///path)."""
+    """Calls GenerateStream, GetModelInfo and health on `address` (host:port or unix:///path)."""
 
     def __init__(self, address: str) -> None:
         self._channel = service.channel(address)
@@ -80,10 +80,8 @@ class EngineClient:
         HTTP X-Request-Id, which the scheduler logs with it."""
         request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      params=sampling_to_proto(params))
-
-        def reply(r: pb.GenerateResponse | Failed) -> None:
-            deliver(api_error(r.code, r.details) if isinstance(r, Failed) else r)
-        self._open_stream().open(request, trace_id, reply)
+        self._open_stream().open(request, trace_id, deliver,
+                                 lambda failed: deliver(api_error(failed.code, failed.details)))
 
     def stop(self, request_id: str) -> None:
         """Ends a request started here: one still running is aborted on the scheduler."""
@@ -95,13 +93,6 @@ class EngineClient:
         if self._stream is None or self._stream.error is not None:
             self._stream = EngineStream(self._stub)
         return self._stream
-
-    async def abort(self, request_id: str) -> bool:
-        try:
-            response = await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=2.0)
-        except grpc.aio.AioRpcError as e:
-            raise api_error(e.code(), e.details()) from e
-        return response.found
 
     async def close(self) -> None:
         if self._stream is not None:

@@ -19,24 +19,23 @@ class Failed:
     details: str
 
 
-# What a request's callback receives: its responses, and a Failed last if it did not finish.
-Reply = pb.GenerateResponse | Failed
-
-
 class EngineStream:
     """An open GenerateStream call. Once it breaks (`error` is set) every request on it has received
     the error, and the caller opens another for new requests."""
 
     def __init__(self, stub: EngineStub) -> None:
         self._writes: asyncio.Queue[pb.StreamRequest] = asyncio.Queue()
-        self._deliver_to: dict[str, Callable[[Reply], None]] = {}
+        # Request id -> (the callback for its responses, the one for its failure).
+        self._deliver_to: dict[str, tuple[Callable[[pb.GenerateResponse], None], Callable[[Failed], None]]] = {}
         self.error: Failed | None = None
         self._call = stub.GenerateStream(self._requests())
         self._reading = asyncio.create_task(self._read())
 
-    def open(self, request: pb.GenerateRequest, trace_id: str, deliver: Callable[[Reply], None]) -> None:
-        """Sends `request`; `deliver` is called with each of its replies, as they arrive."""
-        self._deliver_to[request.request_id] = deliver
+    def open(self, request: pb.GenerateRequest, trace_id: str, deliver: Callable[[pb.GenerateResponse], None],
+             fail: Callable[[Failed], None]) -> None:
+        """Sends `request`; `deliver` is called with each of its responses as they arrive, and `fail`
+        instead, once, if the scheduler refuses or fails it."""
+        self._deliver_to[request.request_id] = (deliver, fail)
         self._writes.put_nowait(pb.StreamRequest(generate=request, trace_id=trace_id))
 
     def close(self, request_id: str) -> None:
@@ -64,17 +63,18 @@ class EngineStream:
         finally:
             # However the call ends, no request is left waiting on it.
             self.error = error
-            for deliver in self._deliver_to.values():
-                deliver(error)
+            for _, fail in self._deliver_to.values():
+                fail(error)
             self._deliver_to.clear()
 
     def _deliver(self, output: pb.StreamOutput) -> None:
-        deliver = self._deliver_to.get(output.request_id)
-        if deliver is None:
+        callbacks = self._deliver_to.get(output.request_id)
+        if callbacks is None:
             return
+        deliver, fail = callbacks
         if output.error_code:
             del self._deliver_to[output.request_id]
-            deliver(Failed(_CODES[output.error_code], output.error_message))
+            fail(Failed(_CODES[output.error_code], output.error_message))
             return
         if output.response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             del self._deliver_to[output.request_id]

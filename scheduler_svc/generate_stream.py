@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from pagedserve.common import aio
 from pagedserve.common.log import get_logger
 from pagedserve.common.sampling_params import sampling_from_proto
 from pagedserve.v1 import engine_pb2
@@ -48,16 +49,20 @@ class StreamCall:
     def admit(self, request: engine_pb2.GenerateRequest, trace_id: str) -> None:
         log.debug("request_received", request_id=trace_id, engine_request_id=request.request_id,
                   prompt_tokens=len(request.prompt_token_ids))
+        if self.draining():
+            self._refuse(request.request_id, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+            return
         try:
-            if self.draining():
-                raise ExecutorLost(SHUTTING_DOWN)
             params = sampling_from_proto(request.params)
             self.loop.add(request.request_id, list(request.prompt_token_ids), params, self.queue)
         except (ValueError, QueueFull, ExecutorLost) as e:
-            self.queue.put_nowait(engine_pb2.StreamOutput(request_id=request.request_id,
-                                                          error_code=refusal_code(e).value[0], error_message=str(e)))
+            self._refuse(request.request_id, refusal_code(e), str(e))
             return
         self.live[request.request_id] = trace_id
+
+    def _refuse(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        self.queue.put_nowait(engine_pb2.StreamOutput(request_id=request_id, error_code=code.value[0],
+                                                      error_message=message))
 
     def abort(self, request_id: str) -> None:
         trace_id = self.live.pop(request_id, None)
@@ -73,23 +78,20 @@ class StreamCall:
         """One message for whatever arrived since the last; ends once the caller has closed its
         side and every request finished, and fails the call with UNAVAILABLE if the executor is lost."""
         while not (self.closed and not self.live):
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            lost = next((i for i in items if isinstance(i, ExecutorLost)), None)
-            if lost:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(lost))
-            self.closed |= any(i is None for i in items)
-            outputs = self._outputs([i for i in items if i is not None])
-            if outputs:
-                yield engine_pb2.StreamResponse(outputs=outputs)
+            # The deltas of one request (a caller lagging a few steps) travel as one response; a
+            # refusal may share the id of a running request (a duplicate), so it is its own group.
+            groups: dict[tuple[str, bool], list] = {}
+            for item in await aio.take_all(self.queue):
+                if item is None:
+                    self.closed = True
+                elif isinstance(item, ExecutorLost):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                else:
+                    groups.setdefault((item.request_id, isinstance(item, engine_pb2.StreamOutput)), []).append(item)
+            if groups:
+                yield engine_pb2.StreamResponse(outputs=self._outputs(groups))
 
-    def _outputs(self, items: list[RequestDelta | engine_pb2.StreamOutput]) -> list[engine_pb2.StreamOutput]:
-        # The deltas of one request (a caller lagging a few steps) travel as one response; a refusal
-        # may share the id of a running request (a duplicate), so it is its own group.
-        groups: dict[tuple[str, bool], list] = {}
-        for item in items:
-            groups.setdefault((item.request_id, isinstance(item, engine_pb2.StreamOutput)), []).append(item)
+    def _outputs(self, groups: dict[tuple[str, bool], list]) -> list[engine_pb2.StreamOutput]:
         outputs = []
         for (request_id, refused), group in groups.items():
             if refused:

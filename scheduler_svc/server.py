@@ -12,7 +12,7 @@ import structlog
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from pagedserve.common import service
+from pagedserve.common import aio, service
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import ExecutorInfo, info_from_proto
@@ -53,10 +53,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         finished = False
         try:
             while not finished:
-                outs = [await queue.get()]
                 # A stream that lags the engine by a few steps catches up in one message.
-                while not queue.empty():
-                    outs.append(queue.get_nowait())
+                outs = await aio.take_all(queue)
                 lost = next((o for o in outs if isinstance(o, ExecutorLost)), None)
                 if lost:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(lost))

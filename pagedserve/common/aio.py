@@ -1,4 +1,4 @@
-"""The one way every pagedserve process runs its event loop."""
+"""The one way every pagedserve process runs its event loop, and the queue helper its services share."""
 import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -15,3 +15,11 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+async def take_all(queue: asyncio.Queue[T]) -> list[T]:
+    """Waits for one item, then takes every item already queued behind it."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items

@@ -98,7 +98,6 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.requests: list[pb.GenerateRequest] = []
         self.metadata: list[dict] = []
         self.cancelled: dict[str, float] = {}
-        self.aborted: list[str] = []
         self.stream_calls = 0
         self.address = ""
         self.model = MODEL
@@ -173,10 +172,6 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             # A cancelled request shows up as CancelledError or as the generator being closed early.
             if not finished:
                 self.cancelled[request.request_id] = time.monotonic()
-
-    async def Abort(self, request, context):
-        self.aborted.append(request.request_id)
-        return pb.AbortResponse(found=False)
 
     async def GetModelInfo(self, request, context):
         return pb.ModelInfo(served_model_name=self.model, max_model_len=MAX_MODEL_LEN,
