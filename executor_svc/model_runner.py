@@ -38,6 +38,9 @@ from pagedserve.common.sampling_params import SamplingParams
 
 log = get_logger(__name__)
 
+# The warm-up step that compiles split-KV prefill attention: any prompt length does.
+SPLIT_WARM_UP_TOKENS = 64
+
 
 @dataclass(slots=True)
 class Step:
@@ -174,6 +177,11 @@ class ModelRunner:
             self.num_blocks = self.tp.min(self.num_blocks)
         self.kv_caches = allocate_kv_cache(self.rank_config, self.num_blocks, self.block_size,
                                            self.kv_dtype, self.device)
+        if self.device.type == "cuda":
+            # A prefill of few sequences splits its KV (kernels/attention.py's heuristic), which
+            # neither the profiling step nor a decode graph compiles, and which a mixed step of a
+            # short prompt among a few decodes meets in the middle of serving: compiled here.
+            self.dummy_run(SPLIT_WARM_UP_TOKENS, 1, num_splits=2)
         if self.graph_sizes and self.device.type == "cuda":
             self.graphs.capture(self.kv_caches)
         else:
@@ -321,10 +329,11 @@ class ModelRunner:
             self._apply_sampled(step)
 
     @torch.inference_mode()
-    def dummy_run(self, num_tokens: int, num_sample_rows: int) -> None:
+    def dummy_run(self, num_tokens: int, num_sample_rows: int, num_splits: int | None = None) -> None:
         """One forward of `num_tokens` prompt tokens (in sequences of up to max_model_len sharing
-        one scratch KV cache) plus logits and top-p sampling for `num_sample_rows` rows: the
-        largest step the engine will run, for memory profiling and warm-up."""
+        one scratch KV cache, their KV in `num_splits` segments if given) plus logits and
+        sampling for `num_sample_rows` rows, the first greedy and the others top-p: the largest
+        step the engine will run, for memory profiling and warm-up."""
         seq_len = min(num_tokens, self.max_model_len)
         num_blocks = -(-seq_len // self.block_size)
         scratch = allocate_kv_cache(self.rank_config, num_blocks, self.block_size, self.kv_dtype,
@@ -337,11 +346,16 @@ class ModelRunner:
                          for i, n in enumerate(lens.tolist())], dtype=np.int64)
         try:
             step = self._prepare(rows, lens)
+            step.meta.num_splits = num_splits
             hidden = self._forward(step, scratch)
             n = num_sample_rows
             step.sample_rows = np.arange(n)
             step.logits_indices = torch.arange(n, device=self.device) % num_tokens
-            sampling = make_sampling_batch(np.ones(n, np.float32), np.full(n, 0.9, np.float32),
+            # One greedy row, so that both argmax kernels compile here rather than at the first
+            # greedy request.
+            temperature = np.ones(n, np.float32)
+            temperature[0] = 0.0
+            sampling = make_sampling_batch(temperature, np.full(n, 0.9, np.float32),
                                            np.zeros(n, np.int64), np.zeros(n, np.float32), {},
                                            self.slot.staging.upload)
             self._sample(step, hidden, sampling, np.arange(n))

@@ -134,13 +134,16 @@ def _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column, q_fre
 
 
 # num_seqs changes every step: specialising on it (== 1, multiple of 16) would recompile mid-run.
-@triton.jit(do_not_specialize=["num_seqs"])
+# The split count is a run-time value, so that a step whose split count no earlier step used
+# (mixed steps choose theirs from their shape) does not compile a kernel in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_ptr, v_scale_ptr,
-                      k_desc, v_desc, block_tables, seq_lens, query_start_loc, qk_scale, num_seqs, num_heads,
+                      k_desc, v_desc, block_tables, seq_lens, query_start_loc, qk_scale, num_seqs,
+                      num_splits, num_heads,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_b, stride_s, stride_h,
                       stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_SCALED: tl.constexpr,
+                      TILE: tl.constexpr, SPLIT: tl.constexpr, KV_SCALED: tl.constexpr,
                       REVERSE: tl.constexpr, LAZY_RESCALE: tl.constexpr, FRESH: tl.constexpr,
                       K_T: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_for_previous(PDL)
@@ -181,13 +184,13 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
     kv_end = tl.minimum(context_len + (q_local + 1) * BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(kv_end, TILE)
     num_full = tl.minimum(context_len + q_local * BLOCK_Q + 1, kv_end) // TILE
-    if NUM_SPLITS == 1:
-        tile_lo = 0
-        tile_hi = num_tiles
-    else:
-        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    if SPLIT:
+        per_split = tl.cdiv(num_tiles, num_splits)
         tile_lo = tl.minimum(split * per_split, num_tiles)
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
 
     if KV_SCALED:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -230,30 +233,31 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
     if KV_SCALED:
         acc = acc * tl.load(v_scale_ptr)
 
-    if NUM_SPLITS == 1:
-        o_ptrs = out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        # Partials are [num_tokens, num_heads, NUM_SPLITS, (HEAD_DIM | 2)] fp32; an empty
+    if SPLIT:
+        # Partials are [num_tokens, num_heads, num_splits, (HEAD_DIM | 2)] fp32; an empty
         # segment still writes (m=-inf, l=0, acc=0) so the merge never reads stale memory.
-        row = (token * num_heads + head) * NUM_SPLITS + split
+        row = (token * num_heads + head) * num_splits + split
         tl.store(part_acc + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml + row * 2, m_i, mask=row_ok)
         tl.store(part_ml + row * 2 + 1, l_i, mask=row_ok)
+    else:
+        o_ptrs = out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
-def _merge_kernel(out, part_acc, part_ml, stride_ot, stride_oh, num_heads,
-                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(out, part_acc, part_ml, stride_ot, stride_oh, num_heads, num_splits,
+                  HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_s = tl.arange(0, MAX_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
-    row = (token * num_heads + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_ml + row * 2)
-    l_s = tl.load(part_ml + row * 2 + 1)
-    acc = tl.load(part_acc + row[:, None] * HEAD_DIM + offs_d[None, :])
+    used = offs_s < num_splits
+    row = (token * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_ml + row * 2, mask=used, other=float("-inf"))
+    l_s = tl.load(part_ml + row * 2 + 1, mask=used, other=0.0)
+    acc = tl.load(part_acc + row[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None], other=0.0)
     m_max = tl.max(m, 0)
     w = tl.math.exp2(m - m_max)
     o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
@@ -374,7 +378,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Same layouts and result as `paged_attention_ref`. `max_query_len` and `max_seq_len` are
     host-known upper bounds (defaults: all tokens, the block table's capacity); they only pick
     tile shapes and the split count, so no device value is read on the host. `num_splits`
-    forces the number of KV segments (1 = no split-KV, rounded up to a power of two); `out`
+    forces the number of KV segments (1 = no split-KV, at most MAX_SPLITS); `out`
     receives the result if given. An fp8 cache holds K / k_scale and V / v_scale (kv_scales:
     float32 [] tensors; none means 1.0). `config` overrides the tiling (`default_config`).
     k_new and v_new [num_tokens, num_kv_heads, head_dim] (rotated k) are this step's keys and
@@ -405,7 +409,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits is None:
         num_splits = _num_splits(cfg, group_pad, num_tokens, num_seqs, num_kv_heads,
                                  max_query_len, max_seq_len, q.device)
-    num_splits = triton.next_power_of_2(num_splits)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be 1 to {MAX_SPLITS}, got {num_splits}")
     fp8 = is_fp8(k_cache)
     scaled = fp8 and kv_scales is not None
     k_scale, v_scale = kv_scales if scaled else (None, None)
@@ -425,14 +430,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, part_acc, part_ml, q, k_cache, v_cache, k_scale, v_scale, k_desc, v_desc,
         block_tables, seq_lens,
-        query_start_loc, scale * LOG2E, num_seqs, num_heads, *q.stride()[:2], *out.stride()[:2],
+        query_start_loc, scale * LOG2E, num_seqs, num_splits, num_heads, *q.stride()[:2],
+        *out.stride()[:2],
         *k_cache.stride()[:3], block_tables.stride(0), GROUP=group, GROUP_PAD=group_pad,
         BLOCK_M=cfg.block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=cfg.tile,
-        NUM_SPLITS=num_splits, KV_SCALED=scaled, REVERSE=cfg.reverse,
+        SPLIT=num_splits > 1, KV_SCALED=scaled, REVERSE=cfg.reverse,
         LAZY_RESCALE=cfg.lazy_rescale, FRESH=fresh, K_T=cfg.k_transposed,
         DOT_FP16=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if num_splits > 1:
         _merge_kernel[(num_tokens, num_heads)](out, part_acc, part_ml, out.stride(0),
-                                               out.stride(1), num_heads, HEAD_DIM=head_dim,
-                                               NUM_SPLITS=num_splits, **launch)
+                                               out.stride(1), num_heads, num_splits,
+                                               HEAD_DIM=head_dim, MAX_SPLITS=MAX_SPLITS, **launch)
     return out

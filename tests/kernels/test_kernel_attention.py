@@ -158,6 +158,20 @@ def test_strided_q_and_cache_views() -> None:
     run_case(MIXED, 4, 32, 8, torch.float32, num_splits=2, strided=True)
 
 
+def test_split_counts_off_the_powers_of_two_merge_whole() -> None:
+    # The split count is a run-time value: the merge masks its unused partial slots.
+    run_case(MIXED, 4, 32, 8, torch.float32, num_splits=3)
+
+
+def test_too_many_splits_is_refused() -> None:
+    k_cache, v_cache, table = random_paged_kv([4], NUM_KV_HEADS, 32, 16, torch.float32)
+    q = torch.randn(1, 4 * NUM_KV_HEADS, 32, device=DEVICE)
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="num_splits must be 1 to 16"):
+        paged_attention(q, k_cache, v_cache, table, lens, starts, 0.2, num_splits=MAX_SPLITS + 1)
+
+
 def test_decode_batch_picks_split_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     chosen = []
 
