@@ -146,7 +146,6 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
                       TILE: tl.constexpr, SPLIT: tl.constexpr, KV_SCALED: tl.constexpr,
                       REVERSE: tl.constexpr, LAZY_RESCALE: tl.constexpr, FRESH: tl.constexpr,
                       K_T: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait_for_previous(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     if REVERSE:
         # Causal work grows along a sequence: start the longest q blocks first so that the
@@ -160,10 +159,14 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
     seq = _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc + seq)
     query_len = tl.load(query_start_loc + seq + 1) - q_start
+    seq_len = tl.load(seq_lens + seq)
+    # The step's metadata was uploaded before its first kernel, so the search above and these
+    # loads ran before the wait (see kernels/pdl.py); q and the cache are read after it. Every
+    # program waits, also one that has no work, so that this launch ends after the one before.
+    pdl.wait_for_previous(PDL)
     q_local = q_block - (q_start // BLOCK_Q + seq)
     if q_local * BLOCK_Q >= query_len:
         return
-    seq_len = tl.load(seq_lens + seq)
     context_len = seq_len - query_len
 
     offs_m = tl.arange(0, BLOCK_M)

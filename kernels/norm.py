@@ -10,10 +10,12 @@ from pagedserve.kernels import pdl
 def _rms_norm_kernel(x, residual, weight, out, sum_out, stride_x, stride_r, stride_o, stride_s,
                      hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
-    pdl.wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    # The weight is no kernel's output: read before the wait (see kernels/pdl.py).
+    w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl.wait_for_previous(PDL)
     h = tl.load(x + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # Round the sum to the activation dtype before normalising, as the unfused add would.
@@ -22,7 +24,6 @@ def _rms_norm_kernel(x, residual, weight, out, sum_out, stride_x, stride_r, stri
         tl.store(sum_out + row * stride_s + offs, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, 0) / hidden + eps)
-    w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out + row * stride_o + offs, (hf * rstd * w).to(out.dtype.element_ty), mask=mask)
 
 

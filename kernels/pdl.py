@@ -3,9 +3,12 @@
 A kernel launched with `launch_pdl` is scheduled while the kernel before it in the stream is
 still finishing, then waits for it (`wait_for_previous`) before it touches memory, and lets its
 own successor be scheduled the same way. A batch-1 decode step is some 300 small kernels in a
-row, each of which otherwise pays the launch gap. Every kernel launched with PDL calls
-`wait_for_previous` before its first load or store, which keeps stream order for all memory.
-PAGEDSERVE_PDL=0 turns it off.
+row, each of which otherwise pays the launch gap. Every program of a kernel launched with PDL
+calls `wait_for_previous` before it reads what the kernel before it may write, and before any
+store, which keeps stream order for that memory. What no kernel of the step writes (weights,
+and the step's metadata, uploaded before its first kernel) may be read before the wait: these
+kernels let their successor start only after their own wait, so an early start never reaches
+back past the kernel before. PAGEDSERVE_PDL=0 turns it off.
 """
 import functools
 import os

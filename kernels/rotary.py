@@ -78,9 +78,12 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                             BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
                             K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
                             KV_SCALED: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
+    # Positions, slots and the cos/sin cache were uploaded before the step's first kernel:
+    # read before the wait (see kernels/pdl.py).
     cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF)
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    pdl.wait_for_previous(PDL)
     q_token = q + token * stride_qt
     q_lo, q_hi = _rotate_heads(q_token, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF)
     _store_halves(q_token, stride_qh, num_heads, q_lo, q_hi, 1.0, Q_HEADS_PAD, HALF, False)
@@ -88,7 +91,6 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
     k_token = k + token * stride_kt
     k_lo, k_hi = _rotate_heads(k_token, stride_kh, num_kv_heads, cos, sin, K_HEADS_PAD, HALF)
     _store_halves(k_token, stride_kh, num_kv_heads, k_lo, k_hi, 1.0, K_HEADS_PAD, HALF, False)
-    slot = tl.load(slot_mapping + token).to(tl.int64)
     # Slot -1 marks a CUDA-graph padding token: it owns no cache slot.
     if slot < 0:
         return
