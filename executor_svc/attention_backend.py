@@ -2,7 +2,8 @@
 
 The model calls `backend.forward` once per layer for rotary embedding, KV-cache write and paged
 attention, `backend.rms_norm`, `backend.silu_and_mul` for the other elementwise kernels, and
-`backend.per_token_quant_fp8` for the activations of FP8 linear layers.
+`backend.per_token_quant_fp8` for the activations of FP8 linear layers (or `rms_norm_quant_fp8` and
+`silu_and_mul_quant_fp8`, which quantize their own output for them).
 TorchAttentionBackend (the CPU backend) runs the pure-torch references; TritonAttentionBackend
 (CUDA) runs the kernels of `kernels/`.
 """
@@ -10,11 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.activation import silu_and_mul, silu_and_mul_quant_fp8
 from pagedserve.kernels.attention import paged_attention
-from pagedserve.kernels.norm import rms_norm
+from pagedserve.kernels.norm import rms_norm, rms_norm_quant_fp8
 from pagedserve.kernels.quant import per_token_quant_fp8
-from pagedserve.kernels.reference import (paged_attention_ref, per_token_quant_fp8_ref, rms_norm_ref, rotary_ref,
+from pagedserve.kernels.reference import (paged_attention_ref, per_token_quant_fp8_ref, rms_norm_quant_fp8_ref,
+                                          rms_norm_ref, rotary_ref, silu_and_mul_quant_fp8_ref,
                                           silu_and_mul_ref, write_kv_ref)
 from pagedserve.kernels.rotary import rotary_write_kv
 
@@ -39,6 +41,8 @@ class TorchAttentionBackend:
     rms_norm = staticmethod(rms_norm_ref)
     silu_and_mul = staticmethod(silu_and_mul_ref)
     per_token_quant_fp8 = staticmethod(per_token_quant_fp8_ref)
+    rms_norm_quant_fp8 = staticmethod(rms_norm_quant_fp8_ref)
+    silu_and_mul_quant_fp8 = staticmethod(silu_and_mul_quant_fp8_ref)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -61,6 +65,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
     rms_norm = staticmethod(rms_norm)
     silu_and_mul = staticmethod(silu_and_mul)
     per_token_quant_fp8 = staticmethod(per_token_quant_fp8)
+    rms_norm_quant_fp8 = staticmethod(rms_norm_quant_fp8)
+    silu_and_mul_quant_fp8 = staticmethod(silu_and_mul_quant_fp8)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -10,8 +10,10 @@ from pagedserve.kernels.fp8_matmul import SMALL_BATCH, w8a16_matmul
 from pagedserve.kernels.reference import FP8_DTYPE, per_token_quant_fp8_ref
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# x [T, K] -> (FP8 [T, K], float32 scale [T, 1]): the backend's per_token_quant_fp8.
-Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# Activations quantized per token: (FP8 [T, K], float32 scale [T, 1]).
+Quantized = tuple[torch.Tensor, torch.Tensor]
+# x [T, K] -> Quantized: the backend's per_token_quant_fp8.
+Quantize = Callable[[torch.Tensor], Quantized]
 
 
 class Fp8Linear(nn.Module):
@@ -19,26 +21,39 @@ class Fp8Linear(nn.Module):
     the column-major operand torch._scaled_mm takes; a fused projection keeps its `shards`."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: nn.Parameter | None,
-                 quantize: Quantize) -> None:
+                 quantize: Quantize, dtype: torch.dtype) -> None:
         super().__init__()
+        self.dtype = dtype
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         self.register_parameter("bias", bias)
         self.quantize = quantize
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
+        """x [..., in], or x [T, in] quantized already by the kernel before (see takes_quantized)."""
+        if isinstance(x, tuple):
+            return self._scaled_mm(*x, x[0].shape[:-1])
         x2 = x.reshape(-1, self.in_features)
-        if x2.is_cuda and x2.shape[0] <= SMALL_BATCH:
-            # A decode batch this small is bound by the weight read: at one token the row-wise
-            # _scaled_mm (124 us a layer on an H200) is slower than bf16 (118 us), W8A16 72 us.
+        if not takes_quantized(x2):
             out = w8a16_matmul(x2.contiguous(), self.weight, self.weight_scale, self.bias)
-        else:
-            q, scale = self.quantize(x2)
-            # Fast accumulation: 12% off the row-wise GEMMs at 1024 tokens on an H200.
-            out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
-                                   bias=self.bias, out_dtype=x.dtype, use_fast_accum=x2.is_cuda)
-        return out.view(*x.shape[:-1], self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
+        return self._scaled_mm(*self.quantize(x2), x.shape[:-1])
+
+    def _scaled_mm(self, q: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        # Fast accumulation: 12% off the row-wise GEMMs at 1024 tokens on an H200.
+        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
+                               bias=self.bias, out_dtype=self.dtype,
+                               use_fast_accum=q.is_cuda)
+        return out.view(*shape, self.out_features)
+
+
+def takes_quantized(x: torch.Tensor) -> bool:
+    """Whether an Fp8Linear quantizes activations x [T, in] rather than reading them in the
+    model dtype, so that the kernel producing them may quantize them itself."""
+    # A decode batch of at most SMALL_BATCH rows is bound by the weight read: at one token the
+    # row-wise _scaled_mm (124 us a layer on an H200) is slower than bf16 (118 us), W8A16 72 us.
+    return not (x.is_cuda and x.shape[0] <= SMALL_BATCH)
 
 
 @torch.no_grad()
@@ -47,7 +62,7 @@ def quantize_linears(model: nn.Module, quantize: Quantize) -> None:
     output channel. One layer at a time, so each layer's full-precision weights are freed before
     the next is quantized."""
     def quantized(linear: nn.Linear) -> Fp8Linear:
-        return Fp8Linear(*per_token_quant_fp8_ref(linear.weight), linear.bias, quantize)
+        return Fp8Linear(*per_token_quant_fp8_ref(linear.weight), linear.bias, quantize, linear.weight.dtype)
     _replace_linears(model, quantized)
 
 
@@ -58,7 +73,7 @@ def fp8_linears(model: nn.Module, quantize: Quantize) -> None:
         device = linear.weight.device
         weight = torch.empty(linear.weight.shape, dtype=FP8_DTYPE, device=device)
         scale = torch.empty(linear.out_features, 1, dtype=torch.float32, device=device)
-        return Fp8Linear(weight, scale, linear.bias, quantize)
+        return Fp8Linear(weight, scale, linear.bias, quantize, linear.weight.dtype)
     _replace_linears(model, empty)
 
 

@@ -1,15 +1,19 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it and with the per-token FP8
+quantization of its output that an FP8 projection after it needs."""
 import torch
 import triton
 import triton.language as tl
 
 from pagedserve.kernels import pdl
+from pagedserve.kernels.quant import INTERPRETED, empty_quantized, store_quantized_row
+from pagedserve.kernels.reference import FP8_MAX, FP8_MIN_SCALE
 
 
 @triton.jit
-def _rms_norm_kernel(x, residual, weight, out, sum_out, stride_x, stride_r, stride_o, stride_s,
-                     hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+def _rms_norm_kernel(x, residual, weight, out, sum_out, scale, stride_x, stride_r, stride_o,
+                     stride_s, hidden, eps, min_scale, HAS_RESIDUAL: tl.constexpr,
+                     QUANT: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+                     EXACT: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -24,7 +28,13 @@ def _rms_norm_kernel(x, residual, weight, out, sum_out, stride_x, stride_r, stri
         tl.store(sum_out + row * stride_s + offs, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, 0) / hidden + eps)
-    tl.store(out + row * stride_o + offs, (hf * rstd * w).to(out.dtype.element_ty), mask=mask)
+    normed = (hf * rstd * w).to(x.dtype.element_ty)
+    if QUANT:
+        # Quantized as rounded to the activation dtype, as the unfused quantization would read it.
+        store_quantized_row(normed.to(tl.float32), mask, out + row * stride_o, offs, scale + row,
+                            min_scale, FP8_MAX, EXACT)
+    else:
+        tl.store(out + row * stride_o + offs, normed, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -34,9 +44,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     Returns (normed, x + residual) like `rms_norm_ref` (None in place of the sum without a
     residual). Out of place: neither x nor residual is modified.
     """
-    hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden)
-    out = torch.empty_like(x2)
+    x2 = x.reshape(-1, x.shape[-1])
+    out, summed = _launch(x2, weight, eps, residual, torch.empty_like(x2), None)
+    return out.view(x.shape), None if summed is None else summed.view(x.shape)
+
+
+def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None
+                       ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """x [T, hidden]: RMSNorm's output quantized per token, ((FP8 [T, hidden], float32 scale
+    [T, 1]), x + residual or None), like `rms_norm_quant_fp8_ref`, in one pass."""
+    q, scale = empty_quantized(x.shape[0], x.shape[1], x.device)
+    out, summed = _launch(x, weight, eps, residual, q, scale)
+    return (out, scale), summed
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+            out: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden = x2.shape[1]
     if residual is not None:
         r2 = residual.reshape(-1, hidden)
         sum_out = torch.empty_like(x2)
@@ -44,10 +69,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         r2 = sum_out = x2
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, sum_out, x2.stride(0), r2.stride(0), out.stride(0),
-            sum_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(hidden), num_warps=8 if hidden >= 4096 else 4,
-            **pdl.launch_args(x.device))
-    if residual is None:
-        return out.view(x.shape), None
-    return out.view(x.shape), sum_out.view(x.shape)
+            x2, r2, weight, out, sum_out, out if scale is None else scale, x2.stride(0),
+            r2.stride(0), out.stride(0), sum_out.stride(0), hidden, eps, FP8_MIN_SCALE,
+            HAS_RESIDUAL=residual is not None, QUANT=scale is not None,
+            BLOCK=triton.next_power_of_2(hidden), FP8_MAX=FP8_MAX, EXACT=INTERPRETED,
+            num_warps=8 if hidden >= 4096 else 4, **pdl.launch_args(x2.device))
+    return out, sum_out if residual is not None else None

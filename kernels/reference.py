@@ -13,6 +13,7 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
+FP8_INV_MAX = 1.0 / FP8_MAX
 # vLLM's floor on a dynamic scale: an all-zero row (CUDA-graph padding) divides by it, not by 0.
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
@@ -117,5 +118,21 @@ def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """x [T, K] -> (FP8 E4M3 [T, K], float32 scale [T, 1]), each row scaled by absmax / 448 so
     that q * scale ~ x. Quantizes weights per output channel too (one row per channel)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    # Products with reciprocals, as the kernels compute them: torch on a GPU divides by a Python
+    # scalar as a product with its reciprocal anyway, and by a tensor exactly.
+    scale = (xf.abs().amax(dim=-1, keepdim=True) * FP8_INV_MAX).clamp(min=FP8_MIN_SCALE)
+    return (xf * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def rms_norm_quant_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           residual: torch.Tensor | None = None
+                           ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """RMSNorm (rounded to x's dtype) quantized per token: ((FP8, scale), x + residual or None)."""
+    normed, summed = rms_norm_ref(x, weight, eps, residual)
+    return per_token_quant_fp8_ref(normed.reshape(-1, normed.shape[-1])), summed
+
+
+def silu_and_mul_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up (rounded to x's dtype) quantized per token: (FP8 [T, d], scale [T, 1])."""
+    out = silu_and_mul_ref(x)
+    return per_token_quant_fp8_ref(out.reshape(-1, out.shape[-1]))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
+from pagedserve.executor_svc.fp8 import Fp8Linear, Quantized, takes_quantized
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.models.rope import build_cos_sin_cache
 from pagedserve.executor_svc.parallel import TensorParallel
@@ -79,8 +80,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.backend = backend
 
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                quantize: bool = False) -> tuple[torch.Tensor | Quantized, torch.Tensor | None]:
+        """(normed, x + residual); normed quantized per token for an FP8 projection if `quantize`."""
+        if quantize:
+            return self.backend.rms_norm_quant_fp8(x, self.weight, self.eps, residual)
         return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -108,7 +112,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.tp = tp
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | Quantized, kv_cache: KVCache,
                 meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -135,8 +139,10 @@ class MLP(nn.Module):
         self.backend = backend
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Quantized, quantize: bool) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        h = self.backend.silu_and_mul_quant_fp8(h) if quantize else self.backend.silu_and_mul(h)
+        out = self.down_proj(h)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -153,14 +159,17 @@ class DecoderLayer(nn.Module):
                 kv_cache: KVCache, meta: AttentionMetadata,
                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is fused into the next norm: each norm returns (normed, x + residual).
+        # Before FP8 projections that quantize their input, the norms and the activation
+        # quantize their own output, which saves a pass over it.
+        quantize = isinstance(self.mlp.down_proj, Fp8Linear) and takes_quantized(x)
         if residual is None:
             residual = x
-            x, _ = self.input_layernorm(x)
+            x, _ = self.input_layernorm(x, quantize=quantize)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, quantize)
         x = self.self_attn(positions, x, kv_cache, meta, cos_sin_cache)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.post_attention_layernorm(x, residual, quantize)
+        return self.mlp(x, quantize), residual
 
 
 class LlamaModel(nn.Module):
