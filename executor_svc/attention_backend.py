@@ -34,6 +34,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_splits: int | None = None
+    # Sequences with one query token (decode rows), host-known: see paged_attention.
+    num_decode_seqs: int = 0
 
 
 class TorchAttentionBackend:
@@ -82,7 +84,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                meta.query_start_loc, scale, max_query_len=meta.max_query_len,
                                max_seq_len=meta.max_seq_len, num_splits=meta.num_splits,
-                               kv_scales=kv_scales, k_new=k_new, v_new=v_new)
+                               kv_scales=kv_scales, k_new=k_new, v_new=v_new,
+                               num_decode_seqs=meta.num_decode_seqs)
 
 
 def get_backend(device: torch.device) -> TorchAttentionBackend:

@@ -432,12 +432,14 @@ class ModelRunner:
                              f"more than max_num_batched_tokens "
                              f"({self.config.max_num_batched_tokens}) or max_num_seqs allow")
         return self._upload(rows, input_ids, late, positions, slot_mapping, seq_lens, query_start_loc,
-                            logits_indices, sample_rows, graph_size, int(query_lens.max()))
+                            logits_indices, sample_rows, graph_size, int(query_lens.max()),
+                            int(np.count_nonzero(query_lens == 1)))
 
     def _upload(self, rows: np.ndarray, input_ids: np.ndarray, late: np.ndarray | None,
                 positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
                 query_start_loc: np.ndarray, logits_indices: np.ndarray | None,
-                sample_rows: np.ndarray, graph_size: int | None, max_query_len: int) -> Step:
+                sample_rows: np.ndarray, graph_size: int | None, max_query_len: int,
+                num_decode_seqs: int) -> Step:
         buf, staging = self.buffers, self.slot.staging
         upload = staging.upload
         num_tokens, num_seqs = len(input_ids), len(rows)
@@ -469,7 +471,7 @@ class ModelRunner:
         upload(query_start_loc.astype(np.int32), buf.query_start_loc[:num_seqs + 1])
         meta = AttentionMetadata(buf.slot_mapping[:num_tokens], buf.query_start_loc[:num_seqs + 1],
                                  buf.seq_lens[:num_seqs], buf.block_tables[:num_seqs],
-                                 max_query_len, int(seq_lens.max()))
+                                 max_query_len, int(seq_lens.max()), num_decode_seqs=num_decode_seqs)
         return Step(num_tokens, meta, graph_size, sample_rows, logits)
 
     def _sampling(self, rows: np.ndarray) -> SamplingBatch:

@@ -21,11 +21,12 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
              dtype: torch.dtype, num_splits: int | None, strided: bool = False,
              max_query_len: int | None = None, config: AttentionConfig | None = None,
              q_gain: float = 1.0, kv_scales: tuple[float, float] | None = None,
-             fresh: bool = False, poison_new: bool = False) -> None:
+             fresh: bool = False, poison_new: bool = False, decode_launch: bool = False) -> None:
     """Kernel against the reference on the same cache; with kv_scales, on an fp8 cache of
     K / k_scale and V / v_scale, and also against the reference on the unquantized cache; with
     fresh, given the new tokens' K and V as the step's k_new, v_new too; with poison_new, on a
-    cache whose new tokens' slots hold NaN (the reference sees them)."""
+    cache whose new tokens' slots hold NaN (the reference sees them); with decode_launch, told
+    how many sequences are decode rows."""
     seq_lens = [c + n for c, n in batch]
     query_lens = [n for _, n in batch]
     k_cache, v_cache, table = random_paged_kv(seq_lens, NUM_KV_HEADS, head_dim, block_size, dtype)
@@ -40,7 +41,10 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
                     if fresh else (None, None))
     ref_caches = k_cache, v_cache
     if poison_new:
-        k_cache, v_cache = (poison_new_slots(c, table, batch, block_size) for c in ref_caches)
+        # A decode launch reads a decode row's new key from the cache, where serving writes it
+        # before attention: only the prefill chunks' slots are poisoned then.
+        poisoned = [(c, 0 if decode_launch and n == 1 else n) for c, n in batch]
+        k_cache, v_cache = (poison_new_slots(c, table, poisoned, block_size) for c in ref_caches)
     num_heads, num_tokens = NUM_KV_HEADS * group, sum(query_lens)
     if strided:
         # q as the first columns of a fused qkv projection; k and v caches as halves of one
@@ -60,7 +64,8 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
     got = paged_attention(q, k_cache, v_cache, table, lens, starts, scale,
                           max_query_len=max_query_len, max_seq_len=max(seq_lens),
                           num_splits=num_splits, out=out, kv_scales=scales, config=config,
-                          k_new=k_new, v_new=v_new)
+                          k_new=k_new, v_new=v_new,
+                          num_decode_seqs=query_lens.count(1) if decode_launch else 0)
     assert got is out
     ref = paged_attention_ref(q, *ref_caches, table, lens, starts, scale, scales)
     assert_close(out, ref)
@@ -152,6 +157,30 @@ def test_fp8_cache(batch: list[tuple[int, int]], max_query_len: int | None, num_
     # Given k_new as serving gives it, an fp8 cache still reads the paged cache alone.
     run_case(batch, 4, 64, 16, dtype, num_splits, max_query_len=max_query_len,
              kv_scales=(0.02, 3.0), fresh=True)
+
+
+class LaunchSpy:
+    """Records the grid of each _attention_kernel launch, then launches it."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+# A mixed step told its decode rows attends them in a second launch of the decode tiling, one
+# program per sequence, while the prefill launch skips them: over a bf16-like or an fp8 cache,
+# with the step's new keys read from k_new (their cache slots poisoned) where the cache allows.
+@pytest.mark.parametrize("kv_scales", [None, (0.02, 3.0)], ids=["cache", "fp8-cache"])
+def test_mixed_step_attends_decode_rows_in_a_launch_of_their_own(
+        monkeypatch: pytest.MonkeyPatch, kv_scales: tuple[float, float] | None) -> None:
+    spy = LaunchSpy(attention._attention_kernel)
+    monkeypatch.setattr(attention, "_attention_kernel", spy)
+    run_case(MIXED, 4, 64, 16, torch.float32, num_splits=None, kv_scales=kv_scales, fresh=True,
+             poison_new=kv_scales is None, decode_launch=True)
+    assert len(spy.grids) == 2 and spy.grids[1][0] == len(MIXED)
 
 
 def test_strided_q_and_cache_views() -> None:
