@@ -433,7 +433,7 @@ class ModelRunner:
                              f"({self.config.max_num_batched_tokens}) or max_num_seqs allow")
         return self._upload(rows, input_ids, late, positions, slot_mapping, seq_lens, query_start_loc,
                             logits_indices, sample_rows, graph_size, int(query_lens.max()),
-                            int(np.count_nonzero(query_lens == 1)))
+                            0 if graph_size is not None else int(np.count_nonzero(query_lens == 1)))
 
     def _upload(self, rows: np.ndarray, input_ids: np.ndarray, late: np.ndarray | None,
                 positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,

@@ -21,7 +21,7 @@ MAX_SPLITS = 16
 # Which sequences a launch attends for (its run-time `rows` argument): all, those with more than
 # one query (prefill chunks), or those with one (decode rows, one program per sequence).
 ALL_ROWS, PREFILL_ROWS, DECODE_ROWS = 0, 1, 2
-_PREFILL_ROWS, _DECODE_ROWS = tl.constexpr(PREFILL_ROWS), tl.constexpr(DECODE_ROWS)
+_ALL_ROWS, _DECODE_ROWS = tl.constexpr(ALL_ROWS), tl.constexpr(DECODE_ROWS)
 
 
 @triton.jit
@@ -177,11 +177,9 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
         q_local = 0
     else:
         q_local = q_block - (q_start // BLOCK_Q + seq)
-    if q_local * BLOCK_Q >= query_len:
-        return
-    if (rows == _PREFILL_ROWS) & (query_len == 1):
-        return
-    if (rows == _DECODE_ROWS) & (query_len != 1):
+    # A parted launch skips the other launch's sequences.
+    other_launch = (rows != _ALL_ROWS) & ((query_len == 1) != (rows == _DECODE_ROWS))
+    if (q_local * BLOCK_Q >= query_len) | other_launch:
         return
     context_len = seq_len - query_len
 

@@ -27,8 +27,9 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def row_scale(amax, min_scale, FP8_INV_MAX: tl.constexpr):
-    return tl.maximum(amax * FP8_INV_MAX, min_scale)
+def row_scale(amax, min_scale, FP8_MAX: tl.constexpr):
+    # A product with the reciprocal, as per_token_quant_fp8_ref computes it.
+    return tl.maximum(amax * (1.0 / FP8_MAX), min_scale)
 
 
 @triton.jit
@@ -47,7 +48,7 @@ def to_e4m3(h, inv_scale, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr, EXACT:
 def store_quantized_row(h, mask, out_row, offs, scale_row, min_scale, FP8_MAX: tl.constexpr,
                         EXACT: tl.constexpr):
     """Quantizes a whole row held in registers (h fp32, masked lanes 0) and stores it and its scale."""
-    s = row_scale(tl.max(tl.abs(h), 0), min_scale, 1.0 / FP8_MAX)
+    s = row_scale(tl.max(tl.abs(h), 0), min_scale, FP8_MAX)
     tl.store(scale_row, s)
     tl.store(out_row + offs, to_e4m3(h, tl.div_rn(1.0, s), out_row.dtype.element_ty, FP8_MAX, EXACT),
              mask=mask)
@@ -70,7 +71,7 @@ def _per_token_quant_kernel(x, out, scale, stride_x, stride_o, hidden, min_scale
             offs = start + tl.arange(0, BLOCK)
             h = tl.load(x_row + offs, mask=offs < hidden, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(h))
-        s = row_scale(tl.max(amax, 0), min_scale, 1.0 / FP8_MAX)
+        s = row_scale(tl.max(amax, 0), min_scale, FP8_MAX)
         tl.store(scale + row, s)
         inv = tl.div_rn(1.0, s)
         for start in range(0, hidden, BLOCK):

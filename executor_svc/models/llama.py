@@ -156,12 +156,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata,
-                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
+                quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is fused into the next norm: each norm returns (normed, x + residual).
-        # Before FP8 projections that quantize their input, the norms and the activation
-        # quantize their own output, which saves a pass over it.
-        quantize = isinstance(self.mlp.down_proj, Fp8Linear) and takes_quantized(x)
+        # With `quantize` (FP8 projections that quantize their input) the norms and the
+        # activation quantize their own output, which saves a pass over it.
         if residual is None:
             residual = x
             x, _ = self.input_layernorm(x, quantize=quantize)
@@ -188,8 +187,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        quantize = isinstance(self.layers[0].mlp.down_proj, Fp8Linear) and takes_quantized(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta, self.cos_sin_cache)
+            x, residual = layer(positions, x, residual, kv_cache, meta, self.cos_sin_cache, quantize)
         return self.norm(x, residual)[0]
 
 
