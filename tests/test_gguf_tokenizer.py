@@ -11,7 +11,7 @@ from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.gguf_metadata import read_gguf_header, read_gguf_metadata
 from pagedserve.common.gguf_tokenizer import load_gguf_tokenizer
 from pagedserve.common.tokenizer import Tokenizer
-from tests.real_model import smollm2_path
+from tests.real_model import smollm2_path, smollm2_transformers_tokenizer
 
 gguf = pytest.importorskip("gguf", reason="gguf (a dev dependency) writes the small test GGUF files")
 Q = gguf.GGMLQuantizationType
@@ -73,7 +73,7 @@ def ours(smollm2) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def reference(smollm2):
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+    return smollm2_transformers_tokenizer()
 
 
 def test_tokenizer_json_equals_transformers(smollm2, reference):

@@ -7,11 +7,10 @@ import re
 import jsonschema
 import pytest
 import torch
-import transformers
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.sampling_params import StructuredOutputsParams
-from tests.real_model import smollm2_path
+from tests.real_model import smollm2_path, smollm2_transformers_model
 
 CAR = {"type": "object", "additionalProperties": False, "required": ["brand", "electric", "doors"],
        "properties": {"brand": {"enum": ["vw", "bmw", "tesla"]}, "electric": {"type": "boolean"},
@@ -80,16 +79,14 @@ def test_logit_bias_moves_the_greedy_choice(llm):
 
 
 def test_prompt_logprobs_are_transformers_log_softmax(llm):
-    path = smollm2_path()
     prompt = llm.tokenizer.encode("The capital of France is Paris, and the capital of Germany is Berlin.")
     # The chunk budget of 64 tokens splits a long prompt; the second request finds the first's
     # blocks in the prefix cache, which prompt logprobs must not use.
     long_prompt = prompt * 6
     outputs = llm.generate([{"prompt_token_ids": long_prompt}] * 2,
                            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3), use_tqdm=False)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     with torch.inference_mode():
-        expected = model(torch.tensor([long_prompt])).logits[0].float().log_softmax(-1)
+        expected = smollm2_transformers_model()(torch.tensor([long_prompt])).logits[0].log_softmax(-1)
     for out in outputs:
         lp = out.prompt_logprobs
         assert len(lp) == len(long_prompt) and lp[0] is None

@@ -51,14 +51,15 @@ def mixed_prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int,
-              **load_kwargs) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, run one prompt at a time (no padding).
-    `load_kwargs` go to from_pretrained (e.g. gguf_file).
+def hf_greedy(model: str | Path | transformers.PreTrainedModel, prompts: list[list[int]],
+              max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt by `model` (or the float32 model of that
+    directory), run one prompt at a time (no padding).
 
     EOS is disabled: every prompt gets exactly `max_new_tokens` tokens, so callers must also
     ignore EOS when comparing."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kwargs)
+    if not isinstance(model, transformers.PreTrainedModel):
+        model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     # generate() fills unset options from the model's own generation config, eos included.
     model.generation_config.eos_token_id = None
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,

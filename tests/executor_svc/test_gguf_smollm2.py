@@ -4,22 +4,21 @@ the same file itself) with an ample cache, under forced preemption, chunked pref
 caching. Prompt ids come from transformers' GGUF tokenizer."""
 
 import pytest
-import transformers
 
 from pagedserve import LLM
-from tests.real_model import CHATS, RAW_PROMPTS, smollm2_path
+from tests.real_model import (CHATS, RAW_PROMPTS, smollm2_path, smollm2_transformers_model,
+                              smollm2_transformers_tokenizer)
 from tests.tiny_models import hf_greedy, llm_greedy
 
 NEW_TOKENS = 32
 @pytest.fixture(scope="module")
 def smollm2():
     path = smollm2_path()
-    model_dir = path.parent
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, gguf_file=path.name)
+    tokenizer = smollm2_transformers_tokenizer()
     prompts = [tokenizer(text).input_ids for text in RAW_PROMPTS]
     prompts += [tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
                 for chat in CHATS]
-    expected = hf_greedy(model_dir, prompts, NEW_TOKENS, gguf_file=path.name)
+    expected = hf_greedy(smollm2_transformers_model(), prompts, NEW_TOKENS)
     return path, tokenizer, prompts, expected
 
 
