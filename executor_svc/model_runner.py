@@ -54,6 +54,24 @@ class Step:
 
 
 @dataclass(slots=True)
+class HostInputs:
+    """One step's inputs as the host builds them, padded to its graph size if it has one."""
+    rows: np.ndarray                     # [num_seqs] persistent-batch rows
+    input_ids: np.ndarray                # [num_tokens]
+    # [2, n] (token index, row): tokens that steps in flight sample, filled in on the device.
+    late: np.ndarray | None
+    positions: np.ndarray                # [num_tokens]
+    slot_mapping: np.ndarray             # [num_tokens]
+    seq_lens: np.ndarray                 # [num_seqs]
+    query_start_loc: np.ndarray          # [num_seqs + 1], unpadded
+    logits_indices: np.ndarray | None    # see Step
+    sample_rows: np.ndarray
+    graph_size: int | None
+    max_query_len: int
+    num_decode_seqs: int                 # 0 for graph steps, which never read it
+
+
+@dataclass(slots=True)
 class PendingPrompt:
     """The prompt logprobs a launched step computes (see PromptLogprobs), on the host once the
     device passes the step's end."""
@@ -431,29 +449,27 @@ class ModelRunner:
             raise ValueError(f"step plan schedules {num_tokens} tokens of {num_seqs} sequences, "
                              f"more than max_num_batched_tokens "
                              f"({self.config.max_num_batched_tokens}) or max_num_seqs allow")
-        return self._upload(rows, input_ids, late, positions, slot_mapping, seq_lens, query_start_loc,
-                            logits_indices, sample_rows, graph_size, int(query_lens.max()),
-                            0 if graph_size is not None else int(np.count_nonzero(query_lens == 1)))
+        num_decode_seqs = 0 if graph_size is not None else int(np.count_nonzero(query_lens == 1))
+        return self._upload(HostInputs(rows, input_ids, late, positions, slot_mapping, seq_lens,
+                                       query_start_loc, logits_indices, sample_rows, graph_size,
+                                       int(query_lens.max()), num_decode_seqs))
 
-    def _upload(self, rows: np.ndarray, input_ids: np.ndarray, late: np.ndarray | None,
-                positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
-                query_start_loc: np.ndarray, logits_indices: np.ndarray | None,
-                sample_rows: np.ndarray, graph_size: int | None, max_query_len: int,
-                num_decode_seqs: int) -> Step:
+    def _upload(self, host: HostInputs) -> Step:
         buf, staging = self.buffers, self.slot.staging
         upload = staging.upload
+        rows, input_ids, late, graph_size = host.rows, host.input_ids, host.late, host.graph_size
         num_tokens, num_seqs = len(input_ids), len(rows)
         staging.reset()
         updates = self.batch.take_block_updates()
         if updates is not None:
             updates = upload(updates)
             self.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
-        upload(positions, buf.positions[:num_tokens])
-        upload(slot_mapping, buf.slot_mapping[:num_tokens])
+        upload(host.positions, buf.positions[:num_tokens])
+        upload(host.slot_mapping, buf.slot_mapping[:num_tokens])
         upload(rows, buf.rows[:num_seqs])
         if late is None:
             upload(input_ids, buf.input_ids[:num_tokens])
-        elif graph_size is not None and late.shape[1] == len(sample_rows):
+        elif graph_size is not None and late.shape[1] == len(host.sample_rows):
             # The pipelined steady state: a decode step whose every token is one that a step in
             # flight samples. One gather fills them all (padding rows too: their ids go unused).
             torch.index_select(self.last_sampled, 0, buf.rows[:num_seqs],
@@ -462,17 +478,18 @@ class ModelRunner:
             upload(input_ids, buf.input_ids[:num_tokens])
             late = upload(late)
             buf.input_ids.index_copy_(0, late[0], self.last_sampled.index_select(0, late[1]))
-        upload(seq_lens.astype(np.int32), buf.seq_lens[:num_seqs])
+        upload(host.seq_lens.astype(np.int32), buf.seq_lens[:num_seqs])
         torch.index_select(self.block_table, 0, buf.rows[:num_seqs],
                            out=buf.block_tables[:num_seqs])
-        logits = None if logits_indices is None else upload(logits_indices)
+        logits = None if host.logits_indices is None else upload(host.logits_indices)
         if graph_size is not None:
-            return Step(num_tokens, self.graph_metas[graph_size], graph_size, sample_rows, logits)
-        upload(query_start_loc.astype(np.int32), buf.query_start_loc[:num_seqs + 1])
+            return Step(num_tokens, self.graph_metas[graph_size], graph_size, host.sample_rows, logits)
+        upload(host.query_start_loc.astype(np.int32), buf.query_start_loc[:num_seqs + 1])
         meta = AttentionMetadata(buf.slot_mapping[:num_tokens], buf.query_start_loc[:num_seqs + 1],
                                  buf.seq_lens[:num_seqs], buf.block_tables[:num_seqs],
-                                 max_query_len, int(seq_lens.max()), num_decode_seqs=num_decode_seqs)
-        return Step(num_tokens, meta, graph_size, sample_rows, logits)
+                                 host.max_query_len, int(host.seq_lens.max()),
+                                 num_decode_seqs=host.num_decode_seqs)
+        return Step(num_tokens, meta, graph_size, host.sample_rows, logits)
 
     def _sampling(self, rows: np.ndarray) -> SamplingBatch:
         b = self.batch
