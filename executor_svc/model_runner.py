@@ -63,12 +63,11 @@ class HostInputs:
     positions: np.ndarray                # [num_tokens]
     slot_mapping: np.ndarray             # [num_tokens]
     seq_lens: np.ndarray                 # [num_seqs]
+    query_lens: np.ndarray               # [num_seqs], unpadded
     query_start_loc: np.ndarray          # [num_seqs + 1], unpadded
     logits_indices: np.ndarray | None    # see Step
     sample_rows: np.ndarray
     graph_size: int | None
-    max_query_len: int
-    num_decode_seqs: int                 # 0 for graph steps, which never read it
 
 
 @dataclass(slots=True)
@@ -449,10 +448,9 @@ class ModelRunner:
             raise ValueError(f"step plan schedules {num_tokens} tokens of {num_seqs} sequences, "
                              f"more than max_num_batched_tokens "
                              f"({self.config.max_num_batched_tokens}) or max_num_seqs allow")
-        num_decode_seqs = 0 if graph_size is not None else int(np.count_nonzero(query_lens == 1))
         return self._upload(HostInputs(rows, input_ids, late, positions, slot_mapping, seq_lens,
-                                       query_start_loc, logits_indices, sample_rows, graph_size,
-                                       int(query_lens.max()), num_decode_seqs))
+                                       query_lens, query_start_loc, logits_indices, sample_rows,
+                                       graph_size))
 
     def _upload(self, host: HostInputs) -> Step:
         buf, staging = self.buffers, self.slot.staging
@@ -485,10 +483,11 @@ class ModelRunner:
         if graph_size is not None:
             return Step(num_tokens, self.graph_metas[graph_size], graph_size, host.sample_rows, logits)
         upload(host.query_start_loc.astype(np.int32), buf.query_start_loc[:num_seqs + 1])
+        # Graph steps never read the decode-row count: their metadata was fixed at capture.
         meta = AttentionMetadata(buf.slot_mapping[:num_tokens], buf.query_start_loc[:num_seqs + 1],
                                  buf.seq_lens[:num_seqs], buf.block_tables[:num_seqs],
-                                 host.max_query_len, int(host.seq_lens.max()),
-                                 num_decode_seqs=host.num_decode_seqs)
+                                 int(host.query_lens.max()), int(host.seq_lens.max()),
+                                 num_decode_seqs=int(np.count_nonzero(host.query_lens == 1)))
         return Step(num_tokens, meta, graph_size, host.sample_rows, logits)
 
     def _sampling(self, rows: np.ndarray) -> SamplingBatch:
