@@ -43,19 +43,29 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_F32: tl.constexpr):
+def _dot(a, b, acc, INTERPRETER: tl.constexpr):
     # FP8 x FP8 (W8A8) or 16-bit x 16-bit, an FP8 weight widened to the activations' dtype (W8A16);
     # all float32 under the interpreter, whose bf16 dot is wrong and fp8 -> bf16 cast too.
-    if DOT_F32:
+    if INTERPRETER:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b.to(a.dtype), acc)
+
+
+@triton.jit
+def _rounded(acc, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
+    """acc (float32) in dtype, rounded to nearest even: the interpreter truncates to bf16, and the
+    FP8 quantization of the gate/up output after it would then differ from a GPU's."""
+    if INTERPRETER and dtype == tl.bfloat16:
+        bits = acc.to(tl.uint32, bitcast=True)
+        acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return acc.to(dtype)
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def _expert_gemm_kernel(a, a_scale, b, b_scale, c, topk_weights, sorted_ids, expert_ids, num_padded,
                         num_slots, num_blocks, N, K, stride_a, stride_be, stride_bn, stride_c,
                         A_ROWS_PER_SLOT: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
-                        A_SCALED: tl.constexpr, B_SCALED: tl.constexpr, DOT_F32: tl.constexpr,
+                        A_SCALED: tl.constexpr, B_SCALED: tl.constexpr, INTERPRETER: tl.constexpr,
                         EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """c[slot, :N] for each slot of a block = a[slot // A_ROWS_PER_SLOT] @ b[expert].T, with
@@ -88,9 +98,9 @@ def _expert_gemm_kernel(a, a_scale, b, b_scale, c, topk_weights, sorted_ids, exp
             b_tile = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
             if GATED:
                 up_tile = tl.load(b_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
-        acc = _dot(a_tile, b_tile, acc, DOT_F32)
+        acc = _dot(a_tile, b_tile, acc, INTERPRETER)
         if GATED:
-            up = _dot(a_tile, up_tile, up, DOT_F32)
+            up = _dot(a_tile, up_tile, up, INTERPRETER)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if A_SCALED:
@@ -109,7 +119,7 @@ def _expert_gemm_kernel(a, a_scale, b, b_scale, c, topk_weights, sorted_ids, exp
     if ROUTED:
         acc *= tl.load(topk_weights + slots, mask=real, other=0.0).to(tl.float32)[:, None]
     cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(c + slots[:, None].to(tl.int64) * stride_c + cn[None, :], acc.to(c.dtype.element_ty),
+    tl.store(c + slots[:, None].to(tl.int64) * stride_c + cn[None, :], _rounded(acc, c.dtype.element_ty, INTERPRETER),
              mask=real[:, None] & (cn[None, :] < N))
 
 
@@ -136,7 +146,7 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
         alignment.num_padded, num_slots, num_blocks, n, k, a.stride(0), w.stride(0), w.stride(1),
         out.stride(0), A_ROWS_PER_SLOT=a_rows_per_slot, GATED=gated,
         ROUTED=topk_weights is not None, A_SCALED=a_scale is not None,
-        B_SCALED=w_scale is not None, DOT_F32=INTERPRETED, EVEN_K=k % tiling.block_k == 0,
+        B_SCALED=w_scale is not None, INTERPRETER=INTERPRETED, EVEN_K=k % tiling.block_k == 0,
         BLOCK_M=alignment.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
         GROUP_M=tiling.group_m, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         **pdl.launch_args(a.device))

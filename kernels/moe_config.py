@@ -91,7 +91,8 @@ def default_config(num_tokens: int, num_experts: int, hidden: int, intermediate:
 
     def fit(tiling: MoeGemmConfig, n: int, k: int, gated: bool) -> MoeGemmConfig:
         tiling = replace(tiling, block_n=min(tiling.block_n, max(16, triton.next_power_of_2(n))),
-                         block_k=min(tiling.block_k, max(16, triton.next_power_of_2(k))), w8a8=w8a8)
+                         block_k=min(tiling.block_k, max(min_block_k(a_bytes), triton.next_power_of_2(k))),
+                         w8a8=w8a8)
         return fit_stages(tiling, block_m, a_bytes, weight_dtype.itemsize, gated)
 
     return MoeConfig(block_m, fit(gate_up, intermediate, hidden, True),
@@ -104,11 +105,17 @@ def stage_bytes(tiling: MoeGemmConfig, block_m: int, a_bytes: int, w_bytes: int,
     return tiling.block_k * (block_m * a_bytes + (2 if gated else 1) * tiling.block_n * w_bytes)
 
 
+def min_block_k(a_bytes: int) -> int:
+    """The shallowest step a dot takes: 32 for FP8 operands (Hopper's FP8 MMA), else 16."""
+    return 32 if a_bytes == 1 else 16
+
+
 def fit_stages(tiling: MoeGemmConfig, block_m: int, a_bytes: int, w_bytes: int,
                gated: bool) -> MoeGemmConfig:
-    """The tiling with as many of its stages as SMEM_BUDGET holds, halving block_k (down to 16)
-    while even two stages do not fit."""
-    while tiling.block_k > 16 and 2 * stage_bytes(tiling, block_m, a_bytes, w_bytes, gated) > SMEM_BUDGET:
+    """The tiling with as many of its stages as SMEM_BUDGET holds, halving block_k (down to
+    min_block_k) while even two stages do not fit."""
+    while (tiling.block_k > min_block_k(a_bytes)
+           and 2 * stage_bytes(tiling, block_m, a_bytes, w_bytes, gated) > SMEM_BUDGET):
         tiling = replace(tiling, block_k=tiling.block_k // 2)
     per_stage = stage_bytes(tiling, block_m, a_bytes, w_bytes, gated)
     return replace(tiling, num_stages=max(2, min(tiling.num_stages, SMEM_BUDGET // per_stage)))

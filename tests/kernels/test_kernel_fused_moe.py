@@ -7,7 +7,7 @@ import triton
 from tests.kernels.kernel_testing import DEVICE, assert_close, poison_next_alloc, rel_err
 from pagedserve.kernels.fused_moe import fused_moe, quantize_experts_fp8
 from pagedserve.kernels.moe_config import (SMEM_BUDGET, MoeConfig, MoeGemmConfig, default_config,
-                                           moe_config, stage_bytes)
+                                           min_block_k, moe_config, stage_bytes)
 from pagedserve.kernels.moe_routing import SINGLE_PROGRAM_SLOTS, MoeAlignment, moe_align, route
 from pagedserve.kernels.reference import fused_moe_ref, quantize_experts_fp8_ref, route_ref
 
@@ -179,8 +179,8 @@ def test_default_config_fits_the_shape_and_shared_memory(num_tokens: int, weight
     for hidden, inter in ((2048, 768), (2048, 384), (HIDDEN, INTER)):
         cfg = default_config(num_tokens, 128, hidden, inter, 8, weight_dtype, act_dtype)
         for tiling, n, k, gated in ((cfg.gate_up, inter, hidden, True), (cfg.down, hidden, inter, False)):
-            assert 16 <= tiling.block_n <= max(16, triton.next_power_of_2(n))
-            assert 16 <= tiling.block_k <= max(16, triton.next_power_of_2(k))
             a_bytes = 1 if tiling.w8a8 and weight_dtype.itemsize == 1 else act_dtype.itemsize
+            assert 16 <= tiling.block_n <= max(16, triton.next_power_of_2(n))
+            assert min_block_k(a_bytes) <= tiling.block_k <= max(min_block_k(a_bytes), triton.next_power_of_2(k))
             smem = stage_bytes(tiling, cfg.block_m, a_bytes, weight_dtype.itemsize, gated)
             assert tiling.num_stages * smem <= SMEM_BUDGET
