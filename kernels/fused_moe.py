@@ -119,8 +119,8 @@ def _expert_gemm_kernel(a, a_scale, b, b_scale, c, topk_weights, sorted_ids, exp
     if ROUTED:
         acc *= tl.load(topk_weights + slots, mask=real, other=0.0).to(tl.float32)[:, None]
     cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(c + slots[:, None].to(tl.int64) * stride_c + cn[None, :], _rounded(acc, c.dtype.element_ty, INTERPRETER),
-             mask=real[:, None] & (cn[None, :] < N))
+    tl.store(c + slots[:, None].to(tl.int64) * stride_c + cn[None, :],
+             _rounded(acc, c.dtype.element_ty, INTERPRETER), mask=real[:, None] & (cn[None, :] < N))
 
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,

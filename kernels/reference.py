@@ -138,7 +138,8 @@ def silu_and_mul_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return per_token_quant_fp8_ref(out.reshape(-1, out.shape[-1]))
 
 
-def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_ref(router_logits: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights float32 [T, top_k], expert ids [T, top_k]): the top_k of
     the softmax over all experts, largest first, divided by their sum if `renormalize`."""
     weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)

@@ -15,8 +15,8 @@ experts, it
 4. prints a table against the roofline (bytes of the experts the step touches / HBM_BYTES_PER_S,
    matmul FLOPs / MATMUL_FLOPS) and the TUNED entries to paste into kernels/moe_config.py, and
    writes both (moe_tuned.txt) and every timing (moe_sweep.json) under DIR.
-`--tiny` runs the same code at a toy shape with one tiling beside the heuristic's, on a CPU too (TRITON_INTERPRET=1;
-its times mean nothing), so that the path is tested without a GPU.
+`--tiny` runs the same code at a toy shape with one tiling beside the heuristic's, on a CPU too
+(TRITON_INTERPRET=1; its times mean nothing), so that the path is tested without a GPU.
 """
 import argparse
 import json
@@ -374,27 +374,28 @@ def sweep_tokens(plan: Plan, layers: list[Experts], num_tokens: int, device: tor
 # Reporting
 
 def gemm_literal(tiling: MoeGemmConfig, kind: str) -> str:
-    fields = f"{tiling.block_n}, {tiling.block_k}, {tiling.group_m}, {tiling.num_warps}, {tiling.num_stages}"
-    return f"MoeGemmConfig({fields}{', w8a8=False' if kind == 'fp8' and not tiling.w8a8 else ''})"
+    args = f"{tiling.block_n}, {tiling.block_k}, {tiling.group_m}, {tiling.num_warps}, {tiling.num_stages}"
+    return f"MoeGemmConfig({args}{', w8a8=False' if kind == 'fp8' and not tiling.w8a8 else ''})"
 
 
-def tuned_literal(key: tuple, kind: str, rows: list[dict]) -> str:
+def tuned_literal(shape: Shape, kind: str, rows: list[dict]) -> str:
     """The TUNED entry of one shape and weight dtype, as Python to paste."""
-    lines = [f"    {key!r}: {{"]
+    dtype = dtype_name(weight_dtype(kind))
+    lines = [f'    ({shape.experts}, {shape.hidden}, {shape.inter}, {shape.top_k}, "{dtype}"): {{']
     for row in rows:
         config = row["best_config"]
-        lines.append(f"        {row['tokens']}: MoeConfig({config.block_m}, {gemm_literal(config.gate_up, kind)}, "
-                     f"{gemm_literal(config.down, kind)}),")
+        lines.append(f"        {row['tokens']}: MoeConfig({config.block_m}, "
+                     f"{gemm_literal(config.gate_up, kind)}, {gemm_literal(config.down, kind)}),")
     return "\n".join(lines + ["    },"])
 
 
 def table_line(kind: str, row: dict) -> str:
-    us = 1e3
-    route_us = row["route_ms"]
-    return (f"{kind:4s} M={row['tokens']:5d} experts {row['touched_experts']:3d}: layer {row['layer_ms'] * us:8.1f} us "
-            f"(heuristic {row['default_layer_ms'] * us:8.1f}, parts {row['parts_ms'] * us:8.1f}) roofline "
-            f"{row['roofline_ms'] * us:7.1f} us = {100 * row['roofline_ms'] / row['layer_ms']:3.0f}%; route "
-            f"{route_us['triton'] * us:5.1f} us (torch {route_us['torch'] * us:5.1f})")
+    us = {k: row[k] * 1e3 for k in ("layer_ms", "default_layer_ms", "parts_ms", "roofline_ms")}
+    route_us = {k: v * 1e3 for k, v in row["route_ms"].items()}
+    return (f"{kind:4s} M={row['tokens']:5d} experts {row['touched_experts']:3d}: "
+            f"layer {us['layer_ms']:8.1f} us (heuristic {us['default_layer_ms']:8.1f}, parts {us['parts_ms']:8.1f}) roofline "
+            f"{us['roofline_ms']:7.1f} us = {100 * us['roofline_ms'] / us['layer_ms']:3.0f}%; route "
+            f"{route_us['triton']:5.1f} us (torch {route_us['torch']:5.1f})")
 
 
 def sweep(plan: Plan, kind: str, device: torch.device) -> list[dict]:
@@ -420,8 +421,9 @@ def run(plan: Plan, kinds: list[str], out_dir: Path, workers: int) -> int:
     if device.type == "cuda" and workers > 0:
         precompile(plan, kinds, workers)
     results = {kind: sweep(plan, kind, device) for kind in kinds}
-    literal = "\n".join(tuned_literal(make_key(plan.shape, kind), kind, rows) for kind, rows in results.items())
-    print(f"\nTUNED entries for kernels/moe_config.py (measured on {report['gpu']}):\n{literal}")
+    literal = "\n".join(tuned_literal(plan.shape, kind, rows) for kind, rows in results.items())
+    print(f"\nTUNED entries for kernels/moe_config.py, to replace those of this shape (measured on "
+          f"{report['gpu']}):\n{literal}")
     (out_dir / "moe_tuned.txt").write_text(literal + "\n")
     report["sweep"] = {kind: [{k: v for k, v in row.items() if k != "best_config"} for row in rows]
                        for kind, rows in results.items()}
@@ -429,14 +431,12 @@ def run(plan: Plan, kinds: list[str], out_dir: Path, workers: int) -> int:
     return 0
 
 
-def make_key(shape: Shape, kind: str) -> tuple[int, int, int, int, str]:
-    return (shape.experts, shape.hidden, shape.inter, shape.top_k, dtype_name(weight_dtype(kind)))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for moe_sweep.json and moe_tuned.txt")
-    parser.add_argument("--tiny", action="store_true", help="a toy shape and one tiling beside the heuristic's (runs on a CPU)")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="directory for moe_sweep.json and moe_tuned.txt")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a toy shape and one tiling beside the heuristic's (runs on a CPU)")
     parser.add_argument("--kinds", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     parser.add_argument("--tokens", type=int, nargs="+", help=f"token counts M (default {TOKENS})")
     parser.add_argument("--experts", type=int, default=QWEN3_30B_A3B.experts)

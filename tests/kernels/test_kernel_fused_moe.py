@@ -181,6 +181,7 @@ def test_default_config_fits_the_shape_and_shared_memory(num_tokens: int, weight
         for tiling, n, k, gated in ((cfg.gate_up, inter, hidden, True), (cfg.down, hidden, inter, False)):
             a_bytes = 1 if tiling.w8a8 and weight_dtype.itemsize == 1 else act_dtype.itemsize
             assert 16 <= tiling.block_n <= max(16, triton.next_power_of_2(n))
-            assert min_block_k(a_bytes) <= tiling.block_k <= max(min_block_k(a_bytes), triton.next_power_of_2(k))
+            floor_k = min_block_k(a_bytes)
+            assert floor_k <= tiling.block_k <= max(floor_k, triton.next_power_of_2(k))
             smem = stage_bytes(tiling, cfg.block_m, a_bytes, weight_dtype.itemsize, gated)
             assert tiling.num_stages * smem <= SMEM_BUDGET
