@@ -12,7 +12,7 @@ experts, it
    fastest sum; then times fused_moe with that config and with the heuristic's as LAYERS layers
    of distinct weights in one CUDA graph (cold L2 and launch gaps, as in a decode step), and
    `route` against `route_ref` the same way;
-4. prints a table against the roofline (bytes of the experts the step touches / HBM_BYTES_PER_S,
+4. prints each M against the roofline (bytes of the experts the step touches / HBM_BYTES_PER_S,
    matmul FLOPs / MATMUL_FLOPS) and the TUNED entries to paste into kernels/moe_config.py, and
    writes both (moe_tuned.txt) and every timing (moe_sweep.json) under DIR.
 `--tiny` runs the same code at a toy shape with one tiling beside the heuristic's, on a CPU too
@@ -46,8 +46,10 @@ MATMUL_FLOPS = {"bf16": 800e12, "fp8": 1600e12}
 # Each layer reads at least 75 MB of bf16 experts at batch 1, more than the H200's 50 MB L2.
 LAYERS = 4
 MAX_REL_ERR = 2e-2
-# Tilings whose stages need more shared memory than this are left out (an H200 block: 227 KiB).
-SWEEP_SMEM = 220 * 1024
+# Tilings whose pipeline buffers need more shared memory than this are left out (an H200 block:
+# 227 KiB). Triton 3.9 allocates num_stages - 1 buffers for the 16-row blocks' mma.sync pipeline,
+# num_stages for wgmma's: counting num_stages - 1 leaves the GPU to refuse the rest.
+SWEEP_SMEM = 227 * 1024
 # FP8 experts are tried with activations in bf16 (W8A16) up to this many tokens.
 W8A16_SWEEP_TOKENS = 64
 ACT_DTYPE = torch.bfloat16
@@ -191,7 +193,7 @@ def block_m_candidates(shape: Shape, num_tokens: int) -> list[int]:
 
 def tilings(plan: Plan, block_m: int, gated: bool, a_bytes: int, w_bytes: int) -> list[MoeGemmConfig]:
     """The tilings tried for one GEMM at block_m: narrow and deep for decode-sized blocks, wide and
-    more warps for prefill-sized ones; those past SWEEP_SMEM left out."""
+    more warps for prefill-sized ones; those surely past SWEEP_SMEM left out."""
     if plan.tiny:
         return list(TINY_TILINGS)
     if block_m <= 32:
@@ -201,7 +203,8 @@ def tilings(plan: Plan, block_m: int, gated: bool, a_bytes: int, w_bytes: int) -
     else:
         space = product((64, 128) if gated else (64, 128, 256), (64, 128), (1, 8), (8,), (3, 4))
     found = [MoeGemmConfig(*t) for t in space if t[0] * t[1] <= 128 * 128 or block_m > 32]
-    return [t for t in found if t.num_stages * stage_bytes(t, block_m, a_bytes, w_bytes, gated) <= SWEEP_SMEM]
+    return [t for t in found
+            if (t.num_stages - 1) * stage_bytes(t, block_m, a_bytes, w_bytes, gated) <= SWEEP_SMEM]
 
 
 def modes(kind: str, num_tokens: int) -> list[bool]:
@@ -337,16 +340,17 @@ def route_ms(batch: Batch, top_k: int, layers: int) -> dict[str, float]:
             for name, fn in (("triton", route), ("torch", route_ref))}
 
 
-def roofline_ms(shape: Shape, kind: str, batch: Batch) -> tuple[float, int]:
-    """The least time of the layer at this routing: the bytes of the experts it touches (and x and
-    the output) over HBM_BYTES_PER_S, or its matmul FLOPs over MATMUL_FLOPS, the larger; and how
-    many experts it touches."""
+def roofline(shape: Shape, kind: str, batch: Batch) -> dict:
+    """The least time of the layer at this routing: the bytes of the experts it touches (and of x
+    and the output) over HBM_BYTES_PER_S, or its matmul FLOPs over MATMUL_FLOPS, the larger."""
     touched = batch.ids.unique().numel()
     num_tokens = batch.x.shape[0]
     per_expert = 3 * shape.hidden * shape.inter
     nbytes = touched * per_expert * (1 if kind == "fp8" else 2) + 2 * num_tokens * shape.hidden * 2
-    flops = 2 * num_tokens * shape.top_k * per_expert
-    return max(nbytes / HBM_BYTES_PER_S, flops / MATMUL_FLOPS[kind]) * 1e3, touched
+    memory_ms = nbytes / HBM_BYTES_PER_S * 1e3
+    compute_ms = 2 * num_tokens * shape.top_k * per_expert / MATMUL_FLOPS[kind] * 1e3
+    return {"touched_experts": touched, "memory_ms": memory_ms, "compute_ms": compute_ms,
+            "roofline_ms": max(memory_ms, compute_ms)}
 
 
 def sweep_tokens(plan: Plan, layers: list[Experts], num_tokens: int, device: torch.device) -> dict:
@@ -364,11 +368,10 @@ def sweep_tokens(plan: Plan, layers: list[Experts], num_tokens: int, device: tor
     per_block_m = {bm: sweep_block_m(plan, layer, batch, bm, inter, expected)
                    for bm in block_m_candidates(plan.shape, num_tokens)}
     config, parts_ms = best_config(per_block_m)
-    roof_ms, touched = roofline_ms(plan.shape, layer.kind, batch)
     return {"tokens": num_tokens, "best": asdict(config), "best_config": config, "parts_ms": parts_ms,
             "layer_ms": layer_ms(layers, batch, config), "default_layer_ms": layer_ms(layers, batch, default),
-            "roofline_ms": roof_ms, "touched_experts": touched,
-            "route_ms": route_ms(batch, plan.shape.top_k, len(layers)), "block_m": per_block_m}
+            **roofline(plan.shape, layer.kind, batch), "route_ms": route_ms(batch, plan.shape.top_k, len(layers)),
+            "block_m": per_block_m}
 
 
 # Reporting
@@ -390,12 +393,15 @@ def tuned_literal(shape: Shape, kind: str, rows: list[dict]) -> str:
 
 
 def table_line(kind: str, row: dict) -> str:
-    us = {k: row[k] * 1e3 for k in ("layer_ms", "default_layer_ms", "parts_ms", "roofline_ms")}
+    """One M: the layer's time tuned (heuristic; the sum of its timed parts), the roofline (HBM,
+    matmul) and the tuned time's share of it, and routing."""
+    us = {k: v * 1e3 for k, v in row.items() if k.endswith("_ms") and isinstance(v, float)}
     route_us = {k: v * 1e3 for k, v in row["route_ms"].items()}
-    return (f"{kind:4s} M={row['tokens']:5d} experts {row['touched_experts']:3d}: "
-            f"layer {us['layer_ms']:8.1f} us (heuristic {us['default_layer_ms']:8.1f}, parts {us['parts_ms']:8.1f}) roofline "
-            f"{us['roofline_ms']:7.1f} us = {100 * us['roofline_ms'] / us['layer_ms']:3.0f}%; route "
-            f"{route_us['triton']:5.1f} us (torch {route_us['torch']:5.1f})")
+    return (f"{kind:4s} M={row['tokens']:5d} {row['touched_experts']:3d} experts: {us['layer_ms']:7.1f} us "
+            f"(heuristic {us['default_layer_ms']:7.1f}, parts {us['parts_ms']:7.1f}), roofline "
+            f"{us['roofline_ms']:6.1f} (HBM {us['memory_ms']:6.1f}, matmul {us['compute_ms']:6.1f}) = "
+            f"{100 * us['roofline_ms'] / us['layer_ms']:3.0f}%; route {route_us['triton']:4.1f} us "
+            f"(torch {route_us['torch']:4.1f})")
 
 
 def sweep(plan: Plan, kind: str, device: torch.device) -> list[dict]:
