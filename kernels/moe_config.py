@@ -42,7 +42,8 @@ class MoeConfig:
 
 
 # (experts, hidden, intermediate per rank, top_k, weight dtype name) -> {M: MoeConfig}, measured on
-# an H200. Empty: the heuristic, until the sweep's output is pasted in.
+# an H200. Empty: the heuristic, until the sweep's output is pasted in. A tensor-parallel rank's
+# shape is its own entry (Qwen3-30B-A3B at -tp 2: `--intermediate 384`).
 TUNED: dict[tuple[int, int, int, int, str], dict[int, MoeConfig]] = {
     # Qwen3-30B-A3B
     (128, 2048, 768, 8, "bfloat16"): {},
