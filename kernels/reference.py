@@ -136,3 +136,54 @@ def silu_and_mul_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """silu(gate) * up (rounded to x's dtype) quantized per token: (FP8 [T, d], scale [T, 1])."""
     out = silu_and_mul_ref(x)
     return per_token_quant_fp8_ref(out.reshape(-1, out.shape[-1]))
+
+
+def route_ref(router_logits: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights float32 [T, top_k], expert ids [T, top_k]): the top_k of
+    the softmax over all experts, largest first, divided by their sum if `renormalize`."""
+    weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def quantize_experts_fp8_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights [E, N, K] -> (FP8 [E, N, K], float32 scale [E, N, 1]): each expert's output
+    channels quantized as per_token_quant_fp8_ref quantizes rows."""
+    q, scale = per_token_quant_fp8_ref(w.reshape(-1, w.shape[-1]))
+    return q.view(w.shape), scale.view(*w.shape[:2], 1)
+
+
+def _moe_operand(a: torch.Tensor, quantize: bool) -> torch.Tensor:
+    """a as float32 values, through per-token FP8 quantization if `quantize`."""
+    if not quantize:
+        return a.float()
+    q, scale = per_token_quant_fp8_ref(a)
+    return q.float() * scale
+
+
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return w.float() if scale is None else w.float() * scale
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None, gate_up_w8a8: bool = True,
+                  down_w8a8: bool = True) -> torch.Tensor:
+    """Mixture of experts, expert by expert (layouts in kernels/fused_moe.py): each (token, slot)
+    row's silu(gate) * up in float32, rounded to x's dtype; its down projection times the routing
+    weight, rounded; the slots of a token summed in float32. With FP8 experts (scales given) the
+    activations of each GEMM are quantized per token first where its *_w8a8 says so (W8A8), and
+    kept as they are otherwise (W8A16)."""
+    top_k = topk_ids.shape[1]
+    fp8 = w13_scale is not None
+    xs = _moe_operand(x, fp8 and gate_up_w8a8)
+    slots = torch.zeros(x.shape[0], top_k, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        tokens, ks = (topk_ids == e).nonzero(as_tuple=True)
+        h = xs[tokens] @ _expert_weight(w13[e], None if w13_scale is None else w13_scale[e]).t()
+        inter = _moe_operand(silu_and_mul_ref(h).to(x.dtype), fp8 and down_w8a8)
+        y = inter @ _expert_weight(w2[e], None if w2_scale is None else w2_scale[e]).t()
+        slots[tokens, ks] = (y * topk_weights[tokens, ks, None].float()).to(x.dtype).float()
+    return slots.sum(dim=1).to(x.dtype)
