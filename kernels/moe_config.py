@@ -42,12 +42,43 @@ class MoeConfig:
 
 
 # (experts, hidden, intermediate per rank, top_k, weight dtype name) -> {M: MoeConfig}, measured on
-# an H200. Empty: the heuristic, until the sweep's output is pasted in. A tensor-parallel rank's
-# shape is its own entry (Qwen3-30B-A3B at -tp 2: `--intermediate 384`).
+# an H200 by the sweep (`python -m pagedserve.bench.moe`, whose output pastes in); a shape not
+# here takes the heuristic. A tensor-parallel rank's shape is its own entry (Qwen3-30B-A3B at -tp 2: `--intermediate 384`).
 TUNED: dict[tuple[int, int, int, int, str], dict[int, MoeConfig]] = {
-    # Qwen3-30B-A3B
-    (128, 2048, 768, 8, "bfloat16"): {},
-    (128, 2048, 768, 8, "float8_e4m3fn"): {},
+    # Qwen3-30B-A3B, swept on an H200 (torch 2.11, triton 3.6) by `python -m pagedserve.bench.moe`
+    # on 2026-12-02 (BENCHMARKS.md).
+    (128, 2048, 768, 8, "bfloat16"): {
+        1: MoeConfig(16, MoeGemmConfig(32, 64, 1, 4, 4), MoeGemmConfig(32, 128, 1, 4, 3)),
+        2: MoeConfig(16, MoeGemmConfig(32, 128, 1, 4, 4), MoeGemmConfig(64, 64, 1, 4, 3)),
+        4: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 3)),
+        8: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 2)),
+        16: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(128, 128, 1, 4, 3)),
+        32: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 2), MoeGemmConfig(128, 128, 1, 4, 3)),
+        64: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 256, 1, 4, 2)),
+        128: MoeConfig(16, MoeGemmConfig(128, 128, 1, 4, 3), MoeGemmConfig(128, 128, 1, 4, 2)),
+        256: MoeConfig(32, MoeGemmConfig(64, 128, 1, 4, 2), MoeGemmConfig(128, 128, 1, 4, 2)),
+        512: MoeConfig(64, MoeGemmConfig(64, 64, 1, 4, 3), MoeGemmConfig(128, 64, 1, 4, 4)),
+        1024: MoeConfig(128, MoeGemmConfig(128, 64, 1, 8, 4), MoeGemmConfig(256, 64, 8, 8, 4)),
+        2048: MoeConfig(128, MoeGemmConfig(128, 64, 1, 8, 4), MoeGemmConfig(256, 64, 8, 8, 4)),
+        4096: MoeConfig(128, MoeGemmConfig(128, 64, 1, 8, 4), MoeGemmConfig(256, 64, 8, 8, 4)),
+        8192: MoeConfig(128, MoeGemmConfig(128, 64, 8, 8, 3), MoeGemmConfig(256, 64, 8, 8, 3)),
+    },
+    (128, 2048, 768, 8, "float8_e4m3fn"): {
+        1: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3, w8a8=False), MoeGemmConfig(32, 256, 1, 4, 3, w8a8=False)),
+        2: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3, w8a8=False), MoeGemmConfig(32, 128, 1, 4, 3, w8a8=False)),
+        4: MoeConfig(16, MoeGemmConfig(32, 128, 1, 4, 3), MoeGemmConfig(32, 128, 1, 4, 3, w8a8=False)),
+        8: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 4)),
+        16: MoeConfig(16, MoeGemmConfig(64, 256, 1, 4, 2), MoeGemmConfig(64, 128, 1, 4, 3)),
+        32: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 4)),
+        64: MoeConfig(16, MoeGemmConfig(64, 256, 1, 4, 2), MoeGemmConfig(128, 128, 1, 4, 3)),
+        128: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 3)),
+        256: MoeConfig(32, MoeGemmConfig(64, 128, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 4)),
+        512: MoeConfig(64, MoeGemmConfig(64, 128, 1, 4, 3), MoeGemmConfig(128, 128, 1, 8, 3)),
+        1024: MoeConfig(64, MoeGemmConfig(64, 128, 1, 4, 3), MoeGemmConfig(128, 128, 1, 4, 3)),
+        2048: MoeConfig(128, MoeGemmConfig(128, 128, 8, 8, 4), MoeGemmConfig(256, 128, 8, 8, 4)),
+        4096: MoeConfig(128, MoeGemmConfig(64, 128, 1, 8, 3), MoeGemmConfig(256, 128, 8, 8, 4)),
+        8192: MoeConfig(128, MoeGemmConfig(128, 64, 8, 8, 4), MoeGemmConfig(256, 128, 8, 8, 4)),
+    },
 }
 
 
