@@ -43,7 +43,8 @@ class MoeConfig:
 
 # (experts, hidden, intermediate per rank, top_k, weight dtype name) -> {M: MoeConfig}, measured on
 # an H200 by the sweep (`python -m pagedserve.bench.moe`, whose output pastes in); a shape not
-# here takes the heuristic. A tensor-parallel rank's shape is its own entry (Qwen3-30B-A3B at -tp 2: `--intermediate 384`).
+# here takes the heuristic. A tensor-parallel rank's shape is its own entry (Qwen3-30B-A3B at
+# -tp 2: `--intermediate 384`).
 TUNED: dict[tuple[int, int, int, int, str], dict[int, MoeConfig]] = {
     # Qwen3-30B-A3B, swept on an H200 (torch 2.11, triton 3.6) by `python -m pagedserve.bench.moe`
     # on 2026-12-02 (BENCHMARKS.md).
