@@ -16,13 +16,13 @@ from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_de
 from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
 from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
-from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
+from pagedserve.executor_svc.kv_cache import (KVCache, allocate_kv_cache, bytes_per_block, determine_num_blocks,
                                               resolve_kv_cache_dtype)
 from pagedserve.executor_svc.logits import (GrammarMask, LogprobRows, Penalties, SampledLogprobs, gather_logprobs,
                                             step_logprobs)
 from pagedserve.executor_svc.memory_profile import profile_peak_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
-from pagedserve.executor_svc.models.llama import KVCache, LlamaForCausalLM
+from pagedserve.executor_svc.models import build_model
 from pagedserve.executor_svc.parallel import init_group, rank_device, shard_config
 from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
 from pagedserve.executor_svc.step_buffers import StepBuffers, upload_pinned
@@ -154,7 +154,7 @@ class ModelRunner:
     def _build(self, config: EngineConfig) -> None:
         backend = get_backend(self.device)
         with torch.device(self.device), default_dtype(self.dtype):
-            self.model = LlamaForCausalLM(self.rank_config, backend, self.max_model_len, self.tp)
+            self.model = build_model(self.rank_config, backend, self.max_model_len, self.tp)
         self._load_weights(backend.per_token_quant_fp8 if self.quantization else None)
         self.sampler = Sampler()
         self.stats = RunnerStats()

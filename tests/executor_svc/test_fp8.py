@@ -13,7 +13,9 @@ from pagedserve import LLM
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.fp8 import Fp8Linear, quantize_linears
 from pagedserve.executor_svc.model_config import load_model_config, model_config_from_dict
-from pagedserve.executor_svc.models.llama import LlamaForCausalLM, MergedLinear
+from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.layers.linear import MergedLinear
+from pagedserve.executor_svc.models import build_model
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.kernels.reference import FP8_DTYPE, FP8_MAX, per_token_quant_fp8_ref
 from tests.executor_svc.harness import paged_prefill_logits
@@ -76,7 +78,7 @@ def test_tiny_models_in_fp8_keep_their_logits(tiny):
 
 def test_quantized_weights_replace_the_full_precision_ones(qwen2):
     config = load_model_config(qwen2)
-    model = LlamaForCausalLM(config, TorchAttentionBackend(), 64)
+    model = build_model(config, TorchAttentionBackend(), 64)
     load_weights(model, qwen2, "auto", quantize=quant)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     assert dtypes["model.layers.0.self_attn.qkv_proj.weight"] == FP8_DTYPE
@@ -134,8 +136,8 @@ def write_fp8_checkpoint(source, target, quant_config: dict, quantize_weight) ->
     shutil.copy(source / "generation_config.json", target)
 
 
-def loaded(path, quantize=quant) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(load_model_config(path), TorchAttentionBackend(), 64)
+def loaded(path, quantize=quant) -> CausalLM:
+    model = build_model(load_model_config(path), TorchAttentionBackend(), 64)
     load_weights(model, path, "auto", quantize=quantize)
     return model
 
