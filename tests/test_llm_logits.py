@@ -60,7 +60,7 @@ def generate(llm: LLM, params: SamplingParams) -> list:
 def test_logprobs_are_transformers_log_softmax_of_the_raw_logits(path, hf):
     llm = LLM(str(path))
     # On a GPU, Triton's fp32 dot products run at TF32 precision: near-ties in the top-k may swap.
-    exact = llm.runner.device.type == "cpu"
+    exact = llm.worker.device.type == "cpu"
     atol = 1e-4 if exact else 3e-2
     # Sampled at temperature 0.7: the logprobs still come from the unscaled logits.
     for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5),

@@ -61,7 +61,7 @@ def test_tp2_gives_tp1_greedy_tokens_under_preemption_and_prefix_caching(model, 
     llm = LLM(str(model), tensor_parallel_size=2, **SMALL_POOL)
     assert generate_all(llm) == expected
     assert llm.scheduler.num_preemptions > 0 and llm.scheduler.prefix_cache_hits > 0
-    shapes = {name: p.shape for name, p in llm.runner.model.named_parameters()}
+    shapes = {name: p.shape for name, p in llm.worker.model.named_parameters()}
     assert shapes == {name: p.shape for name, p in rank_model(model, 0).named_parameters()}
     line = next(line for line in capfd.readouterr().err.splitlines() if "model_loaded" in line and "rank=1" in line)
     assert int(re.search(r"parameters=(\d+)", line)[1]) == sum(p.numel() for p in rank_model(model, 1).parameters())
@@ -137,7 +137,7 @@ def test_sizes_that_do_not_divide_the_model_are_refused_in_one_line(tmp_path, ca
 def test_rank_1_dies_with_rank_0(tmp_path):
     model = make_tiny_model("Qwen2ForCausalLM", tmp_path)
     script = (f"import os, signal; from pagedserve import LLM; llm = LLM({str(model)!r}, tensor_parallel_size=2); "
-              "print(llm.runner.workers.processes[0].pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+              "print(llm.worker.ranks.processes[0].pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     rank0 = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert rank0.returncode == -9, rank0.stderr
     rank1 = int(rank0.stdout.split()[-1])

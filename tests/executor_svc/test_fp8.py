@@ -93,7 +93,7 @@ def test_engine_generates_greedily_in_fp8(qwen2):
     """The engine's FP8 decode steps pick what an FP8 prefill over the same context ranks first."""
     prompts = mixed_prompts(1)[:4]
     llm = LLM(str(qwen2), quantization="fp8", max_model_len=256, num_gpu_blocks_override=128, seed=0)
-    assert isinstance(llm.runner.model.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert isinstance(llm.worker.model.model.layers[0].mlp.down_proj, Fp8Linear)
     outputs = llm_greedy(llm, prompts, 12)
     contexts = [p + o for p, o in zip(prompts, outputs)]
     logits = paged_prefill_logits(qwen2, contexts, fp8=True)

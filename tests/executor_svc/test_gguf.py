@@ -124,7 +124,7 @@ def test_f16_gguf_serves_in_float16_on_a_gpu(llama_dir, tmp_path):
     prompts = mixed_prompts(0)
     llm = LLM(str(write_gguf(llama_dir, tmp_path / "model.gguf", Q.F16)), device="cuda",
               max_model_len=256, enable_prefix_caching=False)
-    assert llm.runner.dtype == torch.float16
+    assert llm.worker.dtype == torch.float16
     tokens = llm_greedy(llm, prompts, NEW_TOKENS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).cuda()
     agreed = 0
