@@ -16,7 +16,8 @@ from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
 from pagedserve.executor_svc.kv_cache import KVCache, allocate_kv_cache
 from pagedserve.executor_svc.layers.decoder import CausalLM
-from pagedserve.executor_svc.logits import LogprobRows, SampledLogprobs, step_logprobs
+from pagedserve.executor_svc.logits import (PROMPT_LOGPROBS_CHUNK, LogprobRows, SampledLogprobs,
+                                            chunked_logprobs, step_logprobs)
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
 from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
@@ -27,7 +28,7 @@ from pagedserve.executor_svc.step_clock import StepClock
 from pagedserve.executor_svc.structured_outputs import StructuredOutputs
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, NewRequest, StepPlan, StepResult
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass(slots=True)
@@ -215,9 +216,10 @@ class ModelRunner:
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, num_sample_rows: int, num_splits: int | None = None) -> None:
         """One forward of `num_tokens` prompt tokens (in sequences of up to max_model_len sharing
-        one scratch KV cache, their KV in `num_splits` segments if given) plus logits and
-        sampling for `num_sample_rows` rows, the first greedy and the others top-p: the largest
-        step the engine will run, for memory profiling and warm-up."""
+        one scratch KV cache, their KV in `num_splits` segments if given), the largest prompt
+        logprobs pass (a chunk of positions, MAX_LOGPROBS top tokens), then logits and sampling
+        for `num_sample_rows` rows, the first greedy and the others top-p: the largest step the
+        engine will run, for memory profiling and warm-up."""
         seq_len = min(num_tokens, self.max_model_len)
         num_blocks = -(-seq_len // self.block_size)
         scratch = allocate_kv_cache(self.model.config, num_blocks, self.block_size, self.kv_dtype,
@@ -232,6 +234,9 @@ class ModelRunner:
             step = self._prepare(rows, lens)
             step.meta.num_splits = num_splits
             hidden = self._forward(step, scratch)
+            positions = torch.arange(min(num_tokens, PROMPT_LOGPROBS_CHUNK), device=self.device)
+            chunked_logprobs(self.model.compute_logits, hidden, positions, torch.zeros_like(positions),
+                             MAX_LOGPROBS)
             n = num_sample_rows
             step.sample_rows = np.arange(n)
             step.logits_indices = torch.arange(n, device=self.device) % num_tokens

@@ -9,7 +9,7 @@ import torch
 
 from pagedserve.executor_svc.input_batch import InputBatch
 from pagedserve.executor_svc.logits import (GrammarMask, LogprobRows, Penalties, SampledLogprobs,
-                                            gather_logprobs, step_logprobs)
+                                            chunked_logprobs, step_logprobs)
 from pagedserve.executor_svc.sampler import SamplingBatch, make_sampling_batch
 from pagedserve.executor_svc.step_buffers import Staging, upload_pinned
 from pagedserve.executor_svc.structured_outputs import StructuredOutputs
@@ -71,15 +71,16 @@ class SamplingInputs:
                         hidden: torch.Tensor,
                         compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> PendingPrompt | None:
         """Queues the logprobs of the prompt tokens that this step's positions predict, for the
-        requests that asked: the logits of every such position, not only the last."""
+        requests that asked: the logits of every such position, not only the last, a chunk of
+        positions at a time (logits.PROMPT_LOGPROBS_CHUNK)."""
         found = self.batch.prompt_positions(rows, query_lens)
         if found is None:
             return None
         index, starts, counts, token_index, targets = found
         num_top = np.repeat(self.batch.num_prompt_logprobs[rows[index]], counts)
         device = hidden.device
-        logits = compute_logits(hidden[upload_pinned(token_index, device)])
-        lp = gather_logprobs(logits.log_softmax(dim=-1), upload_pinned(targets, device), int(num_top.max()))
+        lp = chunked_logprobs(compute_logits, hidden, upload_pinned(token_index, device),
+                              upload_pinned(targets, device), int(num_top.max()))
         if device.type == "cuda":
             lp = SampledLogprobs(_to_host(lp.values), _to_host(lp.ids))
         return PendingPrompt(seq_ids[index].tolist(), (starts + 1).tolist(), counts.tolist(), num_top, lp)

@@ -8,6 +8,7 @@ import torch
 from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
 from pagedserve.executor_svc.device import default_dtype
 from pagedserve.executor_svc.kv_cache import allocate_kv_cache
+from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.models import build_model
 from pagedserve.executor_svc.weight_loader import load_weights
@@ -96,6 +97,19 @@ def make_worker(path, block_size: int = 8, **overrides) -> Worker:
                              "num_gpu_blocks_override": NUM_BLOCKS, "device": "cpu",
                              "max_model_len": 256, **overrides})
     return Worker(config)
+
+
+def logits_rows(model: CausalLM) -> list[int]:
+    """From now on, the row count of each compute_logits call of `model`, which still computes."""
+    rows = []
+    compute_logits = model.compute_logits
+
+    def recorded(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(len(hidden))
+        return compute_logits(hidden)
+
+    model.compute_logits = recorded
+    return rows
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

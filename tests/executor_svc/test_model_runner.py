@@ -6,10 +6,11 @@ chunks under a token budget, shares blocks for prefix-cache hits, drops and re-a
 import numpy as np
 import pytest
 
+from pagedserve.executor_svc.logits import PROMPT_LOGPROBS_CHUNK
 from pagedserve.common.plan import ContinuingRequest, NewRequest, StepPlan
 from pagedserve.common.sampling_params import SamplingParams
-from tests.executor_svc.harness import (GREEDY, NEW_TOKENS, NUM_BLOCKS, MiniScheduler, Seq, make_worker,
-                                        random_prompts)
+from tests.executor_svc.harness import (GREEDY, NEW_TOKENS, NUM_BLOCKS, MiniScheduler, Seq, logits_rows,
+                                        make_worker, random_prompts)
 from tests.tiny_models import ARCHITECTURES, hf_greedy, make_tiny_model
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,10 @@ def test_describe_reports_the_model_and_cache(llama):
 
 def test_dummy_run_covers_a_full_token_budget(llama):
     worker = make_worker(llama, load_format="dummy")
-    worker.runner.dummy_run(num_tokens=300, num_sample_rows=8)
+    rows = logits_rows(worker.model)
+    worker.runner.dummy_run(num_tokens=PROMPT_LOGPROBS_CHUNK + 100, num_sample_rows=8)
+    # What the memory profile measures: a chunk of prompt logprobs, then the sampled rows.
+    assert rows == [PROMPT_LOGPROBS_CHUNK, 8]
     result = worker.run(StepPlan(0, new_requests=[NewRequest(1, [1, 2, 3], 0, 3, [4], GREEDY)]))
     assert result.seq_ids == [1] and 0 <= result.token_ids[0] < 512
 
