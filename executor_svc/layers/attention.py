@@ -8,17 +8,16 @@ from pagedserve.executor_svc.fp8 import Quantized
 from pagedserve.executor_svc.kv_cache import KVCache
 from pagedserve.executor_svc.layers.linear import column_linear, row_linear
 from pagedserve.executor_svc.layers.norm import Norm
-from pagedserve.executor_svc.layers.rotary import RotaryEmbedding
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
 
 
 class Attention(nn.Module):
-    """`config` holds this rank's heads; `rotary` is the table this layer rotates q and k with,
-    and `norm` builds the q/k norms when the config has them (Qwen3)."""
+    """`config` holds this rank's heads; `norm` builds the q/k norms when the config has them
+    (Qwen3). q and k rotate by the table the decoder stack passes in (layers.rotary)."""
 
     def __init__(self, config: ModelConfig, backend: TorchAttentionBackend, tp: TensorParallel | None,
-                 rotary: RotaryEmbedding, norm: Norm) -> None:
+                 norm: Norm) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -31,7 +30,6 @@ class Attention(nn.Module):
             self.q_norm = norm(self.head_dim)
             self.k_norm = norm(self.head_dim)
         self.qk_norm = config.qk_norm
-        self.rotary_emb = rotary
         self.scale = self.head_dim ** -0.5
         # The fp8 KV cache's per-layer scales (vLLM's k_scale, v_scale): 1.0 unless the
         # checkpoint has calibrated ones (weight_loader.KV_SCALE_SUFFIXES).
@@ -41,7 +39,7 @@ class Attention(nn.Module):
         self.tp = tp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | Quantized, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -49,7 +47,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
-        out = self.backend.forward(positions, q, k, v, self.rotary_emb.cos_sin_cache, kv_cache[0], kv_cache[1],
+        out = self.backend.forward(positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1],
                                    meta, self.scale, (self.k_scale, self.v_scale))
         out = self.o_proj(out.view(-1, self.num_heads * self.head_dim))
         # NCCL's all-reduce is captured in the decode CUDA graphs like the kernels around it.

@@ -14,6 +14,7 @@ from pagedserve.executor_svc.fp8 import Fp8Linear, takes_quantized
 from pagedserve.executor_svc.kv_cache import KVCache
 from pagedserve.executor_svc.layers.linear import embedding, shard
 from pagedserve.executor_svc.layers.norm import Norm
+from pagedserve.executor_svc.layers.rotary import RotaryEmbedding
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
 
@@ -29,9 +30,12 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = norm(config.hidden_size)
         self.post_attention_layernorm = norm(config.hidden_size)
+        # A plain attribute: a submodule's would cost a Module.__getattr__ per layer and step.
+        self.quantize_mlp_input = mlp.quantized_input
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
+                quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is fused into the next norm: each norm returns (normed, x + residual).
         # With `quantize` (FP8 projections that quantize their input) the norms and the
         # activation quantize their own output, which saves a pass over it.
@@ -40,28 +44,32 @@ class DecoderLayer(nn.Module):
             x, _ = self.input_layernorm(x, quantize=quantize)
         else:
             x, residual = self.input_layernorm(x, residual, quantize)
-        x = self.self_attn(positions, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual, quantize and self.mlp.quantized_input)
+        x = self.self_attn(positions, x, kv_cache, meta, cos_sin_cache)
+        x, residual = self.post_attention_layernorm(x, residual, quantize and self.quantize_mlp_input)
         return self.mlp(x, quantize), residual
 
 
 class DecoderModel(nn.Module):
-    """The embedding, `config.num_hidden_layers` layers built by `make_layer(index)` and the final
-    norm: a model whose layers differ (a sliding window or rotary table per layer) says so there."""
+    """The embedding, `config.num_hidden_layers` layers built by `make_layer(index)` (a model
+    whose layers differ, such as a sliding window on some, says so there), the final norm, and
+    the rotary table every layer's attention rotates with. A model with a table per layer kind
+    (Gemma 3's local and global ones) overrides forward to hand each layer its own."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None,
-                 make_layer: Callable[[int], nn.Module], norm: Norm) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None, make_layer: Callable[[int], nn.Module],
+                 norm: Norm, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = norm(config.hidden_size)
+        self.rotary_emb = rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         quantize = isinstance(self.layers[0].self_attn.o_proj, Fp8Linear) and takes_quantized(x)
+        cos_sin_cache = self.rotary_emb.cos_sin_cache
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta, quantize)
+            x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin_cache, quantize)
         return self.norm(x, residual)[0]
 
 
@@ -72,14 +80,15 @@ class CausalLM(nn.Module):
     rank `tp` (None: no tensor parallelism).
 
     A family subclasses it with __init__(config, backend, max_positions, tp), the signature
-    models.build_model calls, and passes up how to build its layers and norms."""
+    models.build_model calls, and passes up how to build its layers and norms, and its rotary
+    table."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None,
-                 make_layer: Callable[[int], nn.Module], norm: Norm) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None, make_layer: Callable[[int], nn.Module],
+                 norm: Norm, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = DecoderModel(config, tp, make_layer, norm)
+        self.model = DecoderModel(config, tp, make_layer, norm, rotary)
         if not config.tie_word_embeddings:
             self.lm_head = shard(nn.Linear(config.hidden_size, config.vocab_size, bias=False), tp, 0)
 

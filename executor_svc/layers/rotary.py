@@ -8,8 +8,7 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 class RotaryEmbedding(nn.Module):
-    """One table of cos/sin by position, shared by the attention layers that rotate with it (a
-    model whose layers rotate differently builds one per kind and hands each layer its own)."""
+    """The table of cos/sin by position that the decoder stack hands its attention layers."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()

@@ -1,6 +1,6 @@
 """The Llama family: Llama 2/3/3.1, Mistral, TinyLlama, SmolLM, Qwen2 (qkv bias), Qwen3 (q/k
 norm); the config's flags (model_config) pick the biases and the q/k norms. Every layer alike:
-attention with one rotary table, a gated MLP, RMSNorm."""
+attention and a gated MLP behind RMSNorms, one rotary table."""
 from functools import partial
 
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
@@ -20,6 +20,5 @@ class LlamaForCausalLM(CausalLM):
         norm = partial(RMSNorm, eps=config.rms_norm_eps, backend=backend)
 
         def layer(index: int) -> DecoderLayer:
-            return DecoderLayer(config, Attention(config, backend, tp, rotary, norm),
-                                GatedMLP(config, backend, tp), norm)
-        super().__init__(config, tp, layer, norm)
+            return DecoderLayer(config, Attention(config, backend, tp, norm), GatedMLP(config, backend, tp), norm)
+        super().__init__(config, tp, layer, norm, rotary)
