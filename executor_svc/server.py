@@ -1,11 +1,11 @@
-"""gRPC server around the model runner: Describe, and a Run stream of step plans."""
+"""gRPC server around the worker: Describe, and a Run stream of step plans."""
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import grpc
 
-from pagedserve.executor_svc.model_runner import ModelRunner
+from pagedserve.executor_svc.worker import Worker
 from pagedserve.common import service
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
@@ -16,9 +16,9 @@ log = get_logger(__name__)
 
 
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        # Launch and collect share one thread: they change the runner's host state, in order, off
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        # Launch and collect share one thread: they change the worker's host state, in order, off
         # the event loop so health checks answer. Waiting for the device takes another, so that a
         # plan that arrives meanwhile is launched behind the running step.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
@@ -27,7 +27,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
     async def Describe(self, request: executor_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> executor_pb2.ExecutorInfo:
-        return info_to_proto(self.runner.describe())
+        return info_to_proto(self.worker.describe())
 
     async def Run(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.busy:
@@ -42,13 +42,13 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             while (step := await launched.get()) is not None:
                 if isinstance(step, Exception):
                     raise step
-                await loop.run_in_executor(self.waiter, self.runner.wait, step)
-                result = await loop.run_in_executor(self.pool, self.runner.collect, step)
+                await loop.run_in_executor(self.waiter, self.worker.wait, step)
+                result = await loop.run_in_executor(self.pool, self.worker.collect, step)
                 yield result_to_proto(result)
         finally:
             reader.cancel()
             self.busy = False
-            await loop.run_in_executor(self.pool, self.runner.reset)
+            await loop.run_in_executor(self.pool, self.worker.reset)
             log.info("scheduler_detached")
 
     async def _launch_all(self, request_iterator, launched: asyncio.Queue) -> None:
@@ -57,7 +57,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         try:
             async for message in request_iterator:
                 plan = plan_from_proto(message)
-                launched.put_nowait(await loop.run_in_executor(self.pool, self.runner.launch, plan))
+                launched.put_nowait(await loop.run_in_executor(self.pool, self.worker.launch, plan))
         except Exception as e:  # noqa: BLE001 - handed to the writer, which fails the RPC with it
             launched.put_nowait(e)
         else:
@@ -66,11 +66,11 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
 async def serve(config: EngineConfig, address: str) -> None:
     """Loads the model, then serves the Executor service at `address` until SIGINT/SIGTERM."""
-    runner = ModelRunner(config)
-    info = runner.describe()
+    worker = Worker(config)
+    info = worker.describe()
     log.info("executor_ready", address=address, device=info.device, dtype=info.dtype,
              num_blocks=info.num_blocks, block_size=info.block_size)
     running = await service.start("executor", address, partial(
-        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(runner)))
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(worker)))
     await service.wait_for_signal()
     await running.stop()

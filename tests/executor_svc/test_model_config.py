@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedserve.executor_svc.model_config import load_model_config, model_config_from_dict, resolve_max_model_len
-from pagedserve.executor_svc.models.rope import build_cos_sin_cache
+from pagedserve.executor_svc.layers.rotary import build_cos_sin_cache
 from pagedserve.common.model_shapes import SHAPES
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=4096,

@@ -2,8 +2,18 @@
 import math
 
 import torch
+from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """The table of cos/sin by position that the decoder stack hands its attention layers."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(head_dim, max_positions, theta, scaling),
+                             persistent=False)
 
 
 def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
