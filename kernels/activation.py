@@ -8,8 +8,6 @@ from pagedserve.kernels import pdl
 from pagedserve.kernels.quant import INTERPRETED, empty_quantized, store_quantized_row
 from pagedserve.kernels.reference import FP8_MAX, FP8_MIN_SCALE
 
-# sqrt(2 / pi), the tanh GELU's scale (PyTorch's gelu(approximate="tanh")).
-_GELU_TANH_SCALE = tl.constexpr(0.7978845608028654)
 _TWO_LOG2E = tl.constexpr(2.8853900817779268)
 SILU, GELU_TANH = 0, 1
 _SILU = tl.constexpr(SILU)
@@ -17,9 +15,11 @@ _SILU = tl.constexpr(SILU)
 
 @triton.jit
 def tanh(x):
-    """tanh in fp32 through one exp2, within 1e-7 of it absolutely and saturating to +-1
-    without NaN: Triton has no tanh the CPU interpreter runs."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * _TWO_LOG2E) + 1.0)
+    """tanh in fp32 through one exp2 of a non-positive number (no overflow), within 1e-7 of it
+    absolutely: Triton has no tanh that the CPU interpreter runs."""
+    e = tl.math.exp2(tl.abs(x) * -_TWO_LOG2E)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -29,7 +29,9 @@ def _gated(x, row, stride_x, d, offs, mask, ACT: tl.constexpr):
     if ACT == _SILU:
         h = gate * tl.sigmoid(gate)
     else:
-        h = 0.5 * gate * (1.0 + tanh(_GELU_TANH_SCALE * (gate + 0.044715 * gate * gate * gate)))
+        # PyTorch's gelu(approximate="tanh"); 0.7978845608028654 is sqrt(2 / pi).
+        inner = (gate + 0.044715 * gate * gate * gate) * 0.7978845608028654
+        h = 0.5 * gate * (1.0 + tanh(inner))
     return (h * up).to(x.dtype.element_ty)
 
 
