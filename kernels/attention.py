@@ -206,11 +206,12 @@ def _window_tiles(first_query, kv_end, window, TILE: tl.constexpr, WINDOW: tl.co
     """(first tile any query of a block sees, first tile all of them see whole) under a sliding
     window, for queries from first_query to kv_end - 1: tiles before the first hold no visible
     key, so they are never read; (0, 0) without a window."""
+    tile_first = 0
+    first_full = 0
     if WINDOW:
-        return (tl.maximum(first_query - window + 1, 0) // TILE,
-                tl.cdiv(tl.maximum(kv_end - window, 0), TILE))
-    else:
-        return 0, 0
+        tile_first = tl.maximum(first_query - window + 1, 0) // TILE
+        first_full = tl.cdiv(tl.maximum(kv_end - window, 0), TILE)
+    return tile_first, first_full
 
 
 # num_seqs changes every step: specialising on it (== 1, multiple of 16) would recompile mid-run.

@@ -232,7 +232,7 @@ def test_mixed_step_attends_decode_rows_in_a_launch_of_their_own(
 def test_sliding_window_mixed_step_decode_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     spy = LaunchSpy(attention._attention_kernel)
     monkeypatch.setattr(attention, "_attention_kernel", spy)
-    run_case(MIXED, 4, 64, 16, torch.float32, num_splits=None, fresh=True, poison_new=True,
+    run_case(MIXED, 4, 32, 8, torch.float32, num_splits=None, fresh=True, poison_new=True,
              decode_launch=True, sliding_window=24, q_gain=3.0)
     assert len(spy.grids) == 2
 
