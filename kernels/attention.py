@@ -44,7 +44,7 @@ def _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 def _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, cap, MASKED: tl.constexpr,
                   LAZY_RESCALE: tl.constexpr, K_T: tl.constexpr, SOFTCAP: tl.constexpr):
     """One KV tile of the online softmax; `visible` [rows, TILE] masks scores when MASKED; k is
-    [HEAD_DIM, TILE] when K_T, else [TILE, HEAD_DIM]. With SOFTCAP, qk_scale is scale / softcap
+    [HEAD_PAD, TILE] when K_T, else [TILE, HEAD_PAD]. With SOFTCAP, qk_scale is scale / softcap
     and cap softcap * log2(e)."""
     # An fp8 cache widens to the query dtype here; its K scale is folded into qk_scale and its
     # V scale applied to the output.
@@ -88,21 +88,41 @@ def _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, cap, MASKED: tl.con
 
 
 @triton.jit
+def _load_tile(ptrs, row_ok, col_ok, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Loads ptrs [R, C], zeros where row_ok [R] (if ROWS) or col_ok [C] (if COLS) is false:
+    a mask only where needed, since a mask along a row stops vectorized loads."""
+    if ROWS:
+        if COLS:
+            mask = row_ok[:, None] & col_ok[None, :]
+        else:
+            mask = row_ok[:, None]
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    elif COLS:
+        x = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, stride_s,
                   q_limit, q_first, kv_start, kv_end, tile_lo, tile_hi, qk_scale, cap,
-                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  MASKED: tl.constexpr, LAZY_RESCALE: tl.constexpr, K_T: tl.constexpr,
-                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  TILE: tl.constexpr, MASKED: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                  K_T: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     # Online softmax over the paged cache's KV tiles [tile_lo, tile_hi); only the tiles that
     # cross the causal diagonal, the end of the context or (WINDOW) a row's first key q_first
     # pay for masks. Keys before kv_start, in no row's window, are not even loaded: a scheduler
-    # may free the blocks that hold them.
+    # may free the blocks that hold them. A head_dim that is no power of two is padded to
+    # HEAD_PAD with zeros.
+    PADDED: tl.constexpr = HEAD_PAD != HEAD_DIM
     offs_t = tl.arange(0, TILE)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
     for j in range(tile_lo, tile_hi):
         k_pos = j * TILE + offs_t
+        in_range = k_pos < kv_end
         if MASKED:
-            in_range = k_pos < kv_end
             if WINDOW:
                 in_range = in_range & (k_pos >= kv_start)
             block = tl.load(table + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
@@ -115,18 +135,16 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, 
             k_off = slot[None, :] + offs_d[:, None]
         else:
             k_off = v_off
+        if K_T:
+            k = _load_tile(k_cache + k_off, d_ok, in_range, PADDED, MASKED)
+        else:
+            k = _load_tile(k_cache + k_off, in_range, d_ok, MASKED, PADDED)
+        v = _load_tile(v_cache + v_off, in_range, d_ok, MASKED, PADDED)
         if MASKED:
-            if K_T:
-                k = tl.load(k_cache + k_off, mask=in_range[None, :], other=0.0)
-            else:
-                k = tl.load(k_cache + k_off, mask=in_range[:, None], other=0.0)
-            v = tl.load(v_cache + v_off, mask=in_range[:, None], other=0.0)
             visible = (k_pos[None, :] <= q_limit[:, None]) & in_range[None, :]
             if WINDOW:
                 visible = visible & (k_pos[None, :] >= q_first[:, None])
         else:
-            k = tl.load(k_cache + k_off)
-            v = tl.load(v_cache + v_off)
             visible = 0
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, cap, MASKED,
                                       LAZY_RESCALE, K_T, SOFTCAP)
@@ -156,8 +174,8 @@ def _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column, q_fre
 @triton.jit
 def _attend_span(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, stride_s,
                  q_limit, q_first, kv_start, kv_end, tile_lo, tile_hi, first_full, num_full,
-                 qk_scale, cap, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 TILE: tl.constexpr, LAZY_RESCALE: tl.constexpr, K_T: tl.constexpr,
+                 qk_scale, cap, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, LAZY_RESCALE: tl.constexpr, K_T: tl.constexpr,
                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     # Paged tiles [tile_lo, tile_hi): masked before first_full (a row's window starts inside
     # them) and from num_full on (the causal diagonal or kv_end cross them), unmasked between.
@@ -165,18 +183,18 @@ def _attend_span(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, s
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head,
                                       stride_b, stride_s, q_limit, q_first, kv_start, kv_end,
                                       tile_lo, tl.minimum(tile_hi, first_full), qk_scale, cap,
-                                      HEAD_DIM, BLOCK_SIZE, TILE, True, LAZY_RESCALE, K_T, WINDOW,
-                                      SOFTCAP)
+                                      HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE, True, LAZY_RESCALE, K_T,
+                                      WINDOW, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b,
                                   stride_s, q_limit, q_first, kv_start, kv_end,
                                   tl.maximum(tile_lo, first_full), tl.minimum(tile_hi, num_full),
-                                  qk_scale, cap, HEAD_DIM, BLOCK_SIZE, TILE, False, LAZY_RESCALE,
-                                  K_T, WINDOW, SOFTCAP)
+                                  qk_scale, cap, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE, False,
+                                  LAZY_RESCALE, K_T, WINDOW, SOFTCAP)
     return _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, stride_s,
                          q_limit, q_first, kv_start, kv_end,
                          tl.maximum(tile_lo, tl.maximum(first_full, num_full)), tile_hi,
-                         qk_scale, cap, HEAD_DIM, BLOCK_SIZE, TILE, True, LAZY_RESCALE, K_T,
-                         WINDOW, SOFTCAP)
+                         qk_scale, cap, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE, True,
+                         LAZY_RESCALE, K_T, WINDOW, SOFTCAP)
 
 
 @triton.jit
@@ -225,7 +243,8 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
                       window, num_seqs, num_splits, rows, num_heads,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_b, stride_s, stride_h,
                       stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                      BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr,
                       TILE: tl.constexpr, SPLIT: tl.constexpr, KV_SCALED: tl.constexpr,
                       REVERSE: tl.constexpr, LAZY_RESCALE: tl.constexpr, FRESH: tl.constexpr,
                       K_T: tl.constexpr, DOT_FP16: tl.constexpr, WINDOW: tl.constexpr,
@@ -261,14 +280,16 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
         return
     context_len = seq_len - query_len
 
+    PADDED: tl.constexpr = HEAD_PAD != HEAD_DIM
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
     q_pos = q_local * BLOCK_Q + offs_m // GROUP_PAD
     head = kv_head * GROUP + offs_m % GROUP_PAD
     row_ok = (q_pos < query_len) & (offs_m % GROUP_PAD < GROUP)
     token = (q_start + q_pos).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = _load_tile(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+                   + offs_d[None, :], row_ok, d_ok, True, PADDED)
     if DOT_FP16:
         # An fp8 cache's products run in fp16: E4M3 widens to fp16 in one instruction per pair
         # but to bf16 only through fp32 (1.3x the decode time at 64 x 4k on an H200), and fp16
@@ -298,7 +319,7 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
     q_limit = context_len + q_pos
     q_first = q_limit - window + 1
     kv_start = first_query - window + 1
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if FRESH:
@@ -307,8 +328,8 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
         acc, l_i, m_i = _attend_span(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
                                      stride_b, stride_s, q_limit, q_first, kv_start, context_len,
                                      tile_lo, tl.cdiv(context_len, TILE), first_full,
-                                     context_len // TILE, qk_scale, cap, HEAD_DIM, BLOCK_SIZE,
-                                     TILE, LAZY_RESCALE, K_T, WINDOW, SOFTCAP)
+                                     context_len // TILE, qk_scale, cap, HEAD_DIM, HEAD_PAD,
+                                     BLOCK_SIZE, TILE, LAZY_RESCALE, K_T, WINDOW, SOFTCAP)
         first_fresh = q_local * BLOCK_Q
         fresh_end = tl.minimum(first_fresh + BLOCK_Q, query_len)
         fresh_lo, fresh_first_full = _window_tiles(first_fresh, fresh_end, window, TILE, WINDOW)
@@ -321,40 +342,48 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
         acc, l_i, m_i = _attend_span(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
                                      stride_b, stride_s, q_limit, q_first, kv_start, kv_end,
                                      tile_lo, tile_hi, first_full, num_full, qk_scale, cap,
-                                     HEAD_DIM, BLOCK_SIZE, TILE, LAZY_RESCALE, K_T, WINDOW,
-                                     SOFTCAP)
+                                     HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE, LAZY_RESCALE, K_T,
+                                     WINDOW, SOFTCAP)
     if KV_SCALED:
         acc = acc * tl.load(v_scale_ptr)
 
     if SPLIT:
-        # Partials are [num_tokens, num_heads, num_splits, (HEAD_DIM | 2)] fp32; an empty
+        # Partials are [num_tokens, num_heads, num_splits, (HEAD_PAD | 2)] fp32; an empty
         # segment still writes (m=-inf, l=0, acc=0) so the merge never reads stale memory.
         row = (token * num_heads + head) * num_splits + split
-        tl.store(part_acc + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml + row * 2, m_i, mask=row_ok)
         tl.store(part_ml + row * 2 + 1, l_i, mask=row_ok)
     else:
         o_ptrs = out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=row_ok[:, None])
+        o_ok = row_ok[:, None]
+        if PADDED:
+            o_ok = o_ok & d_ok[None, :]
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=o_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(out, part_acc, part_ml, stride_ot, stride_oh, num_heads, num_splits,
-                  HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                  PDL: tl.constexpr):
     pdl.wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, MAX_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
     used = offs_s < num_splits
     row = (token * num_heads + head) * num_splits + offs_s
     m = tl.load(part_ml + row * 2, mask=used, other=float("-inf"))
     l_s = tl.load(part_ml + row * 2 + 1, mask=used, other=0.0)
-    acc = tl.load(part_acc + row[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None], other=0.0)
+    acc = tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :], mask=used[:, None], other=0.0)
     m_max = tl.max(m, 0)
     w = tl.math.exp2(m - m_max)
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
-    tl.store(out + token * stride_ot + head * stride_oh + offs_d, o.to(out.dtype.element_ty))
+    o = (tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)).to(out.dtype.element_ty)
+    o_ptrs = out + token * stride_ot + head * stride_oh + offs_d
+    if HEAD_PAD != HEAD_DIM:
+        tl.store(o_ptrs, o, mask=offs_d < HEAD_DIM)
+    else:
+        tl.store(o_ptrs, o)
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,6 +414,8 @@ def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len
     # stages: 0.260 ms at 64 x 4k (K loaded [tile, head_dim] 0.325, 3 stages 0.359); fp8 with
     # 128-token tiles and 3 stages: 0.200 ms (64-token tiles 0.252, 2 stages 0.206), and 2.85
     # ms at 256 x 16k against 3.92 for bf16.
+    # Tiles hold heads padded to a power of two (Phi-3-mini's 96 dims as 128).
+    head_dim = triton.next_power_of_2(head_dim)
     if max_query_len * group_pad <= 16:
         kv_bytes = kv_bytes or elem_bytes
         tile = max(16, min(128, 16384 // (head_dim * kv_bytes)))
@@ -513,6 +544,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"{v_cache.stride()}: allocate them as halves of one tensor or alike")
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
+    head_pad = triton.next_power_of_2(head_dim)
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:
         max_query_len = num_tokens
@@ -537,13 +569,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fp8 = is_fp8(k_cache)
     scaled = fp8 and kv_scales is not None
     k_scale, v_scale = kv_scales if scaled else (None, None)
-    fresh = cfg.fresh_kv and k_new is not None and num_splits == 1 and not fp8
+    # Tensor descriptors load whole power-of-two heads: a padded head reads its cache.
+    fresh = (cfg.fresh_kv and k_new is not None and num_splits == 1 and not fp8
+             and head_pad == head_dim)
     k_desc, v_desc = ((_rows_descriptor(k_new, cfg.tile), _rows_descriptor(v_new, cfg.tile))
                       if fresh else (None, None))
     if out is None:
         out = torch.empty_like(q)
     if num_splits > 1:
-        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_pad, dtype=torch.float32,
                                device=q.device)
         part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32,
                               device=q.device)
@@ -560,6 +594,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             num_seqs, num_splits, rows, num_heads,
             *q.stride()[:2], *out.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0),
             GROUP=group, GROUP_PAD=group_pad, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
             BLOCK_SIZE=block_size, TILE=cfg.tile, SPLIT=num_splits > 1, KV_SCALED=scaled,
             REVERSE=cfg.reverse, LAZY_RESCALE=cfg.lazy_rescale, FRESH=descs[0] is not None,
             K_T=cfg.k_transposed, DOT_FP16=fp8, WINDOW=windowed, SOFTCAP=capped,
@@ -574,5 +609,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits > 1:
         _merge_kernel[(num_tokens, num_heads)](out, part_acc, part_ml, out.stride(0),
                                                out.stride(1), num_heads, num_splits,
-                                               HEAD_DIM=head_dim, MAX_SPLITS=MAX_SPLITS, **launch)
+                                               HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+                                               MAX_SPLITS=MAX_SPLITS, **launch)
     return out
