@@ -47,7 +47,9 @@ def rope_from_config(config: dict, layer_type: str | None = None) -> Rope:
     such as Gemma 3, whose `layer_type` picks one) or the legacy `rope_theta` + `rope_scaling`
     (which wins when both are present, as in transformers), the legacy `type` key, a top-level
     `partial_rotary_factor`, and Phi-3's top-level `original_max_position_embeddings`, which
-    wins over the one in the scaling parameters.
+    wins over the one in the scaling parameters. A flat config gives every layer type the same
+    rope: keys of one model's own (Gemma 3's legacy `rope_local_base_freq` for its sliding
+    layers) are that model's to read.
     """
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     if layer_type is not None and layer_type in params:
