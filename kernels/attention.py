@@ -175,8 +175,8 @@ def _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column, q_fre
 def _attend_span(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, stride_s,
                  q_limit, q_first, kv_start, kv_end, tile_lo, tile_hi, first_full, num_full,
                  qk_scale, cap, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, LAZY_RESCALE: tl.constexpr, K_T: tl.constexpr,
-                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                 K_T: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     # Paged tiles [tile_lo, tile_hi): masked before first_full (a row's window starts inside
     # them) and from num_full on (the causal diagonal or kv_end cross them), unmasked between.
     if WINDOW:
@@ -375,7 +375,8 @@ def _merge_kernel(out, part_acc, part_ml, stride_ot, stride_oh, num_heads, num_s
     row = (token * num_heads + head) * num_splits + offs_s
     m = tl.load(part_ml + row * 2, mask=used, other=float("-inf"))
     l_s = tl.load(part_ml + row * 2 + 1, mask=used, other=0.0)
-    acc = tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :], mask=used[:, None], other=0.0)
+    acc = tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :], mask=used[:, None],
+                  other=0.0)
     m_max = tl.max(m, 0)
     w = tl.math.exp2(m - m_max)
     o = (tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)).to(out.dtype.element_ty)
@@ -526,8 +527,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `max_query_len` and `max_seq_len` are host-known upper bounds (defaults: all tokens, the
     block table's capacity); they only pick tile shapes and the split count, so no device value
     is read on the host. `num_splits` forces the number of KV segments (1 = no split-KV, at most
-    MAX_SPLITS); `out` receives the result if given. An fp8 cache holds K / k_scale and V / v_scale (kv_scales:
-    float32 [] tensors; none means 1.0). `config` overrides the tiling (`default_config`).
+    MAX_SPLITS); `out` receives the result if given. An fp8 cache holds K / k_scale and
+    V / v_scale (kv_scales: float32 [] tensors; none means 1.0). `config` overrides the tiling
+    (`default_config`).
     k_new and v_new [num_tokens, num_kv_heads, head_dim] (rotated k) are this step's keys and
     values, as the cache holds them; a `fresh_kv` config (the default prefill one when they are
     given) reads them instead of their cache slots when the launch is unsplit and the cache is

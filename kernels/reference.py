@@ -168,6 +168,7 @@ def silu_and_mul_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def gelu_tanh_and_mul_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gelu_tanh(gate) * up (rounded to x's dtype) quantized per token: (FP8 [T, d], scale [T, 1])."""
+    """gelu_tanh(gate) * up (rounded to x's dtype) quantized per token: (FP8 [T, d],
+    scale [T, 1])."""
     out = gelu_tanh_and_mul_ref(x)
     return per_token_quant_fp8_ref(out.reshape(-1, out.shape[-1]))

@@ -132,10 +132,11 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`rotary_ref` then `write_kv_ref` in one kernel launch: rotates q [T, num_heads, head_dim]
     and k IN PLACE by positions [T] (cos_sin_cache [max_positions, rotary_dim] holds cos then sin
-    halves; only the first rotary_dim dims of each head rotate), and writes the rotated k and v [T, num_kv_heads, head_dim] to their slots of the
-    paged caches [num_blocks, block_size, num_kv_heads, head_dim], skipping tokens with slot -1
-    (CUDA-graph padding). An fp8 cache stores k / k_scale and v / v_scale (kv_scales: float32
-    [] tensors; none means 1.0), saturated to +-448; other caches ignore kv_scales.
+    halves; only the first rotary_dim dims of each head rotate), and writes the rotated k and v
+    [T, num_kv_heads, head_dim] to their slots of the paged caches [num_blocks, block_size,
+    num_kv_heads, head_dim], skipping tokens with slot -1 (CUDA-graph padding). An fp8 cache
+    stores k / k_scale and v / v_scale (kv_scales: float32 [] tensors; none means 1.0),
+    saturated to +-448; other caches ignore kv_scales.
 
     Returns q. v is only read. q, k and v may be strided views (of the fused qkv output) whose
     last dim is contiguous.
