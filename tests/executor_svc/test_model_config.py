@@ -73,5 +73,5 @@ def test_rope_tables():
     cache = build_cos_sin_cache(8, 5, 10000.0, None)
     angles = torch.arange(5.0)[:, None] * 10000.0 ** (-torch.arange(0, 8, 2) / 8)
     torch.testing.assert_close(cache, torch.cat((angles.cos(), angles.sin()), dim=-1))
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        build_cos_sin_cache(8, 5, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="rope type 'mrope' is not supported"):
+        build_cos_sin_cache(8, 5, 10000.0, {"rope_type": "mrope", "mrope_section": [1, 1, 2]})
