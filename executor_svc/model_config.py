@@ -1,6 +1,6 @@
 """The model's shape, read from a Hugging Face model directory's config.json or a GGUF file."""
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.executor_svc.gguf_file import find_gguf, read_gguf_config
@@ -32,6 +32,9 @@ class ModelConfig:
     sliding_window: int | None
     # The checkpoint's own quantization (config.json's quantization_config): "fp8" or None.
     quantization: str | None = None
+    # config.json as read (or as a GGUF file's metadata gives it): what only one family reads
+    # (experts, soft caps, layer types) its own file takes from here, not a field above.
+    hf_config: dict = field(default_factory=dict)
 
 
 def load_model_config(model: str | Path) -> ModelConfig:
@@ -84,6 +87,7 @@ def model_config_from_dict(config: dict, generation_config: dict | None = None) 
         eos_token_ids=_eos_token_ids(config, generation_config),
         sliding_window=_sliding_window(config, architecture),
         quantization=_quantization(config.get("quantization_config")),
+        hf_config=config,
     )
 
 
