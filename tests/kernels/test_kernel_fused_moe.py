@@ -113,7 +113,8 @@ def run_and_compare(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     out = fused_moe(x, w13, w2, weights, ids, config=config, **scales)
     w8a8 = (config.gate_up.w8a8, config.down.w8a8) if config else (True, True)
     ref = fused_moe_ref(x, w13, w2, weights, ids, scales.get("w13_scale"), scales.get("w2_scale"), *w8a8)
-    assert_close(out, ref)
+    # Gate/up then down: two products (float32 on an H200 measured 2.08e-3 against one's 2e-3).
+    assert_close(out, ref, products=2)
 
 
 # Batch 1 over 128 experts (120 chosen by no token), a few tokens, one more than a 16-row block.
