@@ -1,16 +1,22 @@
 """Turns a decoded OpenAI request into prompt token ids and SamplingParams, rejecting what cannot run."""
 import json
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from pagedserve.gateway.errors import bad_request, model_not_found
 from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
-from pagedserve.common.tokenizer import ChatTemplateError, Tokenizer
+from pagedserve.common.tokenizer import RESERVED_VARIABLES, Tokenizer
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 
-# Text of one request (its messages, or its prompts); past a million characters no context window
-# of a served model is near, and tokenizing it alone takes seconds of CPU.
+# Text of one request (its prompts, or everything its chat template renders); past a million
+# characters no context window of a served model is near, and tokenizing it alone takes seconds of CPU.
 MAX_PROMPT_CHARS = 1_000_000
+# A request's own chat template (with --trust-request-chat-template): real ones are 2-20 KB, and
+# compiling takes about 30 ms per 1 KB (a 350 KB template: 10 s).
+MAX_REQUEST_TEMPLATE_CHARS = 65_536
+_json = msgspec.json.Encoder()
 
 
 def resolve_model(requested: str | None, served: str) -> str:
@@ -89,34 +95,63 @@ def _chat_message(m: ChatMessage, index: int) -> dict:
     return message
 
 
-def chat_messages(messages: list[ChatMessage]) -> tuple[list[dict], int]:
-    """The messages as the chat template takes them, and how many characters they hold; a 400 past
-    MAX_PROMPT_CHARS (their number was checked when the request was decoded)."""
+@dataclass(slots=True)
+class ChatInput:
+    """What a chat template renders: the messages and tools as templates take them, the extra
+    variables, a request's own template (None: the server's), and how many characters they hold."""
+    messages: list[dict]
+    tools: list[dict] | None
+    template_kwargs: dict[str, Any] | None
+    template: str | None
+    size: int
+
+
+def chat_input(messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: dict[str, Any] | None,
+               template: str | None, trust_template: bool) -> ChatInput:
+    """A chat's template input; a 400 for a request template the server does not trust or that is
+    too long, for kwargs that would replace the template's own variables, and past MAX_PROMPT_CHARS
+    in all (the number of messages was checked when the request was decoded)."""
+    check_request_template(template, trust_template)
+    reserved = sorted(RESERVED_VARIABLES.intersection(template_kwargs or ()))
+    if reserved:
+        raise bad_request(f"`chat_template_kwargs` may not set {', '.join(reserved)}: the server sets those "
+                          "template variables itself; remove them.", param="chat_template_kwargs")
     rendered = [_chat_message(m, i) for i, m in enumerate(messages)]
-    size = sum(len(m["content"] or "") for m in rendered)
-    check_prompt_chars(size, "messages")
-    return rendered, size
+    tool_dicts = None if not tools else [msgspec.to_builtins(t) for t in tools]
+    size = (sum(_message_size(m) for m in rendered) + _json_size(tool_dicts) + _json_size(template_kwargs)
+            + len(template or ""))
+    if size > MAX_PROMPT_CHARS:
+        raise bad_request(f"The chat (its messages, tools, chat_template_kwargs and chat_template) holds {size} "
+                          f"characters; the limit is {MAX_PROMPT_CHARS} per request.", param="messages")
+    return ChatInput(rendered, tool_dicts, template_kwargs, template, size)
+
+
+def check_request_template(template: str | None, trusted: bool) -> None:
+    if template is None:
+        return
+    if not trusted:
+        raise bad_request("This server renders its own chat template only; remove `chat_template`, or start "
+                          "the server with --trust-request-chat-template to accept a request's.",
+                          param="chat_template")
+    if len(template) > MAX_REQUEST_TEMPLATE_CHARS:
+        raise bad_request(f"`chat_template` holds {len(template)} characters; the limit is "
+                          f"{MAX_REQUEST_TEMPLATE_CHARS}.", param="chat_template")
+
+
+def _message_size(message: dict) -> int:
+    calls = message.get("tool_calls")
+    return (len(message["content"] or "") + len(message.get("reasoning") or "")
+            + (_json_size(calls) if calls else 0))
+
+
+def _json_size(value: object) -> int:
+    return 0 if value is None else len(_json.encode(value))
 
 
 def check_prompt_chars(size: int, param: str) -> None:
     if size > MAX_PROMPT_CHARS:
         raise bad_request(f"`{param}` holds {size} characters; the limit is {MAX_PROMPT_CHARS} per request.",
                           param=param)
-
-
-def chat_prompt(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool,
-                add_special_tokens: bool = False, tools: list[Tool] | None = None,
-                template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
-    """The token ids of the chat_messages() templated; the template writes the special tokens (BOS
-    included), so add_special_tokens=True would add them twice (vLLM's /tokenize offers it all the
-    same). Tools reach the template as transformers passes them (OpenAI's tool objects)."""
-    tool_dicts = None if not tools else [msgspec.to_builtins(t) for t in tools]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tool_dicts,
-                                             template=chat_template, **(template_kwargs or {}))
-    except ChatTemplateError as e:
-        raise bad_request(f"Cannot build a prompt from these messages: {e}", param="messages") from e
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def split_prompts(prompt: str | list) -> list[str] | list[list[int]]:
@@ -164,9 +199,11 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 
 def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
+    """400 for a key that is not a token id in ASCII digits."""
     for key in bias or ():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
-            raise bad_request(f"`logit_bias` key {key!r} is not a token id; keys must be token ids in "
+        # isdigit alone takes "²" and other Unicode digits, which int() refuses.
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= vocab_size:
+            raise bad_request(f"`logit_bias` key {key[:20]!r} is not a token id; keys must be token ids in "
                               f"[0, {vocab_size}), written as strings.", param="logit_bias")
 
 

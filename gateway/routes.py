@@ -13,6 +13,7 @@ from aiohttp import web
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.gateway import params, reasoning
 from pagedserve.gateway.chat_output import ChatOutputOptions
+from pagedserve.gateway.chat_prompt import chat_prompt
 from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found, request_timeout
 from pagedserve.gateway.generation import Choice, ChoiceEvent, Generation, fan_out
 from pagedserve.gateway.logprobs import TokenLogprob
@@ -93,9 +94,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params.check_fan_out(1, req.n, gateway.max_client_batch_size)
     options = ChatOutputOptions(reasoning=gateway.reasoning_parser is not None)
     constraint = _chat_constraint(req, gateway, options)
-    messages, size = params.chat_messages(req.messages)
-    prompt = await gateway.offload(size, params.chat_prompt, gateway.tokenizer, messages, req.add_generation_prompt,
-                                   False, req.tools, req.chat_template_kwargs, req.chat_template)
+    chat = params.chat_input(req.messages, req.tools, req.chat_template_kwargs, req.chat_template,
+                             gateway.trust_request_chat_template)
+    prompt = await chat_prompt(gateway, chat, req.add_generation_prompt)
     if options.reasoning and reasoning.ended_in_prompt(gateway.tokenizer.decode(prompt, False)):
         options.reasoning = False
     if options.reasoning and constraint is not None:

@@ -203,6 +203,8 @@ def decode_request(body: bytes, kind: type[Struct]) -> Struct:
     except msgspec.DecodeError as e:
         raise bad_request(f"The body is not valid JSON ({e}); send a JSON object, UTF-8 encoded, "
                           "without NaN or Infinity.") from e
+    except RecursionError:
+        raise bad_request("The body nests JSON arrays and objects too deeply; flatten it.") from None
 
 
 class PromptTokensDetails(Struct):

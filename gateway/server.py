@@ -70,6 +70,9 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                        help="tokens per streamed chunk; more means fewer writes under load (vLLM's flag)")
     group.add_argument("--chat-template", type=chat_template, default=None,
                        help="a Jinja chat template, as a file or inline, used instead of the model's")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a `chat_template` in requests (vLLM's flag): each renders in a child "
+                            "process, within 2 s and 1 GiB; without it such requests get a 400")
     group.add_argument("--enable-log-requests", action="store_true",
                        help="log each request when it ends: id, prompt tokens, sampling parameters, "
                             "finish reasons, completion tokens and latency")
@@ -172,7 +175,8 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     stream_interval=args.stream_interval, log_requests=args.enable_log_requests,
                     sampling_defaults=sampling_defaults(args.model, args.generation_config),
                     tool_parser=tool_parser(args), reasoning_parser=args.reasoning_parser,
-                    max_client_batch_size=args.max_client_batch_size, body_read_timeout=args.body_read_timeout)
+                    max_client_batch_size=args.max_client_batch_size, body_read_timeout=args.body_read_timeout,
+                    trust_request_chat_template=args.trust_request_chat_template)
     # The tokenizer and everything loaded so far live as long as the process: frozen, they leave
     # the collector's full passes, which a large request's objects would otherwise trigger over
     # the whole heap (tens of milliseconds with the event loop held).

@@ -168,6 +168,8 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv.append(f"--chat-template={args.chat_template}")
     if args.enable_log_requests:
         argv.append("--enable-log-requests")
+    if args.trust_request_chat_template:
+        argv.append("--trust-request-chat-template")
     if tool_parser(args):
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser:

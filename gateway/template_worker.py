@@ -1,0 +1,111 @@
+"""Chat templates that requests bring (--trust-request-chat-template), rendered in a child process.
+
+jinja2's sandbox keeps a template from reaching Python, but not from looping or allocating without
+end. In the child a render gets RENDER_TIMEOUT_S of wall-clock time and MEMORY_LIMIT_BYTES of
+address space; past the deadline the child is killed (and started again for the next request),
+and the gateway's event loop and thread pool never run a client's Jinja. Run as a module, this
+file is the child: it reads length-prefixed msgpack frames (template, variables) on stdin and
+answers (text, error) on stdout."""
+import asyncio
+import resource
+import sys
+
+import msgspec
+
+from pagedserve.common.chat_template import ChatTemplateError, compile_template, render
+from pagedserve.common.log import get_logger
+from pagedserve.common.process import die_with_parent
+
+log = get_logger(__name__)
+
+# A model's chat template renders in milliseconds: SmolLM2's took 18 ms here for 2048 messages (the
+# most a request may send), so the deadline leaves a hundredfold margin.
+RENDER_TIMEOUT_S = 2.0
+# The child's address space: Python and jinja2 take about 40 MB; the rest bounds what a template
+# can build with the operations that BoundedSandbox does not count (str.ljust, the format filter).
+MEMORY_LIMIT_BYTES = 1 << 30
+_HEADER = 4
+
+
+def _frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(_HEADER, "little") + payload
+
+
+class TemplateWorker:
+    """The gateway's side: one child, started on first use, rendering one template at a time."""
+
+    def __init__(self) -> None:
+        self._process: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+
+    async def render(self, source: str, variables: dict) -> str:
+        """The template rendered with `variables`; raises ChatTemplateError when it fails, overruns
+        its output or memory, or takes longer than RENDER_TIMEOUT_S."""
+        try:
+            request = _frame(self._encoder.encode((source, variables)))
+        except (TypeError, OverflowError) as e:
+            raise ChatTemplateError(f"the template variables cannot be passed on: {e}") from None
+        async with self._lock:
+            try:
+                text, error = await asyncio.wait_for(self._call(request), RENDER_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await self._kill("deadline")
+                raise ChatTemplateError(f"the chat template did not finish within {RENDER_TIMEOUT_S:g} s") from None
+            except (asyncio.IncompleteReadError, ConnectionError):
+                await self._kill("crashed")
+                raise ChatTemplateError("the chat template's render crashed") from None
+            except BaseException:
+                # Cancelled (the client left): the child's answer would reach the next request.
+                await self._kill("cancelled")
+                raise
+        if error is not None:
+            raise ChatTemplateError(error)
+        return text
+
+    async def _call(self, request: bytes) -> tuple[str | None, str | None]:
+        if self._process is None:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        process = self._process
+        process.stdin.write(request)
+        await process.stdin.drain()
+        size = int.from_bytes(await process.stdout.readexactly(_HEADER), "little")
+        return msgspec.msgpack.decode(await process.stdout.readexactly(size))
+
+    async def _kill(self, reason: str | None) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if reason is not None:
+            log.warning("chat_template_worker_killed", reason=reason, pid=process.pid)
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+    async def close(self) -> None:
+        await self._kill(None)
+
+
+def _render(payload: bytes) -> tuple[str | None, str | None]:
+    source, variables = msgspec.msgpack.decode(payload)
+    try:
+        return render(compile_template(source), variables), None
+    except ChatTemplateError as e:
+        return None, str(e)
+
+
+def main() -> None:
+    die_with_parent()
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft = MEMORY_LIMIT_BYTES if hard == resource.RLIM_INFINITY else min(hard, MEMORY_LIMIT_BYTES)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    encoder = msgspec.msgpack.Encoder()
+    while header := stdin.read(_HEADER):
+        stdout.write(_frame(encoder.encode(_render(stdin.read(int.from_bytes(header, "little"))))))
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
