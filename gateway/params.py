@@ -21,6 +21,9 @@ _json = msgspec.json.Encoder()
 # a list of words in their spellings, while the map, copied to each engine request and applied at every
 # step, stays small: 64 prompts x n=16 at the cap fan out in about 2 ms of gateway CPU.
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Characters of one stop string (vLLM sets no limit); the longest in common use is a few words. Each
+# streamed choice keeps up to this much text back while it could still begin a stop.
+MAX_STOP_CHARS = 1024
 
 
 def resolve_model(requested: str | None, served: str) -> str:
@@ -213,6 +216,13 @@ def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
         if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= vocab_size:
             raise bad_request(f"`logit_bias` key {key[:20]!r} is not a token id; keys must be token ids in "
                               f"[0, {vocab_size}), written as strings.", param="logit_bias")
+
+
+def check_stop(stop: str | list[str] | None) -> None:
+    for text in [stop] if isinstance(stop, str) else stop or ():
+        if len(text) > MAX_STOP_CHARS:
+            raise bad_request(f"A stop string holds {len(text)} characters; the limit is {MAX_STOP_CHARS}.",
+                              param="stop")
 
 
 def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> None:
