@@ -24,7 +24,7 @@ from pagedserve.gateway.schemas import (ChatCompletionRequest, CompletionRequest
                              decode_request)
 from pagedserve.gateway.sse import SSEWriter
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
-from pagedserve.gateway.structured import request_constraint
+from pagedserve.gateway.structured import checked, request_constraint
 from pagedserve.gateway.tools import tool_options
 from pagedserve.common.log import get_logger
 from pagedserve.common.tokenizer import Tokenizer
@@ -93,7 +93,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params.check_chat_options(req)
     params.check_fan_out(1, req.n, gateway.max_client_batch_size)
     options = ChatOutputOptions(reasoning=gateway.reasoning_parser is not None)
-    constraint = _chat_constraint(req, gateway, options)
+    constraint = await _checked(gateway, _chat_constraint(req, gateway, options))
     chat = params.chat_input(req.messages, req.tools, req.chat_template_kwargs, req.chat_template,
                              gateway.trust_request_chat_template)
     prompt = await chat_prompt(gateway, chat, req.add_generation_prompt)
@@ -126,14 +126,23 @@ def _free_thinking(constraint: StructuredOutputsParams, tokenizer: Tokenizer) ->
 
 
 def _chat_constraint(req: ChatCompletionRequest, gateway: Gateway,
-                     options: ChatOutputOptions) -> StructuredOutputsParams | None:
-    """What tool_choice forces, or else what the request asks for."""
+                     options: ChatOutputOptions) -> tuple[str, StructuredOutputsParams] | None:
+    """What tool_choice forces (from `tools`), or else what the request asks for, and its field."""
     forced = tool_options(req, gateway.tool_parser, options)
     requested = request_constraint(req)
     if forced is not None and requested is not None:
         raise bad_request("tool_choice \"required\" or a named function constrains the output already; "
                           "remove `response_format` (or the structured outputs field).", param="tool_choice")
-    return forced or requested
+    return ("tools", forced) if forced is not None else requested
+
+
+async def _checked(gateway: Gateway,
+                   given: tuple[str, StructuredOutputsParams] | None) -> StructuredOutputsParams | None:
+    """The constraint, checked (size and compilation) on the pool: a large one takes seconds."""
+    if given is None:
+        return None
+    param, constraint = given
+    return await gateway.in_pool(checked, constraint, param)
 
 
 @_counts_rejections
@@ -152,7 +161,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     # Echo with logprobs shows the prompt's tokens as OpenAI does, prompt_logprobs as vLLM does.
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
     prompt_logprobs = max(asked) if asked else None
-    choices = _choices(rid, req, prompts, req.max_tokens, req.logprobs, served, request_constraint(req),
+    constraint = await _checked(gateway, request_constraint(req))
+    choices = _choices(rid, req, prompts, req.max_tokens, req.logprobs, served, constraint,
                        prompt_logprobs)
     echo = [""] * len(choices)
     if req.echo:

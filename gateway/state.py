@@ -75,6 +75,10 @@ class Gateway:
         would hold the event loop long enough to delay /health and other streams."""
         if size < OFFLOAD_SIZE:
             return fn(*args)
+        return await self.in_pool(fn, *args)
+
+    async def in_pool(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the pool, whatever the size."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
 
