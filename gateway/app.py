@@ -6,6 +6,7 @@ from pagedserve.gateway.auth import auth_middleware
 from pagedserve.gateway.cors import CORS
 from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
+from pagedserve.gateway.hosts import host_middleware
 from pagedserve.gateway.request_id import request_id_middleware
 from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway
 from pagedserve.common.tokenizer import Tokenizer
@@ -32,6 +33,7 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
 
 def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: list[str] | None = None, *,
               api_key: str | None = None, protect_metrics: bool = False,
+              allowed_hosts: frozenset[str] | None = None,
               allowed_origins: list[str] | None = None, stream_interval: int = 1,
               log_requests: bool = False, sampling_defaults: dict | None = None,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
@@ -44,6 +46,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     to one of those in rotation (see engine_pool).
 
     With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
+    With `allowed_hosts` (see hosts.allowed_hosts), other Host headers get a 421.
     `log_requests` logs one line per finished request (vLLM's --enable-log-requests).
     `sampling_defaults` (the model's generation config) fill the sampling options a request omits.
     `tool_parser` reads tool calls under tool_choice "auto"; `reasoning_parser` splits off thinking.
@@ -56,6 +59,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
                       max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout,
                       trust_request_chat_template=trust_request_chat_template)
     middlewares = [request_id_middleware, error_middleware, gateway.drain.middleware]
+    if allowed_hosts is not None:
+        middlewares.insert(2, host_middleware(allowed_hosts))
     cors = CORS(allowed_origins) if allowed_origins else None
     if cors:
         middlewares.append(cors.preflight)
