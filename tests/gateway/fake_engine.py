@@ -99,6 +99,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.metadata: list[dict] = []
         self.cancelled: dict[str, float] = {}
         self.stream_calls = 0
+        self.info_calls = 0
         self.address = ""
         self.model = MODEL
         self.steps = ENGINE_STEPS
@@ -174,6 +175,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 self.cancelled[request.request_id] = time.monotonic()
 
     async def GetModelInfo(self, request, context):
+        self.info_calls += 1
         return pb.ModelInfo(served_model_name=self.model, max_model_len=MAX_MODEL_LEN,
                             vocab_size=self.vocab_size, eos_token_ids=[self.eos], **ENGINE_STATS,
                             **self.steps)
