@@ -62,8 +62,8 @@ def unavailable(message: str) -> APIError:
     return Unavailable(message)
 
 
-def overloaded() -> APIError:
-    return Unavailable("The server is overloaded; retry shortly.", code="server_overloaded")
+def overloaded(message: str = "The server is overloaded; retry shortly.") -> APIError:
+    return Unavailable(message, code="server_overloaded")
 
 
 def unauthorized() -> APIError:

@@ -14,7 +14,7 @@ from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsP
 from pagedserve.gateway import params, reasoning
 from pagedserve.gateway.chat_output import ChatOutputOptions
 from pagedserve.gateway.chat_prompt import chat_prompt
-from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found, request_timeout
+from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found, overloaded, request_timeout
 from pagedserve.gateway.generation import Choice, ChoiceEvent, Generation, fan_out
 from pagedserve.gateway.logprobs import TokenLogprob
 from pagedserve.gateway.metrics import rejection_reason
@@ -84,7 +84,25 @@ def _counts_rejections(handler: Handler) -> Handler:
     return counted
 
 
+def _admitted(handler: Handler) -> Handler:
+    """Answers 503 server_overloaded while --max-concurrent-requests generation requests are in flight."""
+    @functools.wraps(handler)
+    async def admitted(request: web.Request) -> web.StreamResponse:
+        gateway = request.app[GATEWAY]
+        limit = gateway.max_concurrent_requests
+        if limit is not None and gateway.generating >= limit:
+            raise overloaded(f"This server already serves {limit} requests, its limit "
+                             "(--max-concurrent-requests); retry shortly.")
+        gateway.generating += 1
+        try:
+            return await handler(request)
+        finally:
+            gateway.generating -= 1
+    return admitted
+
+
 @_counts_rejections
+@_admitted
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, ChatCompletionRequest)
     gateway = request.app[GATEWAY]
@@ -146,6 +164,7 @@ async def _checked(gateway: Gateway,
 
 
 @_counts_rejections
+@_admitted
 async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, CompletionRequest)
     gateway = request.app[GATEWAY]

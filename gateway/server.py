@@ -100,6 +100,10 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                        help="seconds running requests get to finish after SIGTERM/SIGINT; then streams end "
                             "with an error event and `data: [DONE]`, other requests with a 503")
+    group.add_argument("--max-concurrent-requests", type=arg_types.positive_int, default=None,
+                       help="most completions and chat completions this gateway serves at once (TGI's "
+                            "flag); more get 503 server_overloaded with Retry-After (default: no limit "
+                            "here, the schedulers' --max-num-queued-reqs bounds the wait)")
     group.add_argument("--max-client-batch-size", type=int, default=DEFAULT_MAX_CLIENT_BATCH_SIZE,
                        help="most completions one request may ask for (prompts x n); more is a 400")
     group.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
@@ -205,7 +209,8 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     sampling_defaults=sampling_defaults(args.model, args.generation_config),
                     tool_parser=tool_parser(args), reasoning_parser=args.reasoning_parser,
                     max_client_batch_size=args.max_client_batch_size, body_read_timeout=args.body_read_timeout,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    max_concurrent_requests=args.max_concurrent_requests)
     # The tokenizer and everything loaded so far live as long as the process: frozen, they leave
     # the collector's full passes, which a large request's objects would otherwise trigger over
     # the whole heap (tens of milliseconds with the event loop held).

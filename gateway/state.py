@@ -54,6 +54,9 @@ class Gateway:
     # The most engine requests (prompts x n) one HTTP request may fan out to.
     max_client_batch_size: int = DEFAULT_MAX_CLIENT_BATCH_SIZE
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S
+    # --max-concurrent-requests (None: no limit), and the generation requests in flight.
+    max_concurrent_requests: int | None = None
+    generating: int = 0
     # --trust-request-chat-template: requests may bring a chat template, rendered by `templates`.
     trust_request_chat_template: bool = False
     templates: TemplateWorker = field(default_factory=TemplateWorker)

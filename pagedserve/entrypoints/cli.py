@@ -165,6 +165,8 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv += ["--stream-interval", str(args.stream_interval)]
     for name in ("shutdown_timeout", "max_client_batch_size", "timeout_keep_alive", "body_read_timeout"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.max_concurrent_requests is not None:
+        argv += ["--max-concurrent-requests", str(args.max_concurrent_requests)]
     if args.chat_template is not None:
         argv.append(f"--chat-template={args.chat_template}")
     if args.enable_log_requests:

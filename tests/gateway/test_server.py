@@ -103,10 +103,10 @@ def test_serve_passes_the_reliability_flags_to_their_owners(monkeypatch, tmp_pat
     model = write_shape("llama-3.1-8b", str(tmp_path))
     assert cli.main(["serve", model, "--port", "0", "--shutdown-timeout", "7", "--max-num-queued-reqs", "3",
                      "--max-client-batch-size", "64", "--timeout-keep-alive", "9",
-                     "--body-read-timeout", "11"]) == 0
+                     "--body-read-timeout", "11", "--max-concurrent-requests", "5"]) == 0
     argv, shutdown_timeout = calls[0][1], calls[0][5]
     gateway = cli.build_parser().parse_args(["gateway", model, *argv["gateway"]])
-    assert (gateway.shutdown_timeout, gateway.max_client_batch_size) == (7, 64)
+    assert (gateway.shutdown_timeout, gateway.max_client_batch_size, gateway.max_concurrent_requests) == (7, 64, 5)
     assert (gateway.timeout_keep_alive, gateway.body_read_timeout) == (9, 11)
     scheduler = cli.build_parser().parse_args(["scheduler", model, *argv["scheduler"]])
     assert scheduler.max_num_queued_reqs == 3 and shutdown_timeout == 7
