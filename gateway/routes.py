@@ -26,7 +26,7 @@ from pagedserve.gateway.sse import SSEWriter
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
 from pagedserve.gateway.structured import checked, request_constraint
 from pagedserve.gateway.tools import tool_options
-from pagedserve.common.log import get_logger
+from pagedserve.common.log import get_logger, loggable
 from pagedserve.common.tokenizer import Tokenizer
 
 log = get_logger(__name__)
@@ -260,9 +260,9 @@ def _log_end(event: str, builder: ResponseBuilder, generation: Generation, start
 
 
 def changed_fields(params: SamplingParams) -> dict:
-    """The sampling parameters a request set to other than their defaults."""
+    """The sampling parameters a request set to other than their defaults, each cut to fit a log line."""
     default = type(params)()
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
+    return {f.name: loggable(getattr(params, f.name)) for f in dataclasses.fields(params)
             if getattr(params, f.name) != getattr(default, f.name)}
 
 
@@ -308,7 +308,7 @@ async def _stream(request: web.Request, builder: ResponseBuilder, generation: Ge
         _client_left(builder, generation, start)
         return sse.response
     except APIError as e:
-        log.info("stream_failed", status=e.status, message=e.info.message)
+        log.info("stream_failed", status=e.status, message=loggable(e.info.message))
         await sse.send_error(e)
     except Exception:
         log.exception("stream_crashed")
