@@ -205,17 +205,26 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
                           f"[0, {vocab_size}).", param=param)
 
 
-def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
-    """400 past MAX_LOGIT_BIAS_ENTRIES, or for a key that is not a token id in ASCII digits."""
-    if bias and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise bad_request(f"`logit_bias` has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}. To allow "
-                          "only a few tokens, use structured outputs (`structured_outputs.choice` or a regex).",
-                          param="logit_bias")
-    for key in bias or ():
-        # isdigit alone takes "²" and other Unicode digits, which int() refuses.
-        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= vocab_size:
-            raise bad_request(f"`logit_bias` key {key[:20]!r} is not a token id; keys must be token ids in "
-                              f"[0, {vocab_size}), written as strings.", param="logit_bias")
+def logit_bias(raw: msgspec.Raw, vocab_size: int) -> dict[int, float] | None:
+    """A request's logit_bias (raw JSON) as token id -> bias; a 400 past MAX_LOGIT_BIAS_ENTRIES, which
+    are counted before decoding (keys and values hold no colon), or for a key that is not a token id."""
+    text = bytes(raw)
+    if not text or text == b"null":
+        return None
+    if text.count(b":") > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"`logit_bias` has {text.count(b':')} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}. To "
+                          "allow only a few tokens, use structured outputs (`structured_outputs.choice` or a "
+                          "regex).", param="logit_bias")
+    try:
+        bias = msgspec.json.decode(text, type=dict[int, float])
+    except msgspec.ValidationError as e:
+        raise bad_request(f"`logit_bias` must map token ids, written as strings, to numbers: {e}.",
+                          param="logit_bias") from e
+    bad = next((t for t in bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"`logit_bias` key {str(bad)[:20]!r} is not a token id; keys must be token ids in "
+                          f"[0, {vocab_size}), written as strings.", param="logit_bias")
+    return bias or None
 
 
 def check_stop(stop: str | list[str] | None) -> None:
@@ -248,11 +257,11 @@ _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "fre
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     defaults: dict, structured: StructuredOutputsParams | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, bias: dict[int, float] | None = None) -> SamplingParams:
     """max_tokens None lets the scheduler fill the remaining context of each prompt; logprobs is the
     number of top logprobs per token (None: none); `defaults` stand in for omitted options;
-    `structured` is the output's constraint. The
-    ranges were checked when `req` was decoded."""
+    `structured` is the output's constraint; `bias` the logit_bias() of `req`. The ranges were
+    checked when `req` was decoded."""
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).",
                           param="min_tokens")
@@ -266,4 +275,4 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         structured_outputs=structured,
-        logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None, **given)
+        logit_bias=bias, **given)

@@ -218,10 +218,10 @@ def _choices(rid: str, req: SamplingFields, prompts: list[list[int]], max_tokens
     params.check_context(prompts, max_tokens, spec.max_model_len)
     params.check_prompts(prompts, spec.vocab_size)
     params.check_token_ids(req.stop_token_ids or [], spec.vocab_size, "stop_token_ids")
-    params.check_logit_bias(req.logit_bias, spec.vocab_size)
+    bias = params.logit_bias(req.logit_bias, spec.vocab_size)
     params.check_stop(req.stop)
     sampling = params.sampling_params(req, max_tokens, logprobs, served.sampling_defaults, constraint,
-                                      prompt_logprobs)
+                                      prompt_logprobs, bias)
     choices = fan_out(rid, prompts, sampling)
     served.metrics.request_params_n.observe(req.n)
     served.metrics.request_params_max_tokens.observe(

@@ -7,6 +7,7 @@ and the gateway's event loop and thread pool never run a client's Jinja. Run as 
 file is the child: it reads length-prefixed msgpack frames (template, variables) on stdin and
 answers (text, error) on stdout."""
 import asyncio
+import os
 import resource
 import sys
 
@@ -95,8 +96,13 @@ def _render(payload: bytes) -> tuple[str | None, str | None]:
         return None, str(e)
 
 
+# The child's CPU priority: a template spinning until its deadline yields the CPU to the gateway.
+NICENESS = 10
+
+
 def main() -> None:
     die_with_parent()
+    os.nice(NICENESS)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     soft = MEMORY_LIMIT_BYTES if hard == resource.RLIM_INFINITY else min(hard, MEMORY_LIMIT_BYTES)
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
