@@ -15,11 +15,14 @@ from pagedserve.common.version import __version__
 SERVER = f"pagedserve/{__version__}"
 
 
-async def _start_engines(app: web.Application) -> None:
-    app[GATEWAY].engines.start()
+async def _startup(app: web.Application) -> None:
+    gateway = app[GATEWAY]
+    gateway.engines.start()
+    if gateway.trust_request_chat_template:
+        gateway.templates.start()
 
 
-async def _close_engines(app: web.Application) -> None:
+async def _cleanup(app: web.Application) -> None:
     gateway = app[GATEWAY]
     await gateway.engines.close()
     await gateway.templates.close()
@@ -75,8 +78,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
         app.on_response_prepare.append(cors.on_prepare)
     app.on_response_prepare.append(_server_header)
     app[GATEWAY] = gateway
-    app.on_startup.append(_start_engines)
-    app.on_cleanup.append(_close_engines)
+    app.on_startup.append(_startup)
+    app.on_cleanup.append(_cleanup)
     app.router.add_get("/health", ops_routes.health)
     app.router.add_get("/version", ops_routes.version_info)
     app.router.add_get("/metrics", ops_routes.metrics)

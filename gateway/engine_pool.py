@@ -14,9 +14,11 @@ from pagedserve.v1 import engine_pb2 as pb
 log = get_logger(__name__)
 
 POLL_INTERVAL_S = 0.5
-# /health answers from scheduler states at most this old, so that probes and scrapes, which anyone
-# may send (they need no key), never make the gateway call its schedulers more often than its poll.
-HEALTH_MAX_AGE_S = POLL_INTERVAL_S
+# /health answers from scheduler states at most this old, so that probes, which anyone may send
+# (they need no key), never make the gateway call its schedulers more often than its poll. Twice the
+# poll's interval: the poll keeps every scheduler in rotation fresher than that, so a probe waits on
+# a call only for one out of rotation (or one slow to answer).
+HEALTH_MAX_AGE_S = 2 * POLL_INTERVAL_S
 # A scheduler out of rotation is probed again after this, doubling up to the maximum.
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
 

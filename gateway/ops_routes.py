@@ -14,7 +14,7 @@ _VERSION = msgspec.json.encode({"version": __version__})
 async def health(request: web.Request) -> web.Response:
     """200 while at least one scheduler reports SERVING; 503 while every one starts, stops, reattaches
     to its executor or is unreachable, and while this gateway shuts down. The states are at most
-    0.5 s old (see EnginePool.health)."""
+    1 s old (see EnginePool.health)."""
     states = await request.app[GATEWAY].engines.health()
     if all(states):
         if len(states) == 1:

@@ -33,12 +33,27 @@ def _frame(payload: bytes) -> bytes:
 
 
 class TemplateWorker:
-    """The gateway's side: one child, started on first use, rendering one template at a time."""
+    """The gateway's side: one child, rendering one template at a time. start() starts it ahead of
+    the first render, and every kill starts the next one, so that no request waits for Python to
+    start (about 0.1 s of CPU, which would compete with the gateway mid-traffic)."""
 
     def __init__(self) -> None:
         self._process: asyncio.subprocess.Process | None = None
+        self._spawning: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._encoder = msgspec.msgpack.Encoder()
+
+    def start(self) -> None:
+        """Starts the child in the background, unless it runs or starts already."""
+        if self._process is None and self._spawning is None:
+            self._spawning = asyncio.create_task(self._spawn())
+
+    async def _spawn(self) -> None:
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        finally:
+            self._spawning = None
 
     async def render(self, source: str, variables: dict) -> str:
         """The template rendered with `variables`; raises ChatTemplateError when it fails, overruns
@@ -51,41 +66,47 @@ class TemplateWorker:
             try:
                 text, error = await asyncio.wait_for(self._call(request), RENDER_TIMEOUT_S)
             except asyncio.TimeoutError:
-                await self._kill("deadline")
+                await self._restart("deadline")
                 raise ChatTemplateError(f"the chat template did not finish within {RENDER_TIMEOUT_S:g} s") from None
             except (asyncio.IncompleteReadError, ConnectionError):
-                await self._kill("crashed")
+                await self._restart("crashed")
                 raise ChatTemplateError("the chat template's render crashed") from None
             except BaseException:
                 # Cancelled (the client left): the child's answer would reach the next request.
-                await self._kill("cancelled")
+                await self._restart("cancelled")
                 raise
         if error is not None:
             raise ChatTemplateError(error)
         return text
 
     async def _call(self, request: bytes) -> tuple[str | None, str | None]:
-        if self._process is None:
-            self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        self.start()
+        if self._spawning is not None:
+            await asyncio.shield(self._spawning)
         process = self._process
         process.stdin.write(request)
         await process.stdin.drain()
         size = int.from_bytes(await process.stdout.readexactly(_HEADER), "little")
         return msgspec.msgpack.decode(await process.stdout.readexactly(size))
 
-    async def _kill(self, reason: str | None) -> None:
+    async def _restart(self, reason: str) -> None:
+        process = self._process
+        log.warning("chat_template_worker_killed", reason=reason, pid=None if process is None else process.pid)
+        await self._kill()
+        self.start()
+
+    async def _kill(self) -> None:
         process, self._process = self._process, None
         if process is None:
             return
-        if reason is not None:
-            log.warning("chat_template_worker_killed", reason=reason, pid=process.pid)
         if process.returncode is None:
             process.kill()
         await process.wait()
 
     async def close(self) -> None:
-        await self._kill(None)
+        if self._spawning is not None:
+            await asyncio.gather(self._spawning, return_exceptions=True)
+        await self._kill()
 
 
 def _render(payload: bytes) -> tuple[str | None, str | None]:
