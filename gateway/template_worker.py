@@ -15,7 +15,7 @@ import msgspec
 
 from pagedserve.common.chat_template import ChatTemplateError, compile_template, render
 from pagedserve.common.log import get_logger
-from pagedserve.common.process import die_with_parent
+from pagedserve.common.process import die_with_parent, environment_without_secrets
 
 log = get_logger(__name__)
 
@@ -30,6 +30,10 @@ _HEADER = 4
 
 def _frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(_HEADER, "little") + payload
+
+
+async def _read_frame(stream: asyncio.StreamReader) -> bytes:
+    return await stream.readexactly(int.from_bytes(await stream.readexactly(_HEADER), "little"))
 
 
 class TemplateWorker:
@@ -50,8 +54,15 @@ class TemplateWorker:
 
     async def _spawn(self) -> None:
         try:
-            self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                env=environment_without_secrets())
+            # Its first frame says it has imported what it needs and reads requests.
+            try:
+                await _read_frame(process.stdout)
+            except asyncio.IncompleteReadError:
+                raise RuntimeError(f"the chat template worker exited at start-up ({await process.wait()})") from None
+            self._process = process
         finally:
             self._spawning = None
 
@@ -63,6 +74,10 @@ class TemplateWorker:
         except (TypeError, OverflowError) as e:
             raise ChatTemplateError(f"the template variables cannot be passed on: {e}") from None
         async with self._lock:
+            # The deadline is the render's: a start-up slowed by a busy machine does not count.
+            self.start()
+            if self._spawning is not None:
+                await asyncio.shield(self._spawning)
             try:
                 text, error = await asyncio.wait_for(self._call(request), RENDER_TIMEOUT_S)
             except asyncio.TimeoutError:
@@ -80,14 +95,10 @@ class TemplateWorker:
         return text
 
     async def _call(self, request: bytes) -> tuple[str | None, str | None]:
-        self.start()
-        if self._spawning is not None:
-            await asyncio.shield(self._spawning)
         process = self._process
         process.stdin.write(request)
         await process.stdin.drain()
-        size = int.from_bytes(await process.stdout.readexactly(_HEADER), "little")
-        return msgspec.msgpack.decode(await process.stdout.readexactly(size))
+        return msgspec.msgpack.decode(await _read_frame(process.stdout))
 
     async def _restart(self, reason: str) -> None:
         process = self._process
@@ -129,6 +140,8 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     encoder = msgspec.msgpack.Encoder()
+    stdout.write(_frame(b""))
+    stdout.flush()
     while header := stdin.read(_HEADER):
         stdout.write(_frame(encoder.encode(_render(stdin.read(int.from_bytes(header, "little"))))))
         stdout.flush()

@@ -22,13 +22,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.common.log import get_logger
-from pagedserve.common.process import die_with_parent
+from pagedserve.common.process import die_with_parent, environment_without_secrets
 from pagedserve.entrypoints.preflight import connect_host
 
 log = get_logger(__name__)
 STOP_TIMEOUT_S = 5.0
-# Never passed on to a child: the gateway gets the API key in its own `env`, the others need none.
-SECRET_VARIABLES = frozenset({"PAGEDSERVE_API_KEY"})
 
 
 @dataclass(slots=True)
@@ -58,9 +56,10 @@ class Launcher:
     def spawn(self, name: str, argv: list[str], pass_fds: tuple[int, ...] = (),
               env: dict[str, str] | None = None, restart: bool = False) -> Child:
         """Starts `pagedserve <argv>`, with `env` added to this process's environment less its
-        secrets (SECRET_VARIABLES); with `restart`, supervise() starts it again whenever it exits."""
+        secrets (the gateway gets the API key in its own `env`); with `restart`, supervise() starts
+        it again whenever it exits."""
         command = [sys.executable, "-m", "pagedserve", *argv]
-        environment = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES} | (env or {})
+        environment = environment_without_secrets() | (env or {})
 
         def start() -> subprocess.Popen:
             return subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent,
