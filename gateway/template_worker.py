@@ -22,9 +22,11 @@ log = get_logger(__name__)
 # A model's chat template renders in milliseconds: SmolLM2's took 18 ms here for 2048 messages (the
 # most a request may send), so the deadline leaves a hundredfold margin.
 RENDER_TIMEOUT_S = 2.0
-# The child's address space: Python and jinja2 take about 40 MB; the rest bounds what a template
+# The child's address space: Python and jinja2 take 38 MB of it; the rest bounds what a template
 # can build with the operations that BoundedSandbox does not count (str.ljust, the format filter).
 MEMORY_LIMIT_BYTES = 1 << 30
+# The child's CPU priority: a template spinning until its deadline yields the CPU to the gateway.
+NICENESS = 10
 _HEADER = 4
 
 
@@ -126,10 +128,6 @@ def _render(payload: bytes) -> tuple[str | None, str | None]:
         return render(compile_template(source), variables), None
     except ChatTemplateError as e:
         return None, str(e)
-
-
-# The child's CPU priority: a template spinning until its deadline yields the CPU to the gateway.
-NICENESS = 10
 
 
 def main() -> None:
