@@ -6,6 +6,7 @@ from pagedserve.gateway.auth import auth_middleware
 from pagedserve.gateway.cors import CORS
 from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
+from pagedserve.gateway.hosts import host_middleware
 from pagedserve.gateway.request_id import request_id_middleware
 from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway
 from pagedserve.common.tokenizer import Tokenizer
@@ -14,13 +15,17 @@ from pagedserve.common.version import __version__
 SERVER = f"pagedserve/{__version__}"
 
 
-async def _start_engines(app: web.Application) -> None:
-    app[GATEWAY].engines.start()
+async def _startup(app: web.Application) -> None:
+    gateway = app[GATEWAY]
+    gateway.engines.start()
+    if gateway.trust_request_chat_template:
+        gateway.templates.start()
 
 
-async def _close_engines(app: web.Application) -> None:
+async def _cleanup(app: web.Application) -> None:
     gateway = app[GATEWAY]
     await gateway.engines.close()
+    await gateway.templates.close()
     gateway.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -31,27 +36,37 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
 
 def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: list[str] | None = None, *,
               api_key: str | None = None, protect_metrics: bool = False,
+              allowed_hosts: frozenset[str] | None = None,
               allowed_origins: list[str] | None = None, stream_interval: int = 1,
               log_requests: bool = False, sampling_defaults: dict | None = None,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
               max_client_batch_size: int = DEFAULT_MAX_CLIENT_BATCH_SIZE,
-              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S) -> web.Application:
+              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
+              trust_request_chat_template: bool = False,
+              max_concurrent_requests: int | None = None) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     `scheduler_address` is one scheduler's address or several, comma-separated: each prompt goes
     to one of those in rotation (see engine_pool).
 
     With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
+    With `allowed_hosts` (see hosts.allowed_hosts), other Host headers get a 421.
     `log_requests` logs one line per finished request (vLLM's --enable-log-requests).
     `sampling_defaults` (the model's generation config) fill the sampling options a request omits.
     `tool_parser` reads tool calls under tool_choice "auto"; `reasoning_parser` splits off thinking.
+    `trust_request_chat_template` lets requests bring a chat template (else a 400).
+    Past `max_concurrent_requests` generation requests in flight, new ones get a 503.
     """
     gateway = Gateway(EnginePool(scheduler_address), tokenizer,
                       served_model_names=list(served_model_names or ()), stream_interval=stream_interval,
                       log_requests=log_requests, sampling_defaults=sampling_defaults or {},
                       tool_parser=tool_parser, reasoning_parser=reasoning_parser,
-                      max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout)
+                      max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout,
+                      trust_request_chat_template=trust_request_chat_template,
+                      max_concurrent_requests=max_concurrent_requests)
     middlewares = [request_id_middleware, error_middleware, gateway.drain.middleware]
+    if allowed_hosts is not None:
+        middlewares.insert(2, host_middleware(allowed_hosts))
     cors = CORS(allowed_origins) if allowed_origins else None
     if cors:
         middlewares.append(cors.preflight)
@@ -63,8 +78,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
         app.on_response_prepare.append(cors.on_prepare)
     app.on_response_prepare.append(_server_header)
     app[GATEWAY] = gateway
-    app.on_startup.append(_start_engines)
-    app.on_cleanup.append(_close_engines)
+    app.on_startup.append(_startup)
+    app.on_cleanup.append(_cleanup)
     app.router.add_get("/health", ops_routes.health)
     app.router.add_get("/version", ops_routes.version_info)
     app.router.add_get("/metrics", ops_routes.metrics)

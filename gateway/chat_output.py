@@ -10,17 +10,15 @@ from dataclasses import dataclass, field
 
 from pagedserve.gateway import reasoning
 from pagedserve.gateway.schemas import Delta, DeltaFunction, DeltaToolCall, FunctionCall, ToolCall
-from pagedserve.gateway.tool_parsers import Scan
-
-ToolScan = Callable[[str, bool], Scan]
+from pagedserve.gateway.tool_parsers import ParsedCall, Scan, Scanner
 
 
 @dataclass(slots=True)
 class ChatOutputOptions:
-    """How a request's choices are read: the tool scan (None: plain content), whether found calls
-    finish with "tool_calls" (auto and required; a named choice keeps "stop", as OpenAI does),
-    and whether to split off the reasoning."""
-    tools: ToolScan | None = None
+    """How a request's choices are read: the tool scanner's factory (None: plain content), whether
+    found calls finish with "tool_calls" (auto and required; a named choice keeps "stop", as OpenAI
+    does), and whether to split off the reasoning."""
+    tools: Callable[[], Scanner] | None = None
     finish_with_calls: bool = False
     reasoning: bool = False
 
@@ -38,64 +36,93 @@ def _tool_call_id() -> str:
 
 @dataclass(slots=True)
 class ChoiceOutput:
+    """One choice's output read as it arrives (delta) or whole (message). The splitter and the tool
+    scanner keep their place in `text`, and what went out is kept as positions in it, so a stream's
+    cost is linear in its length."""
     options: ChatOutputOptions
     text: str = ""
+    # Where the reasoning and the content sent so far end in `text`.
     reasoning_sent: int = 0
     content_sent: int = 0
-    # Per call found so far: its id, and how much of its arguments went out (-1: not announced).
+    # Per call found so far: its id, and where its arguments sent so far end in `text`.
     ids: list[str] = field(default_factory=list)
     args_sent: list[int] = field(default_factory=list)
+    # Calls before this one are complete and sent in full.
+    calls_done: int = 0
+    splitter: reasoning.Splitter | None = None
+    scanner: Scanner | None = None
 
-    def _parts(self, final: bool) -> tuple[str | None, Scan]:
-        think, answer = None, self.text
-        if self.options.reasoning:
-            think, answer = reasoning.split(self.text, final)
+    def __post_init__(self) -> None:
+        self._restart()
+
+    def _restart(self) -> None:
+        self.splitter = reasoning.Splitter() if self.options.reasoning else None
+        self.scanner = None if self.options.tools is None else self.options.tools()
+
+    def _parts(self, final: bool) -> tuple[tuple[int, int] | None, Scan]:
+        """The reasoning's span (None without a reasoning parser), and the answer's scan."""
+        think, answer = None, 0
+        if self.splitter is not None:
+            think, answer = self.splitter.split(self.text, final)
         if answer is None:
-            return think, Scan("")
-        if self.options.tools is None:
-            return think, Scan(answer)
-        return think, self.options.tools(answer, final)
+            return think, Scan(0, 0)
+        if self.scanner is None:
+            return think, Scan(answer, len(self.text))
+        return think, self.scanner.scan(self.text, answer, final)
 
     def delta(self, text: str, final: bool) -> Delta:
         """The new text as a delta: reasoning, content and tool-call fragments."""
-        self.text += text
+        # Extended through a local, which CPython does in place (see IncrementalDetokenizer).
+        whole, self.text = self.text, ""
+        whole += text
+        self.text = whole
         think, scan = self._parts(final)
         delta = Delta()
-        if think is not None and len(think) > self.reasoning_sent:
-            delta.reasoning = delta.reasoning_content = think[self.reasoning_sent:]
-            self.reasoning_sent = len(think)
-        if len(scan.content) > self.content_sent:
-            delta.content = scan.content[self.content_sent:]
-            self.content_sent = len(scan.content)
-        calls = [d for i, call in enumerate(scan.calls) if call.name is not None
-                 and (d := self._call_delta(i, call.name, call.arguments)) is not None]
-        delta.tool_calls = calls or None
+        if think is not None and think[1] > max(think[0], self.reasoning_sent):
+            delta.reasoning = delta.reasoning_content = whole[max(think[0], self.reasoning_sent):think[1]]
+            self.reasoning_sent = think[1]
+        if scan.end > max(scan.start, self.content_sent):
+            delta.content = whole[max(scan.start, self.content_sent):scan.end]
+            self.content_sent = scan.end
+        delta.tool_calls = self._call_deltas(scan.calls) or None
         return delta
 
-    def _call_delta(self, index: int, name: str, arguments: str) -> DeltaToolCall | None:
+    def _call_deltas(self, calls: list[ParsedCall]) -> list[DeltaToolCall]:
+        deltas = []
+        for index in range(self.calls_done, len(calls)):
+            call = calls[index]
+            if call.name is not None and (d := self._call_delta(index, call)) is not None:
+                deltas.append(d)
+            if index == self.calls_done and call.complete and (call.name is None or index < len(self.ids)):
+                self.calls_done += 1
+        return deltas
+
+    def _call_delta(self, index: int, call: ParsedCall) -> DeltaToolCall | None:
         if index == len(self.ids):
             self.ids.append(_tool_call_id())
-            self.args_sent.append(0)
-            self.args_sent[index] = len(arguments)
-            return DeltaToolCall(index, DeltaFunction(name, arguments), self.ids[index], "function")
-        if len(arguments) == self.args_sent[index]:
+            self.args_sent.append(call.end)
+            return DeltaToolCall(index, DeltaFunction(call.name, self.text[call.start:call.end]), self.ids[index],
+                                 "function")
+        sent = max(call.start, self.args_sent[index])
+        if call.end <= sent:
             return None
-        fragment = arguments[self.args_sent[index]:]
-        self.args_sent[index] = len(arguments)
-        return DeltaToolCall(index, DeltaFunction(arguments=fragment))
+        self.args_sent[index] = call.end
+        return DeltaToolCall(index, DeltaFunction(arguments=self.text[sent:call.end]))
 
     def message(self, text: str) -> Message:
         """The whole output as a message; calls get the ids a stream would have sent."""
         self.text = text
+        self._restart()
         think, scan = self._parts(final=True)
         calls = [call for call in scan.calls if call.name is not None]
         while len(self.ids) < len(calls):
             self.ids.append(_tool_call_id())
-        tool_calls = [ToolCall(i, FunctionCall(c.name, c.arguments)) for i, c in zip(self.ids, calls)]
-        content = scan.content
+        tool_calls = [ToolCall(i, FunctionCall(c.name, text[c.start:c.end])) for i, c in zip(self.ids, calls)]
+        content = text[scan.start:scan.end]
+        reasoning_text = None if think is None else text[think[0]:think[1]]
         if (tool_calls or self.options.tools is not None or think is not None) and not content.strip():
             content = None
-        return Message(content, tool_calls, think)
+        return Message(content, tool_calls, reasoning_text)
 
     def finish_reason(self, reason: str) -> str:
         """"tool_calls" for a choice that stopped after calling tools, when the options say so."""

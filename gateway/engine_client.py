@@ -8,8 +8,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.gateway.engine_stream import EngineStream
 from pagedserve.gateway.errors import APIError, Unavailable, bad_request, internal, overloaded
 from pagedserve.common import service
-from pagedserve.common.sampling_params import SamplingParams, sampling_to_proto
 from pagedserve.v1 import engine_pb2 as pb
+from pagedserve.v1 import sampling_pb2
 from pagedserve.v1.engine_pb2_grpc import EngineStub
 
 
@@ -73,13 +73,12 @@ class EngineClient:
         except grpc.aio.AioRpcError as e:
             raise api_error(e.code(), e.details()) from e
 
-    def start(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, trace_id: str,
-              deliver: Callable[[pb.GenerateResponse | APIError], None]) -> None:
+    def start(self, request_id: str, prompt_token_ids: list[int], params: sampling_pb2.SamplingParams,
+              trace_id: str, deliver: Callable[[pb.GenerateResponse | APIError], None]) -> None:
         """Sends a request on the scheduler's shared GenerateStream call: `deliver` receives each of
         its responses, and an APIError last if the scheduler refused or failed it. `trace_id` is the
         HTTP X-Request-Id, which the scheduler logs with it."""
-        request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                     params=sampling_to_proto(params))
+        request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params)
         self._open_stream().open(request, trace_id, deliver,
                                  lambda failed: deliver(api_error(failed.code, failed.details)))
 

@@ -1,6 +1,7 @@
 """The schedulers one gateway serves from (--scheduler-address A,B,...): their load, polled in the
 background, which of them are in rotation, and the pick of one per prompt (see router)."""
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 
@@ -13,6 +14,11 @@ from pagedserve.v1 import engine_pb2 as pb
 log = get_logger(__name__)
 
 POLL_INTERVAL_S = 0.5
+# /health answers from scheduler states at most this old, so that probes, which anyone may send
+# (they need no key), never make the gateway call its schedulers more often than its poll. Twice the
+# poll's interval: the poll keeps every scheduler in rotation fresher than that, so a probe waits on
+# a call only for one out of rotation (or one slow to answer).
+HEALTH_MAX_AGE_S = 2 * POLL_INTERVAL_S
 # A scheduler out of rotation is probed again after this, doubling up to the maximum.
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
 
@@ -42,6 +48,8 @@ class Engine:
     pending: int = 0
     backoff: float = MIN_BACKOFF_S
     retry_at: float = 0.0
+    # time.monotonic() of its last poll's end.
+    polled_at: float = -math.inf
 
     def load(self) -> int | None:
         if self.down is not None:
@@ -61,6 +69,8 @@ class EnginePool:
         self.block_size = 0
         self._reference: Engine | None = None
         self._polling: asyncio.Task | None = None
+        # The poll that /health started, which the probes arriving meanwhile wait for too.
+        self._probe: asyncio.Future | None = None
 
     def start(self) -> None:
         self._polling = asyncio.create_task(self._poll_forever())
@@ -99,27 +109,39 @@ class EnginePool:
             self._take_out(engine, error.info.message)
 
     async def health(self) -> list[str | None]:
-        """Each scheduler's state, checked now (a poll of all, backoff or not, so that a probe that
-        sees one serve also puts it back in rotation): None if it serves, else why not."""
-        await self.poll(every=True)
+        """Each scheduler's state, None if it serves, else why not, as polled at most
+        HEALTH_MAX_AGE_S ago. Those polled longer ago (out of rotation, waiting out a backoff) are
+        polled now, so that a probe that sees one serve also puts it back in rotation; probes that
+        arrive meanwhile wait for that same poll."""
+        if self._probe is None:
+            now = time.monotonic()
+            stale = [e for e in self.engines if now - e.polled_at > HEALTH_MAX_AGE_S]
+            if stale:
+                self._probe = asyncio.ensure_future(self._poll(stale))
+                self._probe.add_done_callback(self._probed)
+        if self._probe is not None:
+            await asyncio.shield(self._probe)
         return [e.down for e in self.engines]
 
-    async def infos(self) -> list[pb.ModelInfo | None]:
-        """Each scheduler's ModelInfo fetched now, None for one that did not answer."""
-        async def fetch(engine: Engine) -> pb.ModelInfo | None:
-            try:
-                return await engine.client.model_info()
-            except APIError:
-                return None
-        return await asyncio.gather(*(fetch(e) for e in self.engines))
+    def _probed(self, probe: asyncio.Future) -> None:
+        self._probe = None
 
-    async def poll(self, every: bool = False) -> None:
-        """Polls every scheduler in rotation, and those out of it whose backoff has passed (or all)."""
+    def infos(self) -> list[pb.ModelInfo | None]:
+        """Each scheduler's ModelInfo as last polled (at most POLL_INTERVAL_S old), None for one out
+        of rotation."""
+        return [e.info if e.down is None else None for e in self.engines]
+
+    async def poll(self) -> None:
+        """Polls every scheduler in rotation, and those out of it whose backoff has passed."""
         now = time.monotonic()
-        due = [e for e in self.engines if every or e.down is None or now >= e.retry_at]
+        await self._poll([e for e in self.engines if e.down is None or now >= e.retry_at])
+
+    async def _poll(self, due: list[Engine]) -> None:
         answers = await asyncio.gather(*(self._fetch(e) for e in due))
+        now = time.monotonic()
         # In address order, so that of the schedulers first answering, the first listed sets the model.
         for engine, (info, error) in zip(due, answers):
+            engine.polled_at = now
             self._update(engine, info, error)
 
     async def _poll_forever(self) -> None:

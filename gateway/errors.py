@@ -4,7 +4,7 @@ import asyncio
 import msgspec
 from aiohttp import web
 
-from pagedserve.common.log import get_logger
+from pagedserve.common.log import get_logger, loggable
 
 log = get_logger(__name__)
 
@@ -62,8 +62,8 @@ def unavailable(message: str) -> APIError:
     return Unavailable(message)
 
 
-def overloaded() -> APIError:
-    return Unavailable("The server is overloaded; retry shortly.", code="server_overloaded")
+def overloaded(message: str = "The server is overloaded; retry shortly.") -> APIError:
+    return Unavailable(message, code="server_overloaded")
 
 
 def unauthorized() -> APIError:
@@ -108,7 +108,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as e:
-        log.info("request_failed", status=e.status, message=e.info.message)
+        # The message may quote what the client sent.
+        log.info("request_failed", status=e.status, message=loggable(e.info.message))
         return error_response(e)
     except web.HTTPException as e:
         if e.status < 400:

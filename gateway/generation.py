@@ -13,8 +13,9 @@ from pagedserve.gateway.logprobs import TokenLogprob, decode_logprobs
 from pagedserve.gateway.metrics import ChoiceStats, ModelMetrics
 from pagedserve.gateway.schemas import PromptTokensDetails, Usage
 from pagedserve.common.tokenizer import Tokenizer
-from pagedserve.common.sampling_params import SamplingParams, choice_params
+from pagedserve.common.sampling_params import SamplingParams, choice_params, sampling_to_proto
 from pagedserve.v1 import engine_pb2 as pb
+from pagedserve.v1 import sampling_pb2
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
@@ -55,6 +56,8 @@ class Choice:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # `params` as the scheduler receives them.
+    wire: sampling_pb2.SamplingParams
     counts_prompt: bool
     # The scheduler it runs on, picked when the generation starts.
     engine: Engine | None = None
@@ -68,13 +71,27 @@ class Choice:
 
 
 def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
-    """n choices per prompt, each its own engine request; seeds differ so that samples do too."""
+    """n choices per prompt, each its own engine request; seeds differ so that samples do too. The
+    parameters are converted to their wire form once per request: each choice gets a copy (made
+    in C) that differs in its seed only."""
+    children = choice_params(params)
+    wire = sampling_to_proto(params)
+    wires = [_seeded(wire, child.seed) for child in children]
     choices = []
     for p, prompt in enumerate(prompts):
-        for i, child in enumerate(choice_params(params)):
+        for i, child in enumerate(children):
             index = p * params.n + i
-            choices.append(Choice(index, f"{request_id}-{index}", prompt, child, counts_prompt=i == 0))
+            choices.append(Choice(index, f"{request_id}-{index}", prompt, child, wires[i], counts_prompt=i == 0))
     return choices
+
+
+def _seeded(wire: sampling_pb2.SamplingParams, seed: int | None) -> sampling_pb2.SamplingParams:
+    if seed is None:
+        return wire
+    copied = sampling_pb2.SamplingParams()
+    copied.CopyFrom(wire)
+    copied.seed = seed
+    return copied
 
 
 class Generation:
@@ -152,7 +169,7 @@ class Generation:
                                        p.include_stop_str_in_output, choice.prompt_token_ids)
         choice.progress = _Progress(detok, ChoiceStats(self.metrics, self._arrival))
         queue = self._queue
-        choice.engine.client.start(choice.request_id, choice.prompt_token_ids, p, self._trace_id,
+        choice.engine.client.start(choice.request_id, choice.prompt_token_ids, choice.wire, self._trace_id,
                                    lambda reply: queue.put_nowait((choice, reply)))
 
     def _end(self, choice: Choice, finish_reason: str | None) -> None:

@@ -13,7 +13,8 @@ _VERSION = msgspec.json.encode({"version": __version__})
 
 async def health(request: web.Request) -> web.Response:
     """200 while at least one scheduler reports SERVING; 503 while every one starts, stops, reattaches
-    to its executor or is unreachable, and while this gateway shuts down."""
+    to its executor or is unreachable, and while this gateway shuts down. The states are at most
+    1 s old (see EnginePool.health)."""
     states = await request.app[GATEWAY].engines.health()
     if all(states):
         if len(states) == 1:
@@ -29,11 +30,12 @@ async def version_info(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus exposition; each scheduler's series are fetched now, and left out while it is down."""
+    """Prometheus exposition; each scheduler's series as the gateway last polled them (at most
+    0.5 s ago: a scrape calls no scheduler), left out while it is down."""
     gateway = request.app[GATEWAY]
     try:
         await gateway.model()
-        infos = await gateway.engines.infos()
+        infos = gateway.engines.infos()
     except APIError as e:
         log.warning("metrics_without_scheduler", message=e.info.message)
         infos = []

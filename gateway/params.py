@@ -1,16 +1,29 @@
 """Turns a decoded OpenAI request into prompt token ids and SamplingParams, rejecting what cannot run."""
 import json
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from pagedserve.gateway.errors import bad_request, model_not_found
 from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
-from pagedserve.common.tokenizer import ChatTemplateError, Tokenizer
+from pagedserve.common.tokenizer import RESERVED_VARIABLES, Tokenizer
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 
-# Text of one request (its messages, or its prompts); past a million characters no context window
-# of a served model is near, and tokenizing it alone takes seconds of CPU.
+# Text of one request (its prompts, or everything its chat template renders); past a million
+# characters no context window of a served model is near, and tokenizing it alone takes seconds of CPU.
 MAX_PROMPT_CHARS = 1_000_000
+# A request's own chat template (with --trust-request-chat-template): real ones are 2-20 KB, and
+# compiling one takes about 15 ms per KB here (64 KiB: 1 s, in the template worker, within its deadline).
+MAX_REQUEST_TEMPLATE_CHARS = 65_536
+_json = msgspec.json.Encoder()
+# Entries of a request's logit_bias (vLLM sets none; a body of 4 MiB holds 150k): enough to ban or favour
+# a list of words in their spellings, while the map, copied to each engine request and applied at every
+# step, stays small: 64 prompts x n=16 at the cap fan out in about 2 ms of gateway CPU.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# Characters of one stop string (vLLM sets no limit); the longest in common use is a few words. Each
+# streamed choice keeps up to this much text back while it could still begin a stop.
+MAX_STOP_CHARS = 1024
 
 
 def resolve_model(requested: str | None, served: str) -> str:
@@ -89,34 +102,63 @@ def _chat_message(m: ChatMessage, index: int) -> dict:
     return message
 
 
-def chat_messages(messages: list[ChatMessage]) -> tuple[list[dict], int]:
-    """The messages as the chat template takes them, and how many characters they hold; a 400 past
-    MAX_PROMPT_CHARS (their number was checked when the request was decoded)."""
+@dataclass(slots=True)
+class ChatInput:
+    """What a chat template renders: the messages and tools as templates take them, the extra
+    variables, a request's own template (None: the server's), and how many characters they hold."""
+    messages: list[dict]
+    tools: list[dict] | None
+    template_kwargs: dict[str, Any] | None
+    template: str | None
+    size: int
+
+
+def chat_input(messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: dict[str, Any] | None,
+               template: str | None, trust_template: bool) -> ChatInput:
+    """A chat's template input; a 400 for a request template the server does not trust or that is
+    too long, for kwargs that would replace the template's own variables, and past MAX_PROMPT_CHARS
+    in all (the number of messages was checked when the request was decoded)."""
+    check_request_template(template, trust_template)
+    reserved = sorted(RESERVED_VARIABLES.intersection(template_kwargs or ()))
+    if reserved:
+        raise bad_request(f"`chat_template_kwargs` may not set {', '.join(reserved)}: the server sets those "
+                          "template variables itself; remove them.", param="chat_template_kwargs")
     rendered = [_chat_message(m, i) for i, m in enumerate(messages)]
-    size = sum(len(m["content"] or "") for m in rendered)
-    check_prompt_chars(size, "messages")
-    return rendered, size
+    tool_dicts = None if not tools else [msgspec.to_builtins(t) for t in tools]
+    size = (sum(_message_size(m) for m in rendered) + _json_size(tool_dicts) + _json_size(template_kwargs)
+            + len(template or ""))
+    if size > MAX_PROMPT_CHARS:
+        raise bad_request(f"The chat (its messages, tools, chat_template_kwargs and chat_template) holds {size} "
+                          f"characters; the limit is {MAX_PROMPT_CHARS} per request.", param="messages")
+    return ChatInput(rendered, tool_dicts, template_kwargs, template, size)
+
+
+def check_request_template(template: str | None, trusted: bool) -> None:
+    if template is None:
+        return
+    if not trusted:
+        raise bad_request("This server renders its own chat template only; remove `chat_template`, or start "
+                          "the server with --trust-request-chat-template to accept a request's.",
+                          param="chat_template")
+    if len(template) > MAX_REQUEST_TEMPLATE_CHARS:
+        raise bad_request(f"`chat_template` holds {len(template)} characters; the limit is "
+                          f"{MAX_REQUEST_TEMPLATE_CHARS}.", param="chat_template")
+
+
+def _message_size(message: dict) -> int:
+    calls = message.get("tool_calls")
+    return (len(message["content"] or "") + len(message.get("reasoning") or "")
+            + (_json_size(calls) if calls else 0))
+
+
+def _json_size(value: object) -> int:
+    return 0 if value is None else len(_json.encode(value))
 
 
 def check_prompt_chars(size: int, param: str) -> None:
     if size > MAX_PROMPT_CHARS:
         raise bad_request(f"`{param}` holds {size} characters; the limit is {MAX_PROMPT_CHARS} per request.",
                           param=param)
-
-
-def chat_prompt(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool,
-                add_special_tokens: bool = False, tools: list[Tool] | None = None,
-                template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
-    """The token ids of the chat_messages() templated; the template writes the special tokens (BOS
-    included), so add_special_tokens=True would add them twice (vLLM's /tokenize offers it all the
-    same). Tools reach the template as transformers passes them (OpenAI's tool objects)."""
-    tool_dicts = None if not tools else [msgspec.to_builtins(t) for t in tools]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tool_dicts,
-                                             template=chat_template, **(template_kwargs or {}))
-    except ChatTemplateError as e:
-        raise bad_request(f"Cannot build a prompt from these messages: {e}", param="messages") from e
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def split_prompts(prompt: str | list) -> list[str] | list[list[int]]:
@@ -163,11 +205,33 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
                           f"[0, {vocab_size}).", param=param)
 
 
-def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
-    for key in bias or ():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
-            raise bad_request(f"`logit_bias` key {key!r} is not a token id; keys must be token ids in "
-                              f"[0, {vocab_size}), written as strings.", param="logit_bias")
+def logit_bias(raw: msgspec.Raw, vocab_size: int) -> dict[int, float] | None:
+    """A request's logit_bias (raw JSON) as token id -> bias; a 400 past MAX_LOGIT_BIAS_ENTRIES, which
+    are counted before decoding (keys and values hold no colon), or for a key that is not a token id."""
+    text = bytes(raw)
+    if not text or text == b"null":
+        return None
+    if text.count(b":") > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"`logit_bias` has {text.count(b':')} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}. To "
+                          "allow only a few tokens, use structured outputs (`structured_outputs.choice` or a "
+                          "regex).", param="logit_bias")
+    try:
+        bias = msgspec.json.decode(text, type=dict[int, float])
+    except msgspec.ValidationError as e:
+        raise bad_request(f"`logit_bias` must map token ids, written as strings, to numbers: {e}.",
+                          param="logit_bias") from e
+    bad = next((t for t in bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"`logit_bias` key {str(bad)[:20]!r} is not a token id; keys must be token ids in "
+                          f"[0, {vocab_size}), written as strings.", param="logit_bias")
+    return bias or None
+
+
+def check_stop(stop: str | list[str] | None) -> None:
+    for text in [stop] if isinstance(stop, str) else stop or ():
+        if len(text) > MAX_STOP_CHARS:
+            raise bad_request(f"A stop string holds {len(text)} characters; the limit is {MAX_STOP_CHARS}.",
+                              param="stop")
 
 
 def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> None:
@@ -193,11 +257,11 @@ _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "fre
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     defaults: dict, structured: StructuredOutputsParams | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, bias: dict[int, float] | None = None) -> SamplingParams:
     """max_tokens None lets the scheduler fill the remaining context of each prompt; logprobs is the
     number of top logprobs per token (None: none); `defaults` stand in for omitted options;
-    `structured` is the output's constraint. The
-    ranges were checked when `req` was decoded."""
+    `structured` is the output's constraint; `bias` the logit_bias() of `req`. The ranges were
+    checked when `req` was decoded."""
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).",
                           param="min_tokens")
@@ -211,4 +275,4 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         structured_outputs=structured,
-        logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None, **given)
+        logit_bias=bias, **given)

@@ -16,14 +16,54 @@ def ended_in_prompt(prompt: str) -> bool:
     return prompt.rfind(END) > prompt.rfind(START)
 
 
-def split(text: str, final: bool) -> tuple[str, str | None]:
-    """(reasoning, answer) of the output so far; answer None while the thinking is still open.
-    Not final, a suffix that may begin </think> is held back."""
-    if text.lstrip().startswith(START):
-        text = text.lstrip()[len(START):]
-    elif not final and START.startswith(text.lstrip()):
-        return "", None
-    end = text.find(END)
-    if end < 0:
-        return text[:len(text) - (0 if final else held_back(text, END))], None
-    return text[:end], text[end + len(END):].lstrip()
+class Splitter:
+    """(reasoning, answer) of one choice's growing text, as positions: the reasoning is
+    text[start:end], the answer text[answer:] (None while the thinking is still open, or nothing
+    but spaces follows it). Not final, a suffix that may begin </think> is held back. Each call
+    reads only what arrived since the last."""
+
+    def __init__(self) -> None:
+        # Where the reasoning starts (after <think>, if the text opens with it), once known.
+        self._start: int | None = None
+        self._scanned = 0
+        self._end: int | None = None
+        self._answer: int | None = None
+
+    def split(self, text: str, final: bool) -> tuple[tuple[int, int], int | None]:
+        if self._start is None:
+            self._start = self._opening(text, final)
+            if self._start is None:
+                return (0, 0), None
+            self._scanned = self._start
+        if self._end is None:
+            found = text.find(END, max(self._start, self._scanned - len(END) + 1))
+            self._scanned = len(text)
+            if found < 0:
+                return (self._start, max(self._start, len(text) - (0 if final else held_back(text, END)))), None
+            self._end = self._scanned = found + len(END)
+        return (self._start, self._end - len(END)), self._answer_start(text, final)
+
+    def _opening(self, text: str, final: bool) -> int | None:
+        """Past <think> if the text opens with it (after spaces), else 0; None while undecided."""
+        first = self._scanned
+        while first < len(text) and text[first].isspace():
+            first += 1
+        self._scanned = first
+        if text.startswith(START, first):
+            return first + len(START)
+        if not final and len(text) - first < len(START) and START.startswith(text[first:]):
+            return None
+        return 0
+
+    def _answer_start(self, text: str, final: bool) -> int | None:
+        """The answer's first position, past the spaces after </think>; None until it is known (it
+        may start later), unless final."""
+        if self._answer is None:
+            first = self._scanned
+            while first < len(text) and text[first].isspace():
+                first += 1
+            self._scanned = first
+            if first == len(text) and not final:
+                return None
+            self._answer = first
+        return self._answer

@@ -13,7 +13,8 @@ from aiohttp import web
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.gateway import params, reasoning
 from pagedserve.gateway.chat_output import ChatOutputOptions
-from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found, request_timeout
+from pagedserve.gateway.chat_prompt import chat_prompt
+from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found, overloaded, request_timeout
 from pagedserve.gateway.generation import Choice, ChoiceEvent, Generation, fan_out
 from pagedserve.gateway.logprobs import TokenLogprob
 from pagedserve.gateway.metrics import rejection_reason
@@ -23,9 +24,9 @@ from pagedserve.gateway.schemas import (ChatCompletionRequest, CompletionRequest
                              decode_request)
 from pagedserve.gateway.sse import SSEWriter
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
-from pagedserve.gateway.structured import request_constraint
+from pagedserve.gateway.structured import checked, request_constraint
 from pagedserve.gateway.tools import tool_options
-from pagedserve.common.log import get_logger
+from pagedserve.common.log import get_logger, loggable
 from pagedserve.common.tokenizer import Tokenizer
 
 log = get_logger(__name__)
@@ -83,7 +84,25 @@ def _counts_rejections(handler: Handler) -> Handler:
     return counted
 
 
+def _admitted(handler: Handler) -> Handler:
+    """Answers 503 server_overloaded while --max-concurrent-requests generation requests are in flight."""
+    @functools.wraps(handler)
+    async def admitted(request: web.Request) -> web.StreamResponse:
+        gateway = request.app[GATEWAY]
+        limit = gateway.max_concurrent_requests
+        if limit is not None and gateway.generating >= limit:
+            raise overloaded(f"This server already serves {limit} requests, its limit "
+                             "(--max-concurrent-requests); retry shortly.")
+        gateway.generating += 1
+        try:
+            return await handler(request)
+        finally:
+            gateway.generating -= 1
+    return admitted
+
+
 @_counts_rejections
+@_admitted
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, ChatCompletionRequest)
     gateway = request.app[GATEWAY]
@@ -92,10 +111,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params.check_chat_options(req)
     params.check_fan_out(1, req.n, gateway.max_client_batch_size)
     options = ChatOutputOptions(reasoning=gateway.reasoning_parser is not None)
-    constraint = _chat_constraint(req, gateway, options)
-    messages, size = params.chat_messages(req.messages)
-    prompt = await gateway.offload(size, params.chat_prompt, gateway.tokenizer, messages, req.add_generation_prompt,
-                                   False, req.tools, req.chat_template_kwargs, req.chat_template)
+    constraint = await _checked(gateway, _chat_constraint(req, gateway, options))
+    chat = params.chat_input(req.messages, req.tools, req.chat_template_kwargs, req.chat_template,
+                             gateway.trust_request_chat_template)
+    prompt = await chat_prompt(gateway, chat, req.add_generation_prompt)
     if options.reasoning and reasoning.ended_in_prompt(gateway.tokenizer.decode(prompt, False)):
         options.reasoning = False
     if options.reasoning and constraint is not None:
@@ -125,17 +144,27 @@ def _free_thinking(constraint: StructuredOutputsParams, tokenizer: Tokenizer) ->
 
 
 def _chat_constraint(req: ChatCompletionRequest, gateway: Gateway,
-                     options: ChatOutputOptions) -> StructuredOutputsParams | None:
-    """What tool_choice forces, or else what the request asks for."""
+                     options: ChatOutputOptions) -> tuple[str, StructuredOutputsParams] | None:
+    """What tool_choice forces (from `tools`), or else what the request asks for, and its field."""
     forced = tool_options(req, gateway.tool_parser, options)
     requested = request_constraint(req)
     if forced is not None and requested is not None:
         raise bad_request("tool_choice \"required\" or a named function constrains the output already; "
                           "remove `response_format` (or the structured outputs field).", param="tool_choice")
-    return forced or requested
+    return ("tools", forced) if forced is not None else requested
+
+
+async def _checked(gateway: Gateway,
+                   given: tuple[str, StructuredOutputsParams] | None) -> StructuredOutputsParams | None:
+    """The constraint, checked (size and compilation) on the pool: a large one takes seconds."""
+    if given is None:
+        return None
+    param, constraint = given
+    return await gateway.in_pool(checked, constraint, param)
 
 
 @_counts_rejections
+@_admitted
 async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, CompletionRequest)
     gateway = request.app[GATEWAY]
@@ -151,7 +180,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     # Echo with logprobs shows the prompt's tokens as OpenAI does, prompt_logprobs as vLLM does.
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
     prompt_logprobs = max(asked) if asked else None
-    choices = _choices(rid, req, prompts, req.max_tokens, req.logprobs, served, request_constraint(req),
+    constraint = await _checked(gateway, request_constraint(req))
+    choices = _choices(rid, req, prompts, req.max_tokens, req.logprobs, served, constraint,
                        prompt_logprobs)
     echo = [""] * len(choices)
     if req.echo:
@@ -188,9 +218,10 @@ def _choices(rid: str, req: SamplingFields, prompts: list[list[int]], max_tokens
     params.check_context(prompts, max_tokens, spec.max_model_len)
     params.check_prompts(prompts, spec.vocab_size)
     params.check_token_ids(req.stop_token_ids or [], spec.vocab_size, "stop_token_ids")
-    params.check_logit_bias(req.logit_bias, spec.vocab_size)
+    bias = params.logit_bias(req.logit_bias, spec.vocab_size)
+    params.check_stop(req.stop)
     sampling = params.sampling_params(req, max_tokens, logprobs, served.sampling_defaults, constraint,
-                                      prompt_logprobs)
+                                      prompt_logprobs, bias)
     choices = fan_out(rid, prompts, sampling)
     served.metrics.request_params_n.observe(req.n)
     served.metrics.request_params_max_tokens.observe(
@@ -229,9 +260,9 @@ def _log_end(event: str, builder: ResponseBuilder, generation: Generation, start
 
 
 def changed_fields(params: SamplingParams) -> dict:
-    """The sampling parameters a request set to other than their defaults."""
+    """The sampling parameters a request set to other than their defaults, each cut to fit a log line."""
     default = type(params)()
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
+    return {f.name: loggable(getattr(params, f.name)) for f in dataclasses.fields(params)
             if getattr(params, f.name) != getattr(default, f.name)}
 
 
@@ -277,7 +308,7 @@ async def _stream(request: web.Request, builder: ResponseBuilder, generation: Ge
         _client_left(builder, generation, start)
         return sse.response
     except APIError as e:
-        log.info("stream_failed", status=e.status, message=e.info.message)
+        log.info("stream_failed", status=e.status, message=loggable(e.info.message))
         await sse.send_error(e)
     except Exception:
         log.exception("stream_crashed")

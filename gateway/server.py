@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import resource
+from pathlib import Path
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
@@ -16,6 +17,7 @@ from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.gateway import reasoning, tool_parsers
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.engine_pool import split_addresses
+from pagedserve.gateway.hosts import allowed_hosts, is_loopback
 from pagedserve.common.tokenizer import Tokenizer, read_chat_template
 from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY
 from pagedserve.common.log import get_logger
@@ -58,18 +60,28 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--host", default="127.0.0.1",
                        help="where the REST API listens; 0.0.0.0 for every interface (set --api-key then)")
     group.add_argument("--port", type=arg_types.port, default=8000, help="the REST API's TCP port")
-    group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+    group.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every route but /health (and "
                             "/metrics); defaults to $PAGEDSERVE_API_KEY, which, unlike a flag, process "
                             "listings do not show")
+    group.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="read the API key from this file (a Docker or Kubernetes secret); surrounding "
+                            "whitespace, such as a final newline, is dropped")
     group.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
-    group.add_argument("--allowed-origins", type=parse_origins, default=[],
+    group.add_argument("--allowed-origins", type=parse_list, default=[],
                        help="CORS: origins browsers may call the API from, comma-separated or a JSON list; "
                             "* allows any")
+    group.add_argument("--allowed-hosts", type=parse_list, default=[],
+                       help="Host header names answered besides localhost, 127.0.0.1 and [::1] when "
+                            "listening on a loopback address (others get 421, against DNS rebinding); "
+                            "elsewhere the only names answered, if given; * answers any")
     group.add_argument("--stream-interval", type=arg_types.positive_int, default=1,
                        help="tokens per streamed chunk; more means fewer writes under load (vLLM's flag)")
     group.add_argument("--chat-template", type=chat_template, default=None,
                        help="a Jinja chat template, as a file or inline, used instead of the model's")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a `chat_template` in requests (vLLM's flag): each renders in a child "
+                            "process, within 2 s and 1 GiB; without it such requests get a 400")
     group.add_argument("--enable-log-requests", action="store_true",
                        help="log each request when it ends: id, prompt tokens, sampling parameters, "
                             "finish reasons, completion tokens and latency")
@@ -88,6 +100,10 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                        help="seconds running requests get to finish after SIGTERM/SIGINT; then streams end "
                             "with an error event and `data: [DONE]`, other requests with a 503")
+    group.add_argument("--max-concurrent-requests", type=arg_types.positive_int, default=None,
+                       help="most completions and chat completions this gateway serves at once (TGI's "
+                            "flag); more get 503 server_overloaded with Retry-After (default: no limit "
+                            "here, the schedulers' --max-num-queued-reqs bounds the wait)")
     group.add_argument("--max-client-batch-size", type=int, default=DEFAULT_MAX_CLIENT_BATCH_SIZE,
                        help="most completions one request may ask for (prompts x n); more is a 400")
     group.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
@@ -95,6 +111,25 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                             "before it is closed")
     group.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
                        help="seconds a request body may take to arrive; slower ones get a 408")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The API key of --api-key, else --api-key-file, else $PAGEDSERVE_API_KEY (empty: none), with
+    surrounding whitespace dropped; raises ValueError for a key given twice, empty or holding a space."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("--api-key and --api-key-file both give the API key; pass one")
+    key, source = args.api_key, "--api-key"
+    if args.api_key_file is not None:
+        key, source = Path(args.api_key_file).read_text(), f"the file {args.api_key_file}"
+    if key is None:
+        key, source = os.environ.get("PAGEDSERVE_API_KEY") or None, "PAGEDSERVE_API_KEY"
+    if key is None:
+        return None
+    key = key.strip()
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"the API key in {source} is empty or holds whitespace; a key is one word "
+                         "(clients send it as `Authorization: Bearer KEY`)")
+    return key
 
 
 def tool_parser(args: argparse.Namespace) -> str | None:
@@ -121,7 +156,7 @@ def chat_template(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def parse_origins(value: str) -> list[str]:
+def parse_list(value: str) -> list[str]:
     """A JSON list (vLLM's form) or a comma-separated list."""
     if value.lstrip().startswith("["):
         return [str(o) for o in json.loads(value)]
@@ -168,11 +203,14 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     """Serves until SIGINT or SIGTERM; then drains (see Drain) and stops."""
     raise_open_files_limit()
     app = build_app(tokenizer, args.scheduler_address, args.served_model_name, api_key=args.api_key,
+                    allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
                     protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
                     stream_interval=args.stream_interval, log_requests=args.enable_log_requests,
                     sampling_defaults=sampling_defaults(args.model, args.generation_config),
                     tool_parser=tool_parser(args), reasoning_parser=args.reasoning_parser,
-                    max_client_batch_size=args.max_client_batch_size, body_read_timeout=args.body_read_timeout)
+                    max_client_batch_size=args.max_client_batch_size, body_read_timeout=args.body_read_timeout,
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    max_concurrent_requests=args.max_concurrent_requests)
     # The tokenizer and everything loaded so far live as long as the process: frozen, they leave
     # the collector's full passes, which a large request's objects would otherwise trigger over
     # the whole heap (tens of milliseconds with the event loop held).
@@ -181,6 +219,11 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     runner = await start(app, args.host, args.port, sock, args.timeout_keep_alive)
     log.info("gateway_listening", host=args.host, port=args.port, scheduler=args.scheduler_address,
              api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins)
+    if not args.api_key and not is_loopback(args.host):
+        # Said on every start: vLLM's images listen on 0.0.0.0 without a key, and so may ours.
+        log.warning("unauthenticated_public_bind", host=args.host, port=args.port,
+                    message=f"anyone who can reach {args.host}:{args.port} can use this API: set an API key "
+                            "with --api-key-file (or --api-key, PAGEDSERVE_API_KEY), or listen on 127.0.0.1")
     await service.wait_for_signal()
     await app[GATEWAY].drain.drain(args.shutdown_timeout)
     await runner.cleanup()
@@ -192,6 +235,7 @@ def run(args: argparse.Namespace) -> None:
     path = args.tokenizer or args.model
     if not path:
         raise SystemExit("gateway: pass the model directory or --tokenizer")
+    args.api_key = api_key(args)
     logging.getLogger("aiohttp").setLevel(HTTP_LOG_LEVELS[args.uvicorn_log_level])
     aio.run(serve(Tokenizer.load(path, args.chat_template), args))
 

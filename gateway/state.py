@@ -13,6 +13,7 @@ from pagedserve.gateway.drain import Drain
 from pagedserve.gateway.engine_client import ModelSpec
 from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.metrics import Metrics, ModelMetrics
+from pagedserve.gateway.template_worker import TemplateWorker
 from pagedserve.common.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -53,6 +54,12 @@ class Gateway:
     # The most engine requests (prompts x n) one HTTP request may fan out to.
     max_client_batch_size: int = DEFAULT_MAX_CLIENT_BATCH_SIZE
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S
+    # --max-concurrent-requests (None: no limit), and the generation requests in flight.
+    max_concurrent_requests: int | None = None
+    generating: int = 0
+    # --trust-request-chat-template: requests may bring a chat template, rendered by `templates`.
+    trust_request_chat_template: bool = False
+    templates: TemplateWorker = field(default_factory=TemplateWorker)
     drain: Drain = field(default_factory=Drain)
     # One thread: the work is mostly Python (templates, ids to lists) that holds the GIL anyway, and
     # each extra thread would get its own malloc arena that keeps a large request's memory.
@@ -71,6 +78,10 @@ class Gateway:
         would hold the event loop long enough to delay /health and other streams."""
         if size < OFFLOAD_SIZE:
             return fn(*args)
+        return await self.in_pool(fn, *args)
+
+    async def in_pool(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the pool, whatever the size."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
 

@@ -2,6 +2,7 @@
 from aiohttp import web
 
 from pagedserve.gateway import params
+from pagedserve.gateway.chat_prompt import chat_prompt
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.routes import json_response, read_json
 from pagedserve.gateway.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
@@ -16,10 +17,9 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("Send exactly one of `prompt` (text) or `messages` (a chat).", param="prompt")
     if req.messages is not None:
-        messages, size = params.chat_messages(req.messages)
-        tokens = await gateway.offload(size, params.chat_prompt, gateway.tokenizer, messages,
-                                       req.add_generation_prompt, bool(req.add_special_tokens), req.tools,
-                                       req.chat_template_kwargs, req.chat_template)
+        chat = params.chat_input(req.messages, req.tools, req.chat_template_kwargs, req.chat_template,
+                                 gateway.trust_request_chat_template)
+        tokens = await chat_prompt(gateway, chat, req.add_generation_prompt, bool(req.add_special_tokens))
     else:
         params.check_prompt_chars(len(req.prompt), "prompt")
         tokens = await gateway.offload(len(req.prompt), gateway.tokenizer.encode, req.prompt,

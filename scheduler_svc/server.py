@@ -4,7 +4,7 @@ import asyncio
 import gc
 import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import grpc
@@ -28,6 +28,17 @@ from pagedserve.scheduler_svc.step_stats import BUCKETS_US, Histogram
 log = get_logger(__name__)
 
 BUCKETS_S = [b / 1e6 for b in BUCKETS_US]
+# Requests that may wait for a running slot, per slot, unless --max-num-queued-reqs says otherwise:
+# four batches' worth keeps bursts (a benchmark's 4x oversubscription) queued, while a flood past it
+# gets 503s with Retry-After at once rather than waiting without end.
+DEFAULT_QUEUED_PER_SEQ = 4
+
+
+def serving_scheduler(config: EngineConfig, info: ExecutorInfo) -> Scheduler:
+    """The scheduler a server runs: its queue bounded by --max-num-queued-reqs, else by
+    DEFAULT_QUEUED_PER_SEQ x max_num_seqs (the offline LLM queues every prompt it is given)."""
+    limit = config.max_num_queued_reqs or DEFAULT_QUEUED_PER_SEQ * info.max_num_seqs
+    return Scheduler(replace(config, max_num_queued_reqs=limit), info)
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
@@ -151,7 +162,7 @@ async def _serve(config: EngineConfig, address: str, executor_address: str, expe
     async with service.channel(executor_address) as channel:
         link = ExecutorLink(executor_pb2_grpc.ExecutorStub(channel), executor_address, expected)
         info = await link.describe(executor_timeout)
-        loop = EngineLoop(Scheduler(config, info), link.stub, config.async_scheduling)
+        loop = EngineLoop(serving_scheduler(config, info), link.stub, config.async_scheduling)
         # The block pool and everything loaded so far live as long as the process: frozen, they
         # leave the collector's full passes, which took ~30 ms (a stalled step) at 18k blocks.
         gc.freeze()
@@ -186,7 +197,7 @@ async def step_and_reattach(loop: EngineLoop, link: ExecutorLink, config: Engine
         await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         log.warning("executor_reattaching", address=link.address)
         info = await link.describe(math.inf)
-        loop.reset(Scheduler(config, info))
+        loop.reset(serving_scheduler(config, info))
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info("executor_reattached", address=link.address, num_blocks=info.num_blocks)
 

@@ -83,7 +83,8 @@ def _flag_specs() -> dict[str, dict]:
                                             "a CPU"),
         "max_num_queued_reqs": dict(type=arg_types.positive_int, default=d.max_num_queued_reqs,
                                     help="requests that may wait for a running slot; past it new ones "
-                                         "get 503 server_overloaded with Retry-After (default: no limit)"),
+                                         "get 503 server_overloaded with Retry-After (default: 4 x "
+                                         "--max-num-seqs; the offline LLM queues without limit)"),
         "block_size": dict(type=arg_types.positive_int, default=d.block_size, help="tokens per KV-cache block"),
         "gpu_memory_utilization": dict(type=arg_types.fraction, default=d.gpu_memory_utilization,
                                        help="share of GPU memory, in (0, 1], for weights, activations "

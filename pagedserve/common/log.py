@@ -1,11 +1,16 @@
 """Structured logging: one event per line on stderr, readable or JSON, with bound request ids.
 Libraries' standard-library logs go through the same renderer."""
+import dataclasses
+import hashlib
+import json
 import logging
 import os
 import sys
 
 import structlog
 
+# Characters a logged value keeps of what a client sent (a constraint may be 64 KiB, a bias 1024 entries).
+LOGGED_CHARS = 256
 # Loggers of gRPC's Python layer; its C core obeys GRPC_VERBOSITY.
 GRPC_LOGGERS = ("grpc", "grpc._cython", "grpc.aio")
 # The last configure's level and format, for child processes that log the same way.
@@ -55,3 +60,22 @@ def configure(level: str = "info", service: str = "pagedserve", fmt: str = "text
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     return structlog.get_logger(name)
+
+
+def loggable(value: object, limit: int = LOGGED_CHARS) -> object:
+    """`value` fit for one log line: a dataclass as the dict of its set fields, and a string, list or
+    dict whose text passes `limit` characters cut there, with its length and a SHA-256 prefix (so
+    that two requests' values can still be told apart)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: loggable(getattr(value, f.name), limit) for f in dataclasses.fields(value)
+                if getattr(value, f.name) not in (None, False)}
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, (list, dict)):
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    else:
+        return value
+    if len(text) <= limit:
+        return value
+    digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return f"{text[:limit]}… ({len(text)} characters, sha256 {digest})"

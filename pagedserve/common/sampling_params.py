@@ -1,8 +1,9 @@
 """Per-request generation options, with vLLM's names and defaults; the range each may take; and
 their wire form (pagedserve.v1.SamplingParams), which the scheduler and the executor share."""
+import copy
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from pagedserve.v1 import sampling_pb2 as pb
 
@@ -164,10 +165,14 @@ def _clamped_bias(bias: dict[int, float]) -> dict[int, float]:
 
 def choice_params(params: SamplingParams) -> list[SamplingParams]:
     """The n single-choice requests of `params`, seeds offset by the choice (so that samples differ)
-    and wrapped into the int64 the wire carries."""
-    def seed(i: int) -> int | None:
-        return None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
-    return [replace(params, n=1, seed=seed(i)) for i in range(params.n)]
+    and wrapped into the int64 the wire carries. They share params' lists and maps: copies, not new
+    SamplingParams, so that a large logit_bias is not checked and clamped again for each."""
+    def child(i: int) -> SamplingParams:
+        copied = copy.copy(params)
+        copied.n = 1
+        copied.seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
+        return copied
+    return [child(i) for i in range(params.n)]
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:

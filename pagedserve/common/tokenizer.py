@@ -1,23 +1,19 @@
 """Tokenizer and chat template on the `tokenizers` library and jinja2, without transformers."""
 import json
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 
-import jinja2.ext
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+import jinja2
 from tokenizers import Tokenizer as RustTokenizer
 
+from pagedserve.common.chat_template import ChatTemplateError, compile_template, render
 from pagedserve.common.gguf_tokenizer import load_gguf_tokenizer
 
 
 # Characters from which encoding goes through encode_batch (see Tokenizer.encode).
 LONG_TEXT = 4096
-
-
-class ChatTemplateError(ValueError):
-    """The model has no chat template, or its template refused the conversation."""
+# The variables that Tokenizer.chat_variables sets; template kwargs may not replace them.
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                                "eos_token"})
 
 
 def _token_text(value: str | dict | None) -> str | None:
@@ -27,38 +23,12 @@ def _token_text(value: str | dict | None) -> str | None:
     return value
 
 
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _tojson(value, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # jinja2's own tojson escapes HTML characters, which transformers' templates do not expect.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 def _select_template(value: str | list[dict] | None) -> str | None:
     # Older configs hold a list of named templates; "default" is the one for plain chat.
     if isinstance(value, list):
         named = {t["name"]: t["template"] for t in value}
         return named.get("default")
     return value
-
-
-# Templates that requests bring (`chat_template`) are compiled once each.
-@lru_cache(maxsize=16)
-def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
 
 
 def read_chat_template(value: str) -> str:
@@ -73,9 +43,9 @@ def read_chat_template(value: str) -> str:
     else:
         source = value
     try:
-        _compile(source)
-    except TemplateError as e:
-        raise ValueError(f"the chat template does not compile: {e}") from None
+        compile_template(source)
+    except ChatTemplateError as e:
+        raise ValueError(str(e)) from None
     return source
 
 
@@ -89,7 +59,7 @@ class Tokenizer:
         self.bos_token_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self._template = _compile(chat_template) if chat_template else None
+        self._template = compile_template(chat_template) if chat_template else None
         # tokenizer.json's post-processor normally adds BOS; some configs ask for it without one.
         probe = tokenizer.encode("", add_special_tokens=True).ids
         self._prepend_bos = (config.get("add_bos_token") is True and self.bos_token_id is not None
@@ -166,18 +136,23 @@ class Tokenizer:
         """Renders a chat to the prompt text; encode it with add_special_tokens=False. `tools` and
         the keyword arguments (e.g. enable_thinking) are template variables, as in transformers;
         `template` replaces the model's own."""
-        try:
-            compiled = self._template if template is None else _compile(template)
-        except TemplateError as e:
-            raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+        variables = self.chat_variables(messages, add_generation_prompt, tools, kwargs)
+        return self.render_chat(variables, None if template is None else compile_template(template))
+
+    def render_chat(self, variables: dict, template: jinja2.Template | None = None) -> str:
+        """The model's chat template (or `template`) rendered with chat_variables(); raises
+        ChatTemplateError (see chat_template.render)."""
+        compiled = template or self._template
         if compiled is None:
             raise ChatTemplateError("this model has no chat template (neither tokenizer_config.json, "
                                     "chat_template.jinja nor the GGUF metadata hold one); use "
                                     "/v1/completions with a plain prompt instead")
-        variables = {**kwargs, "messages": messages, "tools": tools, "documents": None,
-                     "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
-                     "eos_token": self.eos_token or ""}
-        try:
-            return compiled.render(**variables)
-        except TemplateError as e:
-            raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e
+        return render(compiled, variables)
+
+    def chat_variables(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
+                       template_kwargs: dict | None) -> dict:
+        """What a chat template renders from: `template_kwargs`, then the variables every render
+        sets (RESERVED_VARIABLES), which they cannot replace."""
+        return {**(template_kwargs or {}), "messages": messages, "tools": tools, "documents": None,
+                "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
+                "eos_token": self.eos_token or ""}

@@ -1,7 +1,6 @@
 """The `pagedserve` command: serve the whole stack, run one service, benchmark."""
 import argparse
 import json
-import os
 import sys
 
 from pagedserve.common import aio, arg_types
@@ -125,16 +124,16 @@ def run_serve(args: argparse.Namespace) -> int:
     scheduler_addresses = _scheduler_addresses(args)
     listener = preflight.bind(args.host, args.port)
     config = config_from_args(args)
-    if args.api_key:
-        # The gateway child inherits the environment; in its argv the key would show in process listings.
-        os.environ["PAGEDSERVE_API_KEY"] = args.api_key
+    from pagedserve.gateway.server import api_key
+    # The gateway gets the key in its environment: in its argv the key would show in process listings.
+    key = api_key(args)
     logs = ["--log-level", args.log_level, "--log-format", args.log_format]
     argv = {"executor": config_to_argv(config, EXECUTOR_FLAGS) + logs,
             "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + logs,
             "gateway": _gateway_argv(args, config) + logs}
     from pagedserve.entrypoints.launcher import serve
     return serve(args.model, argv, listener, scheduler_addresses, args.startup_timeout,
-                 args.shutdown_timeout, args.data_parallel_size, config.tensor_parallel_size)
+                 args.shutdown_timeout, args.data_parallel_size, config.tensor_parallel_size, key)
 
 
 def _scheduler_addresses(args: argparse.Namespace) -> list[str] | None:
@@ -156,6 +155,8 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv.append("--protect-metrics")
     if args.allowed_origins:
         argv += ["--allowed-origins", json.dumps(args.allowed_origins)]
+    if args.allowed_hosts:
+        argv += ["--allowed-hosts", json.dumps(args.allowed_hosts)]
     if args.tokenizer:
         argv += ["--tokenizer", args.tokenizer]
     if args.generation_config != "auto":
@@ -164,10 +165,14 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv += ["--stream-interval", str(args.stream_interval)]
     for name in ("shutdown_timeout", "max_client_batch_size", "timeout_keep_alive", "body_read_timeout"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.max_concurrent_requests is not None:
+        argv += ["--max-concurrent-requests", str(args.max_concurrent_requests)]
     if args.chat_template is not None:
         argv.append(f"--chat-template={args.chat_template}")
     if args.enable_log_requests:
         argv.append("--enable-log-requests")
+    if args.trust_request_chat_template:
+        argv.append("--trust-request-chat-template")
     if tool_parser(args):
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser:

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.common.log import get_logger
-from pagedserve.common.process import die_with_parent
+from pagedserve.common.process import die_with_parent, environment_without_secrets
 from pagedserve.entrypoints.preflight import connect_host
 
 log = get_logger(__name__)
@@ -49,19 +49,21 @@ class Launcher:
         return f"unix://{self.socket_dir}/{name}.sock"
 
     def start(self, name: str, argv: list[str], ready: Callable[[], bool], timeout: float,
-              pass_fds: tuple[int, ...] = ()) -> None:
+              pass_fds: tuple[int, ...] = (), env: dict[str, str] | None = None) -> None:
         """Starts `pagedserve <argv>` and waits until `ready()` holds or the child dies."""
-        self.wait_ready(self.spawn(name, argv, pass_fds), ready, timeout)
+        self.wait_ready(self.spawn(name, argv, pass_fds, env), ready, timeout)
 
     def spawn(self, name: str, argv: list[str], pass_fds: tuple[int, ...] = (),
               env: dict[str, str] | None = None, restart: bool = False) -> Child:
-        """Starts `pagedserve <argv>`, with `env` added to this process's environment; with
-        `restart`, supervise() starts it again whenever it exits."""
+        """Starts `pagedserve <argv>`, with `env` added to this process's environment less its
+        secrets (the gateway gets the API key in its own `env`); with `restart`, supervise() starts
+        it again whenever it exits."""
         command = [sys.executable, "-m", "pagedserve", *argv]
+        environment = environment_without_secrets() | (env or {})
 
         def start() -> subprocess.Popen:
             return subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent,
-                                    pass_fds=pass_fds, env={**os.environ, **(env or {})})
+                                    pass_fds=pass_fds, env=environment)
         child = Child(name, start(), start if restart else None)
         self.children.append(child)
         return child
@@ -154,13 +156,13 @@ def engine_devices(data_parallel_size: int, gpus_per_engine: int, visible: str |
 
 def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, scheduler_addresses: list[str] | None,
           startup_timeout: float, shutdown_timeout: float = 0.0, data_parallel_size: int = 1,
-          tensor_parallel_size: int = 1) -> int:
+          tensor_parallel_size: int = 1, api_key: str | None = None) -> int:
     """Runs the whole stack on this machine until a signal; returns the exit code. `argv` holds each
     child's own flags, by child ("executor", "scheduler", "gateway"); the gateway serves on
     `listener`, bound already, so that only it can answer on that port, and drains for
     `shutdown_timeout` (its --shutdown-timeout) on a signal. `data_parallel_size` engines (executor
     and scheduler, each on `tensor_parallel_size` GPUs) start side by side, the schedulers at
-    `scheduler_addresses` when given."""
+    `scheduler_addresses` when given. The gateway alone receives `api_key`, in its environment."""
     host, port = listener.getsockname()[:2]
     launcher = Launcher(shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -188,7 +190,7 @@ def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, sched
                                    "--listen-fd", str(listener.fileno()),
                                    "--scheduler-address", ",".join(scheduler_addresses), *argv["gateway"]],
                        http_ready(f"http://{connect_host(host)}:{port}/health"), startup_timeout,
-                       pass_fds=(listener.fileno(),))
+                       pass_fds=(listener.fileno(),), env={"PAGEDSERVE_API_KEY": api_key} if api_key else None)
         if not launcher.stopping:
             log.info("pagedserve_ready", url=f"http://{connect_host(host)}:{port}/v1",
                      data_parallel_size=data_parallel_size)

@@ -70,12 +70,14 @@ def servers():
     port, reasoning_port, grpc_port = free_port(), free_port(), free_port()
     scheduler = f"127.0.0.1:{grpc_port}"
     serve = start(["serve", "--port", str(port), "--scheduler-address", scheduler, "--max-model-len", "2048",
-                   "--num-gpu-blocks-override", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+                   "--num-gpu-blocks-override", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                   "--trust-request-chat-template"])
     processes = [serve]
     try:
         wait_http(f"http://127.0.0.1:{port}/health", serve, timeout=240)
         gateway = start(["gateway", "--port", str(reasoning_port), "--scheduler-address", scheduler,
-                         "--served-model-name", MODEL, "--reasoning-parser", "qwen3"])
+                         "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
+                         "--trust-request-chat-template"])
         processes.append(gateway)
         wait_http(f"http://127.0.0.1:{reasoning_port}/health", gateway, timeout=120)
         yield {"tools": f"http://127.0.0.1:{port}", "reasoning": f"http://127.0.0.1:{reasoning_port}"}

@@ -85,20 +85,23 @@ class Refused(Exception):
 
 
 class FakeEngine(engine_pb2_grpc.EngineServicer):
-    """Replies with REPLY's tokens, one per message after `delay` seconds, cycling until max_tokens;
-    with logprobs asked, fake_logprobs of each."""
+    """Replies with REPLY's tokens (or `reply`'s), `tokens_per_reply` per message after `delay`
+    seconds, cycling until max_tokens; with logprobs asked, fake_logprobs of each."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.reply = tokenizer.encode(REPLY, add_special_tokens=False)
         self.eos = tokenizer.eos_token_id
         self.vocab_size = tokenizer.vocab_size
         self.delay = 0.001
+        self.tokens_per_reply = 1
+        self.max_model_len = MAX_MODEL_LEN
         self.fail_after: int | None = None
         self.reject: grpc.StatusCode | None = None
         self.requests: list[pb.GenerateRequest] = []
         self.metadata: list[dict] = []
         self.cancelled: dict[str, float] = {}
         self.stream_calls = 0
+        self.info_calls = 0
         self.address = ""
         self.model = MODEL
         self.steps = ENGINE_STEPS
@@ -149,32 +152,39 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         if self.reject is not None:
             raise Refused(self.reject, "rejected by the fake engine")
         p = request.params
-        limit = p.max_tokens if p.HasField("max_tokens") else MAX_MODEL_LEN - len(request.prompt_token_ids)
+        limit = p.max_tokens if p.HasField("max_tokens") else self.max_model_len - len(request.prompt_token_ids)
         finished = False
         try:
-            for i in range(limit):
+            for start in range(0, limit, self.tokens_per_reply):
                 await asyncio.sleep(self.delay)
-                if i == self.fail_after:
+                if start == self.fail_after:
                     raise Refused(grpc.StatusCode.INTERNAL, "executor crashed at /secret/path")
-                token = self.reply[i % len(self.reply)]
-                stop = token in p.stop_token_ids or (token == self.eos and not p.ignore_eos)
+                tokens, stop = [], False
+                for i in range(start, min(start + self.tokens_per_reply, limit)):
+                    tokens.append(self.reply[i % len(self.reply)])
+                    stop = tokens[-1] in p.stop_token_ids or (tokens[-1] == self.eos and not p.ignore_eos)
+                    if stop:
+                        break
                 finish = (pb.FINISH_REASON_STOP if stop else
                           pb.FINISH_REASON_LENGTH if i + 1 == limit else pb.FINISH_REASON_UNSPECIFIED)
                 finished = bool(finish)
                 logprobs = []
                 if p.HasField("logprobs"):
-                    logprobs.append(fake_logprobs(i, token, p.logprobs, self.vocab_size))
+                    logprobs = [fake_logprobs(j, t, p.logprobs, self.vocab_size) for j, t in enumerate(tokens, start)]
                 yield pb.GenerateResponse(
-                    token_ids=[token], finish_reason=finish, prompt_tokens=len(request.prompt_token_ids),
+                    token_ids=tokens, finish_reason=finish, prompt_tokens=len(request.prompt_token_ids),
                     completion_tokens=i + 1, cached_tokens=CACHED_TOKENS,
-                    stop_token_id=token if stop else None, logprobs=logprobs)
+                    stop_token_id=tokens[-1] if stop else None, logprobs=logprobs)
+                if finished:
+                    break
         finally:
             # A cancelled request shows up as CancelledError or as the generator being closed early.
             if not finished:
                 self.cancelled[request.request_id] = time.monotonic()
 
     async def GetModelInfo(self, request, context):
-        return pb.ModelInfo(served_model_name=self.model, max_model_len=MAX_MODEL_LEN,
+        self.info_calls += 1
+        return pb.ModelInfo(served_model_name=self.model, max_model_len=self.max_model_len,
                             vocab_size=self.vocab_size, eos_token_ids=[self.eos], **ENGINE_STATS,
                             **self.steps)
 

@@ -4,7 +4,7 @@ import argparse
 import pytest
 
 from pagedserve.gateway.app import build_app
-from pagedserve.gateway.server import add_gateway_args, parse_origins
+from pagedserve.gateway.server import add_gateway_args, api_key, parse_list
 from pagedserve.gateway.state import GATEWAY
 
 KEY = "sk-test-123"
@@ -122,7 +122,7 @@ def test_flags(monkeypatch):
     parser = argparse.ArgumentParser()
     add_gateway_args(parser)
     args = parser.parse_args(["--allowed-origins", "https://a.example, https://b.example"])
-    assert args.api_key == "from-env" and not args.protect_metrics
+    assert api_key(args) == "from-env" and not args.protect_metrics
     assert args.allowed_origins == ["https://a.example", "https://b.example"]
-    assert parse_origins('["*"]') == ["*"]
-    assert parser.parse_args(["--api-key", "k", "--protect-metrics"]).api_key == "k"
+    assert parse_list('["*"]') == ["*"]
+    assert api_key(parser.parse_args(["--api-key", "k", "--protect-metrics"])) == "k"

@@ -145,3 +145,21 @@ async def test_scheduler_side_failures_are_503s_never_500s(http, base_url, engin
         error = (await r.json())["error"]
     assert error["type"] == "service_unavailable"
     assert (error["code"] == "server_overloaded") == (code == grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+async def test_requests_past_max_concurrent_requests_get_a_503(http, serve, engine):
+    """SEC-17: with --max-concurrent-requests 2, a third request while two stream is refused at
+    once with 503 server_overloaded and Retry-After; once they end, requests are served again."""
+    url = await serve(max_concurrent_requests=2)
+    engine.delay = 0.02
+    body = {"prompt": "hi", "max_tokens": 20, "stream": True}
+    async with http.post(url + COMPLETIONS, json=body) as first, http.post(url + COMPLETIONS, json=body) as second:
+        async with http.post(url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 1}) as third:
+            assert third.status == 503 and third.headers["Retry-After"]
+            error = (await third.json())["error"]
+        assert error["code"] == "server_overloaded" and "--max-concurrent-requests" in error["message"]
+        await first.read()
+        await second.read()
+    engine.delay = 0.001
+    async with http.post(url + CHAT, json={"messages": [USER], "max_tokens": 1}) as r:
+        assert r.status == 200

@@ -1,5 +1,6 @@
 """/metrics: Prometheus text whose counts and sums add up to exactly the traffic sent."""
 import asyncio
+import time
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -85,9 +86,32 @@ async def test_step_histograms_come_from_the_scheduler(http, base_url):
 
 async def test_an_engine_without_step_histograms_leaves_them_out(http, base_url, engine):
     engine.steps = {}
+    # A scrape shows the engine as last polled: wait for a poll that started after the change.
+    calls = engine.info_calls
+    while engine.info_calls < calls + 2:
+        await asyncio.sleep(0.05)
     m = await scrape(http, base_url)
     assert value(m, "num_requests_running", engine="0") == ENGINE_STATS["num_running"]
     assert not any(name.startswith("pagedserve:step_") for name, _ in m)
+
+
+async def test_scrapes_and_probes_call_no_scheduler(http, base_url, engine):
+    """SEC-14: /metrics and /health need no key, so each must not be a call to every scheduler. The
+    review's bar: 100 scrapes within 0.5 s make at most 2 GetModelInfo calls (the gateway's own poll,
+    every 0.5 s); the bound allows the poll's calls for however long the requests took here."""
+    from pagedserve.gateway.engine_pool import POLL_INTERVAL_S
+    for path in ("/metrics", "/health"):
+        async with http.get(base_url + path) as r:
+            assert r.status == 200
+        calls, started = engine.info_calls, time.monotonic()
+
+        async def get() -> int:
+            async with http.get(base_url + path) as r:
+                await r.read()
+                return r.status
+        assert await asyncio.gather(*(get() for _ in range(100))) == [200] * 100
+        polls = 2 + int((time.monotonic() - started) / POLL_INTERVAL_S)
+        assert engine.info_calls - calls <= polls, path
 
 
 async def test_rejections_by_reason(http, base_url, engine):

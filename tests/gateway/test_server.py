@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 
-from pagedserve.gateway.server import add_gateway_args
+from pagedserve.gateway.server import add_gateway_args, api_key
 
 
 def test_flags_and_defaults():
@@ -78,16 +78,20 @@ def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch, tm
 
     calls = []
     monkeypatch.setattr(launcher, "serve", lambda *a: calls.append(a) or a[2].close() or 0)
-    # setenv, unlike delenv of an unset name, makes monkeypatch restore the variable run_serve sets.
-    monkeypatch.setenv("PAGEDSERVE_API_KEY", "")
+    monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
     model = write_shape("llama-3.1-8b", str(tmp_path))
     assert cli.main(["serve", model, "--port", "0", "--api-key", "sk-secret", "--protect-metrics",
-                     "--allowed-origins", "https://a.example,https://b.example"]) == 0
-    gateway_argv = calls[0][1]["gateway"]
-    assert "sk-secret" not in " ".join(gateway_argv) and os.environ["PAGEDSERVE_API_KEY"] == "sk-secret"
+                     "--allowed-origins", "https://a.example,https://b.example", "--allowed-hosts", "a.example",
+                     "--trust-request-chat-template"]) == 0
+    gateway_argv, key = calls[0][1]["gateway"], calls[0][8]
+    assert "sk-secret" not in " ".join(gateway_argv) and key == "sk-secret"
+    assert "PAGEDSERVE_API_KEY" not in os.environ
+    # The launcher gives the gateway the key in its environment.
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", key)
     parsed = cli.build_parser().parse_args(["gateway", model, *gateway_argv])
-    assert parsed.api_key == "sk-secret" and parsed.protect_metrics
+    assert api_key(parsed) == "sk-secret" and parsed.protect_metrics and parsed.trust_request_chat_template
     assert parsed.allowed_origins == ["https://a.example", "https://b.example"]
+    assert parsed.allowed_hosts == ["a.example"]
 
 
 def test_serve_passes_the_reliability_flags_to_their_owners(monkeypatch, tmp_path):
@@ -99,10 +103,10 @@ def test_serve_passes_the_reliability_flags_to_their_owners(monkeypatch, tmp_pat
     model = write_shape("llama-3.1-8b", str(tmp_path))
     assert cli.main(["serve", model, "--port", "0", "--shutdown-timeout", "7", "--max-num-queued-reqs", "3",
                      "--max-client-batch-size", "64", "--timeout-keep-alive", "9",
-                     "--body-read-timeout", "11"]) == 0
+                     "--body-read-timeout", "11", "--max-concurrent-requests", "5"]) == 0
     argv, shutdown_timeout = calls[0][1], calls[0][5]
     gateway = cli.build_parser().parse_args(["gateway", model, *argv["gateway"]])
-    assert (gateway.shutdown_timeout, gateway.max_client_batch_size) == (7, 64)
+    assert (gateway.shutdown_timeout, gateway.max_client_batch_size, gateway.max_concurrent_requests) == (7, 64, 5)
     assert (gateway.timeout_keep_alive, gateway.body_read_timeout) == (9, 11)
     scheduler = cli.build_parser().parse_args(["scheduler", model, *argv["scheduler"]])
     assert scheduler.max_num_queued_reqs == 3 and shutdown_timeout == 7

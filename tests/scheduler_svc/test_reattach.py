@@ -110,3 +110,29 @@ async def test_a_full_queue_is_resource_exhausted(scheduler):
     assert "--max-num-queued-reqs" in refused.value.details()
     for call in calls:
         call.cancel()
+
+
+async def test_the_queue_is_bounded_by_default(tmp_path):
+    """SEC-17: without --max-num-queued-reqs, 4 x max_num_seqs requests may wait (here 2 slots, 8
+    waiting); the next is RESOURCE_EXHAUSTED, which the gateway answers with 503 server_overloaded
+    and Retry-After (tests/gateway/test_limits.py)."""
+    executor_address, address = f"unix://{tmp_path}/executor.sock", f"unix://{tmp_path}/engine.sock"
+    executor = await start_executor(executor_address)
+    serving = asyncio.create_task(serve(EngineConfig(), address, executor_address))
+    try:
+        await service.wait_serving(address, timeout=10)
+        async with service.channel(address) as channel:
+            engine = engine_pb2_grpc.EngineStub(channel)
+            calls = [engine.Generate(request(f"r{i}", 4000)) for i in range(10)]
+            while (info := await engine.GetModelInfo(engine_pb2.GetModelInfoRequest())).num_waiting < 8:
+                await asyncio.sleep(0.01)
+            assert info.num_running == 2
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await asyncio.wait_for(engine.Generate(request("one too many", 2)).read(), 5)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for call in calls:
+                call.cancel()
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await executor.server.stop(0)

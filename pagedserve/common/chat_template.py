@@ -1,0 +1,110 @@
+"""Chat templates: compiled in jinja2's immutable sandbox, with the work one render may do bounded.
+
+The sandbox keeps templates from reaching Python internals; BoundedSandbox also refuses the
+operators that build huge values from small ones (`'x' * 10**9`, `9**9**9`), and render() stops
+a template whose output passes MAX_RENDERED_CHARS. What a template can still do without end (loop,
+pad with str.ljust) is bounded where untrusted templates run: gateway/template_worker.py."""
+import json
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2.ext
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Most characters a render may produce: a request's text is at most a million characters
+# (gateway/params.py), and a template that writes every message twice still fits.
+MAX_RENDERED_CHARS = 2_000_000
+# Largest integer a template may compute: Python refuses to print ints of more than 4300 digits
+# (about 14 300 bits) anyway.
+MAX_INT_BITS = 16_384
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or its template refused, failed or overran the conversation."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja2's own tojson escapes HTML characters, which transformers' templates do not expect.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _sized(value: object) -> bool:
+    return isinstance(value, (str, list, tuple))
+
+
+def _result_size(op: str, left: object, right: object) -> int:
+    """The size of what `left op right` would build: items of a sequence, bits of an integer."""
+    if op == "+":
+        return len(left) + len(right) if _sized(left) and _sized(right) else 0
+    if isinstance(left, int) and isinstance(right, int):
+        if op == "*":
+            return left.bit_length() + right.bit_length()
+        return right * left.bit_length() if right > 0 and abs(left) > 1 else 0
+    if op == "*" and _sized(left) != _sized(right):
+        seq, times = (left, right) if _sized(left) else (right, left)
+        return len(seq) * times if isinstance(times, int) else 0
+    return 0
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, refusing `*`, `**` and `+` whose result would pass the caps (and, by
+    intercepting them, keeping jinja2 from folding such constants while it compiles)."""
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def call_binop(self, context, op: str, left, right):
+        size = _result_size(op, left, right)
+        limit = MAX_INT_BITS if isinstance(left, int) and isinstance(right, int) else MAX_RENDERED_CHARS
+        if size > limit:
+            raise SecurityError(f"`{op}` would build a value of size {size}; the limit is {limit}")
+        return super().call_binop(context, op, left, right)
+
+
+@lru_cache(maxsize=16)
+def compile_template(source: str) -> jinja2.Template:
+    """The template compiled (the latest 16 are kept); raises ChatTemplateError if it does not."""
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except Exception as e:
+        # Deep nesting fails in Python's own compiler (IndentationError, RecursionError).
+        raise ChatTemplateError(f"the chat template does not compile: {_reason(e)}") from None
+
+
+def render(template: jinja2.Template, variables: dict) -> str:
+    """The template rendered; raises ChatTemplateError when it raises, fails or writes more than
+    MAX_RENDERED_CHARS."""
+    parts, size = [], 0
+    try:
+        for part in template.generate(**variables):
+            size += len(part)
+            if size > MAX_RENDERED_CHARS:
+                raise ChatTemplateError(f"the chat template wrote more than {MAX_RENDERED_CHARS} characters")
+            parts.append(part)
+    except ChatTemplateError:
+        raise
+    except TemplateError as e:
+        raise ChatTemplateError(f"the chat template rejected these messages: {_reason(e)}") from None
+    except Exception as e:
+        raise ChatTemplateError(f"the chat template failed: {_reason(e)}") from None
+    return "".join(parts)
+
+
+def _reason(e: Exception) -> str:
+    # One line, short: the message reaches the client, and a template's error may quote the template.
+    text = (str(e).strip().splitlines() or [""])[0]
+    name = "" if isinstance(e, TemplateError) else f"{type(e).__name__}: "
+    return (name + text)[:300]

@@ -1,0 +1,34 @@
+"""SEC-19: `pagedserve serve` gives the API key to the gateway alone; the scheduler and the executor
+never see it in their environment."""
+import time
+from pathlib import Path
+
+from pagedserve.entrypoints.launcher import Launcher
+from tests.gateway.fake_engine import build_tiny_tokenizer
+from tests.serving import free_port
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """The child's environment, once it runs pagedserve (until it has exec'd, /proc shows the
+    launcher's copy)."""
+    deadline = time.monotonic() + 10
+    while b"\0pagedserve\0" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, f"child {pid} never ran pagedserve"
+        time.sleep(0.05)
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
+
+
+def test_only_the_gateway_child_gets_the_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "sk-inherited")
+    build_tiny_tokenizer(tmp_path)
+    launcher = Launcher()
+    try:
+        # Gateways on a dead scheduler: small children that stay up, standing in for any service.
+        argv = ["gateway", str(tmp_path), "--scheduler-address", "127.0.0.1:1", "--port"]
+        other = launcher.spawn("scheduler", [*argv, str(free_port())])
+        gateway = launcher.spawn("gateway", [*argv, str(free_port())], env={"PAGEDSERVE_API_KEY": "sk-gateway"})
+        assert "PAGEDSERVE_API_KEY" not in _environ(other.process.pid)
+        assert _environ(gateway.process.pid)["PAGEDSERVE_API_KEY"] == "sk-gateway"
+    finally:
+        launcher.stop()
