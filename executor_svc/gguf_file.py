@@ -11,7 +11,10 @@ import torch
 
 from pagedserve.common.gguf_metadata import GGUFTensorInfo, read_gguf_header
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# llama.cpp runs Mixtral as a llama model with experts.
+LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
 # convert_hf_to_gguf permutes q/k rows into llama.cpp's rope layout only for llama-arch models
 # (LlamaModel.undo_permute); Qwen's converters write them as they are.
 PERMUTED_ARCHITECTURES = ("llama",)
@@ -29,6 +32,16 @@ LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # A mixture of experts: the router, every expert's projections stacked [E, ...] (the weight
+    # loader splits them per expert), the shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Llama 3.1's rope scaling, stored by the converter as per-frequency divisors instead of metadata.
 ROPE_FREQS = "rope_freqs.weight"
@@ -61,8 +74,9 @@ def read_gguf_config(path: Path) -> dict:
     if meta("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path} rotates {meta('rope.dimension_count')} of each head's {head_dim} "
                          "dimensions; pagedserve implements full-head rope only")
+    experts = _experts(meta, arch)
     return {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [LLAMA_WITH_EXPERTS if arch == "llama" and experts else ARCHITECTURES[arch]],
         "vocab_size": tensors["token_embd.weight"].shape[0],
         "hidden_size": hidden,
         "intermediate_size": meta("feed_forward_length"),
@@ -77,6 +91,7 @@ def read_gguf_config(path: Path) -> dict:
         "tie_word_embeddings": "output.weight" not in tensors,
         "dtype": _dtype(tensors.values()),
         "eos_token_id": _eos_token_ids(header.metadata),
+        **experts,
     }
 
 
@@ -168,6 +183,21 @@ def _architecture(metadata: dict, path: Path) -> str:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}: pagedserve runs "
                          f"{', '.join(ARCHITECTURES)}")
     return arch
+
+
+def _experts(meta: Callable[..., Any], arch: str) -> dict:
+    """config.json's fields for the experts of a mixture-of-experts file ({} for a dense one).
+    llama.cpp makes every layer sparse, and renormalizes the top-k routing weights of qwen3moe
+    and llama (Mixtral) models but not of qwen2moe ones."""
+    if not meta("expert_count", 0):
+        return {}
+    fields = {"num_experts": meta("expert_count"), "num_experts_per_tok": meta("expert_used_count"),
+              "norm_topk_prob": arch != "qwen2moe"}
+    for key, field in (("expert_feed_forward_length", "moe_intermediate_size"),
+                       ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        if meta(key) is not None:
+            fields[field] = meta(key)
+    return fields
 
 
 def _rope_scaling(meta: Callable[..., Any], path: Path, rope_freqs: GGUFTensorInfo | None) -> dict:
