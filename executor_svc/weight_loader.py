@@ -11,7 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.common.log import get_logger
-from pagedserve.executor_svc.fp8 import Quantize, fp8_linears, quantize_linears
+from pagedserve.executor_svc.fp8 import Quantize, fp8_experts, fp8_linears, quantize_experts, quantize_linears
 from pagedserve.executor_svc.gguf_file import find_gguf, read_gguf_tensors
 from pagedserve.kernels.reference import FP8_DTYPE
 
@@ -80,14 +80,17 @@ def load_weights(model: nn.Module, model_path: str | Path, load_format: str, see
     directory's *.safetensors, `safetensors` from those only, `dummy` with seeded random values
     (norm weights 1, biases 0) without reading any weight file.
 
-    With `quantize` (the backend's per-token FP8 quantizer) the decoder's projections run in FP8:
-    an FP8 checkpoint loads as it is, any other is quantized per output channel once loaded."""
+    With `quantize` (the backend's per-token FP8 quantizer) the decoder's projections and experts
+    run in FP8: an FP8 checkpoint loads as it is, any other is quantized per output channel once
+    loaded."""
     serialized = quantize is not None and model.config.quantization == "fp8" and load_format != "dummy"
     if serialized:
         fp8_linears(model, quantize)
+        fp8_experts(model)
     _fill(model, model_path, load_format, seed)
     if quantize is not None and not serialized:
         quantize_linears(model, quantize)
+        quantize_experts(model)
 
 
 def _fill(model: nn.Module, model_path: str | Path, load_format: str, seed: int) -> None:
