@@ -133,15 +133,16 @@ def hf_name(name: str) -> str:
 
 
 def dequantize(data: np.memmap, tensor: GGUFTensorInfo, rope_heads: int | None = None,
-               index: tuple[slice, ...] | None = None) -> torch.Tensor:
+               index: tuple[int | slice, ...] | None = None) -> torch.Tensor:
     """The tensor of the mapped file `data` (or its slice `index`, which must cut rows at head
-    boundaries when `rope_heads`) as float32 in numpy's dimension order, its rows un-permuted when
-    `rope_heads`."""
+    boundaries when `rope_heads`; an int picks one expert of a stacked [E, ...] tensor) as float32
+    in numpy's dimension order, its rows un-permuted when `rope_heads`."""
     raw = data[tensor.offset:tensor.offset + tensor.n_bytes]
     # Quantized blocks are dequantized from rows of bytes: a row of blocks per row of weights.
     raw = raw.reshape(gguf.quant_shape_to_byte_shape(tensor.shape, tensor.ggml_type))
-    byte_index = None if index is None else _byte_index(index, tensor)
-    if byte_index is not None:
+    columns = None
+    if index is not None:
+        byte_index, columns = _byte_index(index, tensor)
         raw = raw[byte_index]
     try:
         values = gguf.quants.dequantize(raw, tensor.ggml_type)
@@ -153,21 +154,23 @@ def dequantize(data: np.memmap, tensor: GGUFTensorInfo, rope_heads: int | None =
     if not values.flags.writeable:
         values = values.copy()
     weights = torch.from_numpy(values)
-    if index is not None and byte_index is None:
-        weights = weights[index]
+    if columns is not None:
+        weights = weights[..., columns]
     if rope_heads is None:
         return weights
     return unpermute(weights, rope_heads * weights.shape[0] // tensor.shape[0])
 
 
-def _byte_index(index: tuple[slice, ...], tensor: GGUFTensorInfo) -> tuple[slice, ...] | None:
-    """`index` into the tensor's bytes, or None when its innermost slice cuts through blocks."""
+def _byte_index(index: tuple[int | slice, ...], tensor: GGUFTensorInfo) -> tuple[tuple, slice | None]:
+    """`index` into the tensor's bytes, and the columns still to take once they are dequantized:
+    when its innermost slice cuts through blocks, all of them are read (only in the rows that
+    the outer part of `index` picks)."""
     block, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
     *outer, last = (*index, *(slice(None),) * (len(tensor.shape) - len(index)))
     start, stop, _ = last.indices(tensor.shape[-1])
     if start % block or stop % block:
-        return None
-    return (*outer, slice(start // block * type_size, stop // block * type_size))
+        return (*outer, slice(None)), last
+    return (*outer, slice(start // block * type_size, stop // block * type_size)), None
 
 
 def unpermute(weights: torch.Tensor, heads: int) -> torch.Tensor:

@@ -73,7 +73,8 @@ def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
         return config
     sizes = {"attention heads": config.num_attention_heads, "KV heads": config.num_key_value_heads,
              "intermediate size": config.intermediate_size, "vocabulary size": config.vocab_size}
-    sizes.update({name: config.hf_config[key] for key, name in MOE_SIZES.items() if config.hf_config.get(key)})
+    hf = config.hf_config
+    sizes.update({name: hf[key] for key, name in MOE_SIZES.items() if hf.get(key)})
     wrong = [f"{name} {n}" for name, n in sizes.items() if n % tp_size]
     if wrong:
         common = math.gcd(*sizes.values())

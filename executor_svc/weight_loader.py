@@ -11,7 +11,8 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.common.log import get_logger
-from pagedserve.executor_svc.fp8 import Quantize, fp8_experts, fp8_linears, quantize_experts, quantize_linears
+from pagedserve.executor_svc.fp8 import (Quantize, fp8_experts, fp8_linears, quantize_experts,
+                                         quantize_linears)
 from pagedserve.executor_svc.gguf_file import find_gguf, read_gguf_tensors
 from pagedserve.kernels.reference import FP8_DTYPE
 
@@ -129,13 +130,14 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTen
                     source: str | Path) -> None:
     """Copies each (Hugging Face name, tensor) into the parameter slice the name maps to, reading
     one tensor (this rank's slice of it) at a time; every parameter must be filled and every
-    tensor used."""
+    tensor used. A model's `checkpoint_renames` {old: new} rename parts of the checkpoint's names
+    to its own; stacked expert tensors are read per expert (STACKED_EXPERTS)."""
     targets = checkpoint_targets(model)
     renames = getattr(model, "checkpoint_renames", {})
     # A tied model has no lm_head, yet some tied checkpoints still store a copy of the embeddings.
     tied = "lm_head.weight" not in targets
     loaded, unexpected = set(), []
-    for name, tensor in per_expert(_renamed(tensors, renames)):
+    for name, tensor in _per_expert(_renamed(tensors, renames)):
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         if (kv_scale := _kv_scale_buffer(model, name)) is not None:
@@ -157,7 +159,7 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTen
     log.info("weights_loaded", model=str(source), tensors=len(loaded))
 
 
-def per_expert(tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
+def _per_expert(tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
     """Passes each tensor on, but a stacked experts tensor (STACKED_EXPERTS) as its experts'
     tensors `<block>.experts.{e}.{gate,up,down}_proj.weight`, each reading only its rows."""
     for name, tensor in tensors:

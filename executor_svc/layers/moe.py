@@ -39,7 +39,9 @@ def moe_shape(config: ModelConfig, tp: TensorParallel | None, renormalize: bool 
     parts = 1 if tp is None else tp.size
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
     num_experts = hf.get("num_experts") or hf["num_local_experts"]
-    intermediate = hf["moe_intermediate_size"] // parts if "moe_intermediate_size" in hf else config.intermediate_size
+    intermediate = config.intermediate_size
+    if "moe_intermediate_size" in hf:
+        intermediate = hf["moe_intermediate_size"] // parts
     if renormalize is None:
         renormalize = bool(hf.get("norm_topk_prob", False))
     return MoeShape(num_experts, hf["num_experts_per_tok"], intermediate, renormalize,
@@ -87,7 +89,8 @@ class SparseMoeBlock(nn.Module):
                  tp: TensorParallel | None) -> None:
         super().__init__()
         self.gate = nn.Linear(config.hidden_size, shape.num_experts, bias=False)
-        self.experts = FusedExperts(shape.num_experts, config.hidden_size, shape.intermediate_size, backend, tp)
+        self.experts = FusedExperts(shape.num_experts, config.hidden_size, shape.intermediate_size,
+                                    backend, tp)
         self.shared_expert = None
         if shape.shared_intermediate_size:
             shared = replace(config, intermediate_size=shape.shared_intermediate_size)

@@ -12,7 +12,8 @@ from tests.tiny_models import make_tiny_model
 
 ARCHS = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 # config.json's expert fields a GGUF file carries (Mixtral's experts are intermediate_size wide).
-EXPERT_FIELDS = ("num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size", "shared_expert_intermediate_size")
+EXPERT_FIELDS = ("num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size",
+                 "shared_expert_intermediate_size")
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -45,7 +45,8 @@ def agreement(prompts: list[list[int]], outputs: list[list[int]], ranked: list[l
     return agree / (len(prompts) * NEW_TOKENS)
 
 
-def ranked_first(path, prompts: list[list[int]], outputs: list[list[int]], fp8: bool = False) -> list[list[int]]:
+def ranked_first(path, prompts: list[list[int]], outputs: list[list[int]],
+                 fp8: bool = False) -> list[list[int]]:
     """The token our eager bf16 prefill ranks first after each prefix of prompt + output."""
     logits = paged_prefill_logits(path, [p + o for p, o in zip(prompts, outputs)], TritonAttentionBackend(),
                                   CUDA, torch.bfloat16, fp8=fp8)

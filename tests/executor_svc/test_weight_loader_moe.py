@@ -25,7 +25,8 @@ def moe(request, tmp_path_factory):
 
 def loaded(path, tp: TensorParallel | None = None, load_format: str = "auto"):
     config = load_model_config(path)
-    model = build_model(config if tp is None else shard_config(config, tp.size), TorchAttentionBackend(), 64, tp)
+    config = config if tp is None else shard_config(config, tp.size)
+    model = build_model(config, TorchAttentionBackend(), 64, tp)
     load_weights(model, path, load_format)
     return model
 
