@@ -5,7 +5,7 @@ attention (with the layer's own rotary table, sliding window and logit cap),
 `backend.rms_norm`, `backend.silu_and_mul` or `backend.gelu_tanh_and_mul` for the other elementwise
 kernels, and `backend.per_token_quant_fp8` for the activations of FP8 linear layers (or
 `rms_norm_quant_fp8` and `silu_and_mul_quant_fp8` / `gelu_tanh_and_mul_quant_fp8`, which quantize
-their own output for them).
+their own output for them), and `backend.route` and `backend.fused_moe` for a mixture of experts.
 TorchAttentionBackend (the CPU backend) runs the pure-torch references; TritonAttentionBackend
 (CUDA) runs the kernels of `kernels/`.
 """
@@ -16,10 +16,13 @@ import torch
 from pagedserve.kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_quant_fp8,
                                            silu_and_mul, silu_and_mul_quant_fp8)
 from pagedserve.kernels.attention import paged_attention
+from pagedserve.kernels.fused_moe import fused_moe
+from pagedserve.kernels.moe_routing import route
 from pagedserve.kernels.norm import rms_norm, rms_norm_quant_fp8
 from pagedserve.kernels.quant import per_token_quant_fp8
-from pagedserve.kernels.reference import (gelu_tanh_and_mul_quant_fp8_ref, gelu_tanh_and_mul_ref,
-                                          paged_attention_ref, per_token_quant_fp8_ref,
+from pagedserve.kernels.reference import (fused_moe_ref, gelu_tanh_and_mul_quant_fp8_ref,
+                                          gelu_tanh_and_mul_ref, paged_attention_ref,
+                                          per_token_quant_fp8_ref, route_ref,
                                           rms_norm_quant_fp8_ref, rms_norm_ref, rotary_ref,
                                           silu_and_mul_quant_fp8_ref, silu_and_mul_ref,
                                           write_kv_ref)
@@ -52,6 +55,12 @@ class TorchAttentionBackend:
     rms_norm_quant_fp8 = staticmethod(rms_norm_quant_fp8_ref)
     silu_and_mul_quant_fp8 = staticmethod(silu_and_mul_quant_fp8_ref)
     gelu_tanh_and_mul_quant_fp8 = staticmethod(gelu_tanh_and_mul_quant_fp8_ref)
+    # route(router_logits [T, E], top_k, renormalize) -> (weights [T, k] float32, expert ids [T, k]);
+    # fused_moe(x, w13, w2, weights, ids, w13_scale=None, w2_scale=None) -> [T, H]: layouts in
+    # kernels/fused_moe.py. The reference quantizes FP8 experts' activations per token (W8A8),
+    # as an FP8 linear layer does off a GPU.
+    route = staticmethod(route_ref)
+    fused_moe = staticmethod(fused_moe_ref)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -84,6 +93,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
     rms_norm_quant_fp8 = staticmethod(rms_norm_quant_fp8)
     silu_and_mul_quant_fp8 = staticmethod(silu_and_mul_quant_fp8)
     gelu_tanh_and_mul_quant_fp8 = staticmethod(gelu_tanh_and_mul_quant_fp8)
+    route = staticmethod(route)
+    fused_moe = staticmethod(fused_moe)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,13 +1,16 @@
 """FP8 W8A8 linear layers (vLLM's `--quantization fp8`): the decoder's projections hold FP8 E4M3
 weights with a float32 scale per output channel, and quantize each token's activations with a
-scale of its own as they arrive. The embedding and lm_head keep the model dtype."""
+scale of its own as they arrive. A mixture of experts' stacked expert weights go FP8 the same
+way, a scale per expert and output channel (kernels/fused_moe.py). The embedding, lm_head and MoE
+routers keep the model dtype."""
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from pagedserve.kernels.fp8_matmul import SMALL_BATCH, w8a16_matmul
-from pagedserve.kernels.reference import FP8_DTYPE, per_token_quant_fp8_ref
+from pagedserve.kernels.fused_moe import quantize_experts_fp8
+from pagedserve.kernels.reference import FP8_DTYPE, per_token_quant_fp8_ref, quantize_experts_fp8_ref
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Activations quantized per token: (FP8 [T, K], float32 scale [T, 1]).
@@ -77,6 +80,25 @@ def fp8_linears(model: nn.Module, quantize: Quantize) -> None:
     _replace_linears(model, empty)
 
 
+@torch.no_grad()
+def quantize_experts(model: nn.Module) -> None:
+    """Quantizes each loaded mixture of experts' stacked weights (the parameters its
+    `expert_shards` name, layers.moe.FusedExperts) to FP8 [E, N, K] with float32 scales
+    `<name>_scale` [E, N, 1], one layer at a time."""
+    def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (quantize_experts_fp8 if weight.is_cuda else quantize_experts_fp8_ref)(weight)
+    _replace_experts(model, quantized)
+
+
+def fp8_experts(model: nn.Module) -> None:
+    """Replaces each mixture of experts' stacked weights with unfilled FP8 ones and their scales,
+    for an FP8 checkpoint's per-expert `weight` and `weight_scale` to be loaded into."""
+    def empty(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device),
+                torch.empty(*weight.shape[:2], 1, dtype=torch.float32, device=weight.device))
+    _replace_experts(model, empty)
+
+
 def check_fp8_device(device: torch.device, dtype: torch.dtype) -> None:
     """FP8 GEMMs need Ada or Hopper (compute capability 8.9+), and on a GPU torch's row-wise
     scaled GEMM writes only bfloat16."""
@@ -101,3 +123,11 @@ def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], Fp8Linear]) -
             if hasattr(linear, attribute):
                 setattr(layer, attribute, getattr(linear, attribute))
         model.set_submodule(name, layer)
+
+
+def _replace_experts(model: nn.Module, make: Callable[[torch.Tensor], Quantized]) -> None:
+    for module in model.modules():
+        for name in dict.fromkeys(param for param, *_ in getattr(module, "expert_shards", {}).values()):
+            weight, scale = make(getattr(module, name))
+            setattr(module, name, nn.Parameter(weight, requires_grad=False))
+            setattr(module, f"{name}_scale", nn.Parameter(scale, requires_grad=False))

@@ -11,7 +11,10 @@ import torch
 
 from pagedserve.common.gguf_metadata import GGUFTensorInfo, read_gguf_header
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# llama.cpp runs Mixtral as a llama model with experts.
+LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
 # convert_hf_to_gguf permutes q/k rows into llama.cpp's rope layout only for llama-arch models
 # (LlamaModel.undo_permute); Qwen's converters write them as they are.
 PERMUTED_ARCHITECTURES = ("llama",)
@@ -29,6 +32,16 @@ LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # A mixture of experts: the router, every expert's projections stacked [E, ...] (the weight
+    # loader splits them per expert), the shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Llama 3.1's rope scaling, stored by the converter as per-frequency divisors instead of metadata.
 ROPE_FREQS = "rope_freqs.weight"
@@ -61,8 +74,9 @@ def read_gguf_config(path: Path) -> dict:
     if meta("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path} rotates {meta('rope.dimension_count')} of each head's {head_dim} "
                          "dimensions; pagedserve implements full-head rope only")
+    experts = _experts(meta, arch)
     return {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [LLAMA_WITH_EXPERTS if arch == "llama" and experts else ARCHITECTURES[arch]],
         "vocab_size": tensors["token_embd.weight"].shape[0],
         "hidden_size": hidden,
         "intermediate_size": meta("feed_forward_length"),
@@ -77,6 +91,7 @@ def read_gguf_config(path: Path) -> dict:
         "tie_word_embeddings": "output.weight" not in tensors,
         "dtype": _dtype(tensors.values()),
         "eos_token_id": _eos_token_ids(header.metadata),
+        **experts,
     }
 
 
@@ -118,15 +133,16 @@ def hf_name(name: str) -> str:
 
 
 def dequantize(data: np.memmap, tensor: GGUFTensorInfo, rope_heads: int | None = None,
-               index: tuple[slice, ...] | None = None) -> torch.Tensor:
+               index: tuple[int | slice, ...] | None = None) -> torch.Tensor:
     """The tensor of the mapped file `data` (or its slice `index`, which must cut rows at head
-    boundaries when `rope_heads`) as float32 in numpy's dimension order, its rows un-permuted when
-    `rope_heads`."""
+    boundaries when `rope_heads`; an int picks one expert of a stacked [E, ...] tensor) as float32
+    in numpy's dimension order, its rows un-permuted when `rope_heads`."""
     raw = data[tensor.offset:tensor.offset + tensor.n_bytes]
     # Quantized blocks are dequantized from rows of bytes: a row of blocks per row of weights.
     raw = raw.reshape(gguf.quant_shape_to_byte_shape(tensor.shape, tensor.ggml_type))
-    byte_index = None if index is None else _byte_index(index, tensor)
-    if byte_index is not None:
+    columns = None
+    if index is not None:
+        byte_index, columns = _byte_index(index, tensor)
         raw = raw[byte_index]
     try:
         values = gguf.quants.dequantize(raw, tensor.ggml_type)
@@ -138,21 +154,23 @@ def dequantize(data: np.memmap, tensor: GGUFTensorInfo, rope_heads: int | None =
     if not values.flags.writeable:
         values = values.copy()
     weights = torch.from_numpy(values)
-    if index is not None and byte_index is None:
-        weights = weights[index]
+    if columns is not None:
+        weights = weights[..., columns]
     if rope_heads is None:
         return weights
     return unpermute(weights, rope_heads * weights.shape[0] // tensor.shape[0])
 
 
-def _byte_index(index: tuple[slice, ...], tensor: GGUFTensorInfo) -> tuple[slice, ...] | None:
-    """`index` into the tensor's bytes, or None when its innermost slice cuts through blocks."""
+def _byte_index(index: tuple[int | slice, ...], tensor: GGUFTensorInfo) -> tuple[tuple, slice | None]:
+    """`index` into the tensor's bytes, and the columns still to take once they are dequantized:
+    when its innermost slice cuts through blocks, all of them are read (only in the rows that
+    the outer part of `index` picks)."""
     block, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
     *outer, last = (*index, *(slice(None),) * (len(tensor.shape) - len(index)))
     start, stop, _ = last.indices(tensor.shape[-1])
     if start % block or stop % block:
-        return None
-    return (*outer, slice(start // block * type_size, stop // block * type_size))
+        return (*outer, slice(None)), last
+    return (*outer, slice(start // block * type_size, stop // block * type_size)), None
 
 
 def unpermute(weights: torch.Tensor, heads: int) -> torch.Tensor:
@@ -168,6 +186,21 @@ def _architecture(metadata: dict, path: Path) -> str:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}: pagedserve runs "
                          f"{', '.join(ARCHITECTURES)}")
     return arch
+
+
+def _experts(meta: Callable[..., Any], arch: str) -> dict:
+    """config.json's fields for the experts of a mixture-of-experts file ({} for a dense one).
+    llama.cpp makes every layer sparse, and renormalizes the top-k routing weights of qwen3moe
+    and llama (Mixtral) models but not of qwen2moe ones."""
+    if not meta("expert_count", 0):
+        return {}
+    fields = {"num_experts": meta("expert_count"), "num_experts_per_tok": meta("expert_used_count"),
+              "norm_topk_prob": arch != "qwen2moe"}
+    for key, field in (("expert_feed_forward_length", "moe_intermediate_size"),
+                       ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        if meta(key) is not None:
+            fields[field] = meta(key)
+    return fields
 
 
 def _rope_scaling(meta: Callable[..., Any], path: Path, rope_freqs: GGUFTensorInfo | None) -> dict:

@@ -60,13 +60,21 @@ class TensorParallel:
         return box[0]
 
 
+# config.json's keys of the expert widths a rank holds its share of.
+MOE_SIZES = {"moe_intermediate_size": "expert intermediate size",
+             "shared_expert_intermediate_size": "shared expert intermediate size"}
+
+
 def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
     """The shapes one of `tp_size` ranks holds: its share of the attention heads, KV heads, MLP
-    width and vocabulary. Raises a one-line ValueError naming what does not divide."""
+    width and vocabulary (a mixture of experts divides its own widths: layers.moe.moe_shape).
+    Raises a one-line ValueError naming what does not divide."""
     if tp_size == 1:
         return config
     sizes = {"attention heads": config.num_attention_heads, "KV heads": config.num_key_value_heads,
              "intermediate size": config.intermediate_size, "vocabulary size": config.vocab_size}
+    hf = config.hf_config
+    sizes.update({name: hf[key] for key, name in MOE_SIZES.items() if hf.get(key)})
     wrong = [f"{name} {n}" for name, n in sizes.items() if n % tp_size]
     if wrong:
         common = math.gcd(*sizes.values())

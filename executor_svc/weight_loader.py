@@ -1,6 +1,7 @@
 """Loads a checkpoint (Hugging Face safetensors or GGUF) into the model, or fills it with dummy
 weights. Under tensor parallelism each rank reads only its slice of each tensor."""
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -10,7 +11,8 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.common.log import get_logger
-from pagedserve.executor_svc.fp8 import Quantize, fp8_linears, quantize_linears
+from pagedserve.executor_svc.fp8 import (Quantize, fp8_experts, fp8_linears, quantize_experts,
+                                         quantize_linears)
 from pagedserve.executor_svc.gguf_file import find_gguf, read_gguf_tensors
 from pagedserve.kernels.reference import FP8_DTYPE
 
@@ -29,6 +31,10 @@ DUMMY_STD = 0.02
 
 # A checkpoint tensor's slice, one slice per leading dim; None for the whole tensor.
 Index = tuple[slice, ...] | None
+# A tensor of every expert of a layer at once, [E, ...]: transformers 5's fused gate_up_proj
+# [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I], or a GGUF file's ffn_*_exps as
+# gguf_file names them. Split into the per-expert tensors Hugging Face checkpoints hold.
+STACKED_EXPERTS = re.compile(r"(.+\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?")
 
 
 @dataclass(slots=True)
@@ -48,10 +54,13 @@ class Target:
     dim: int = 0
     rank: int = 0
     parts: int = 1
+    # A stacked parameter ([E, ...], a mixture of experts'): the rows are those of param[expert].
+    expert: int | None = None
 
     @property
     def view(self) -> torch.Tensor:
-        return self.param[self.start:self.start + self.size]
+        param = self.param if self.expert is None else self.param[self.expert]
+        return param[self.start:self.start + self.size]
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
@@ -72,14 +81,17 @@ def load_weights(model: nn.Module, model_path: str | Path, load_format: str, see
     directory's *.safetensors, `safetensors` from those only, `dummy` with seeded random values
     (norm weights 1, biases 0) without reading any weight file.
 
-    With `quantize` (the backend's per-token FP8 quantizer) the decoder's projections run in FP8:
-    an FP8 checkpoint loads as it is, any other is quantized per output channel once loaded."""
+    With `quantize` (the backend's per-token FP8 quantizer) the decoder's projections and experts
+    run in FP8: an FP8 checkpoint loads as it is, any other is quantized per output channel once
+    loaded."""
     serialized = quantize is not None and model.config.quantization == "fp8" and load_format != "dummy"
     if serialized:
         fp8_linears(model, quantize)
+        fp8_experts(model)
     _fill(model, model_path, load_format, seed)
     if quantize is not None and not serialized:
         quantize_linears(model, quantize)
+        quantize_experts(model)
 
 
 def _fill(model: nn.Module, model_path: str | Path, load_format: str, seed: int) -> None:
@@ -118,12 +130,14 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTen
                     source: str | Path) -> None:
     """Copies each (Hugging Face name, tensor) into the parameter slice the name maps to, reading
     one tensor (this rank's slice of it) at a time; every parameter must be filled and every
-    tensor used."""
+    tensor used. A model's `checkpoint_renames` {old: new} rename parts of the checkpoint's names
+    to its own; stacked expert tensors are read per expert (STACKED_EXPERTS)."""
     targets = checkpoint_targets(model)
+    renames = getattr(model, "checkpoint_renames", {})
     # A tied model has no lm_head, yet some tied checkpoints still store a copy of the embeddings.
     tied = "lm_head.weight" not in targets
     loaded, unexpected = set(), []
-    for name, tensor in tensors:
+    for name, tensor in _per_expert(_renamed(tensors, renames)):
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         if (kv_scale := _kv_scale_buffer(model, name)) is not None:
@@ -143,6 +157,40 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTen
                          f"missing {_few(missing)}, unexpected {_few(unexpected)}; is it a "
                          f"complete checkpoint of the architecture its config names?")
     log.info("weights_loaded", model=str(source), tensors=len(loaded))
+
+
+def _per_expert(tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Passes each tensor on, but a stacked experts tensor (STACKED_EXPERTS) as its experts'
+    tensors `<block>.experts.{e}.{gate,up,down}_proj.weight`, each reading only its rows."""
+    for name, tensor in tensors:
+        match = STACKED_EXPERTS.fullmatch(name)
+        if match is None or len(tensor.shape) != 3:
+            yield name, tensor
+            continue
+        block, projection = match.groups()
+        parts = ("gate_proj", "up_proj") if projection == "gate_up_proj" else (projection,)
+        rows = tensor.shape[1] // len(parts)
+        for expert in range(tensor.shape[0]):
+            for i, part in enumerate(parts):
+                yield f"{block}.{expert}.{part}.weight", _expert_rows(tensor, expert, i * rows, rows)
+
+
+def _expert_rows(tensor: CheckpointTensor, expert: int, start: int, rows: int) -> CheckpointTensor:
+    """Rows [start, start + rows) of one expert's matrix in a stacked [E, N, K] tensor."""
+    def read(index: Index) -> torch.Tensor:
+        row_slice, *rest = index or (slice(None),)
+        first, stop, _ = row_slice.indices(rows)
+        return tensor.read((expert, slice(start + first, start + stop), *rest))
+    return CheckpointTensor((rows, tensor.shape[2]), read)
+
+
+def _renamed(tensors: Iterable[tuple[str, CheckpointTensor]],
+             renames: dict[str, str]) -> Iterator[tuple[str, CheckpointTensor]]:
+    """The tensors under the model's own names: each `old` part of a name replaced by `new`."""
+    for name, tensor in tensors:
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        yield name, tensor
 
 
 def _kv_scale_buffer(model: nn.Module, name: str) -> torch.Tensor | None:
@@ -169,12 +217,19 @@ def checkpoint_targets(model: nn.Module) -> dict[str, Target | None]:
     A module with `shards` (a fused projection) takes several checkpoint tensors stacked along
     dim 0, e.g. `self_attn.q_proj.weight` into rows [0, q_size) of `self_attn.qkv_proj.weight`.
     A module with `tp_split` (dim, rank, parts) holds the rank's slice of each of its tensors
-    along dim, of those that have that dim."""
+    along dim, of those that have that dim.
+
+    A module with `expert_shards` (a mixture of experts' stacked weights) takes each expert's
+    tensors, `<module>.{e}.<shard>.weight` (and `.weight_scale`, FP8), into param[e] (see
+    layers.moe.FusedExperts)."""
     targets = {}
     for module_name, module in model.named_modules():
         shards = getattr(module, "shards", None)
         dim, rank, parts = getattr(module, "tp_split", (0, 0, 1))
         parent = module_name.rpartition(".")[0]
+        if hasattr(module, "expert_shards"):
+            targets.update(_expert_targets(module_name, module, rank, parts))
+            continue
         for param_name, param in module.named_parameters(recurse=False):
             split = (dim, rank, parts) if param.dim() > dim else (0, 0, 1)
             if shards is None:
@@ -184,6 +239,17 @@ def checkpoint_targets(model: nn.Module) -> dict[str, Target | None]:
                 targets[_join(parent, shard, param_name)] = Target(param, start, size, *split)
         for param_name in getattr(module, "skipped", ()):
             targets[_join(module_name, param_name)] = None
+    return targets
+
+
+def _expert_targets(module_name: str, module: nn.Module, rank: int, parts: int) -> dict[str, Target]:
+    targets = {}
+    for shard, (param_name, start, size, dim) in module.expert_shards.items():
+        for suffix, name in (("weight", param_name), ("weight_scale", f"{param_name}_scale")):
+            param = getattr(module, name, None)
+            for expert in range(0 if param is None else param.shape[0]):
+                targets[_join(module_name, str(expert), shard, suffix)] = Target(
+                    param, start, size, dim, rank, parts, expert)
     return targets
 
 

@@ -17,12 +17,18 @@ def shared_prefix_prompts(seed: int) -> list[list[int]]:
     return [prefix + [rng.randrange(3, 512) for _ in range(n)] for n in (1, 5, 12, 20, 7, 3, 16, 9)]
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def model(request, tmp_path_factory):
-    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+def tiny_model_case(arch: str, tmp_path_factory) -> tuple[str, dict, dict]:
+    """A tiny model of `arch`, the prompts of the scenarios below, and transformers' greedy
+    tokens for them: what the `model` fixture of a file running these scenarios returns."""
+    path = make_tiny_model(arch, tmp_path_factory.mktemp(arch))
     prompts = {"mixed": mixed_prompts(0), "shared": shared_prefix_prompts(1)}
     expected = {k: hf_greedy(path, v, NEW_TOKENS) for k, v in prompts.items()}
     return str(path), prompts, expected
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request, tmp_path_factory):
+    return tiny_model_case(request.param, tmp_path_factory)
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

@@ -2,6 +2,9 @@ import json
 
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.model_shapes import SHAPES, write_shape
+from pagedserve.executor_svc.layers.moe import moe_shape
+from pagedserve.executor_svc.model_config import load_model_config
+from pagedserve.executor_svc.models.moe import sparse_layer
 
 
 def test_shape_directory_with_a_tokenizer_decodes_every_id(tmp_path):
@@ -17,3 +20,13 @@ def test_shape_directory_with_a_tokenizer_decodes_every_id(tmp_path):
 def test_shape_directory_without_a_tokenizer(tmp_path):
     write_shape("llama-3.1-8b", tmp_path, tokenizer=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_qwen3_30b_a3b_builds_its_experts(tmp_path):
+    config = load_model_config(write_shape("qwen3-30b-a3b", tmp_path))
+    assert (config.architecture, config.num_hidden_layers) == ("Qwen3MoeForCausalLM", 48)
+    assert moe_shape(config, None) == moe_shape(config, None, renormalize=True)
+    shape = moe_shape(config, None)
+    assert (shape.num_experts, shape.top_k, shape.intermediate_size) == (128, 8, 768)
+    assert shape.shared_intermediate_size == 0
+    assert all(sparse_layer(config.hf_config, i) for i in range(48))

@@ -3,6 +3,7 @@ gguf's own tensor-name map, 1-D tensors in F32, q/k rows of llama-arch models pe
 llama.cpp's rope, Llama 3.1 rope scaling as a `rope_freqs` tensor."""
 import json
 import math
+import re
 from pathlib import Path
 
 import gguf
@@ -10,7 +11,11 @@ import numpy as np
 from safetensors.numpy import load_file
 
 Q = gguf.GGMLQuantizationType
-GGUF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+GGUF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+              "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
+              "MixtralForCausalLM": "llama"}
+# An expert's tensor in a Hugging Face checkpoint: `<block>.experts.<e>.<projection>.weight`.
+EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight")
 
 
 def write_gguf(hf_dir: Path, path: Path, outtype: Q = Q.F32, quantize: dict[str, Q] | None = None,
@@ -23,10 +28,12 @@ def write_gguf(hf_dir: Path, path: Path, outtype: Q = Q.F32, quantize: dict[str,
     writer = gguf.GGUFWriter(path, arch or hf_arch)
     write_metadata(writer, config, hf_arch)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[hf_arch.upper()], config["num_hidden_layers"])
-    for hf_name, data in load_file(hf_dir / "model.safetensors").items():
+    for hf_name, data in stack_experts(load_file(hf_dir / "model.safetensors")).items():
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         data = permute_for_rope(hf_name, data, config) if hf_arch == "llama" else data
-        add_tensor(writer, name, (retype or {}).get(name, data), (quantize or {}).get(name, outtype))
+        # The converter keeps routers (ffn_gate_inp, ffn_gate_inp_shexp) in F32.
+        qtype = Q.F32 if ".ffn_gate_inp" in name else outtype
+        add_tensor(writer, name, (retype or {}).get(name, data), (quantize or {}).get(name, qtype))
     if (rope := config.get("rope_parameters") or {}).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, rope))
     writer.write_header_to_file()
@@ -51,6 +58,28 @@ def write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(config["head_dim"])
     writer.add_eos_token_id(config["eos_token_id"])
+    if experts := config.get("num_experts") or config.get("num_local_experts"):
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+    if "moe_intermediate_size" in config:
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """convert_hf_to_gguf's merge of each layer's experts: `<block>.experts.<e>.<projection>.weight`
+    stacked over e into `<block>.experts.<projection>.weight` [E, ...]; other tensors as they are."""
+    out, experts = {}, {}
+    for name, data in tensors.items():
+        match = EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = data
+        else:
+            experts.setdefault(f"{match[1]}.{match[3]}.weight", {})[int(match[2])] = data
+    for name, by_expert in experts.items():
+        out[name] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
 
 
 def add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -> None:

@@ -26,6 +26,15 @@ ARCH_CONFIGS = {
     "MistralForCausalLM": dict(sliding_window=None, rope_theta=1e6),
     "Qwen2ForCausalLM": dict(tie_word_embeddings=True),
     "Qwen3ForCausalLM": dict(),
+    # Top 2 of 8 or 4 experts (fewer experts, fewer steps of the CPU references' expert loops).
+    # Qwen3-MoE renormalizes the top-k weights; Qwen2-MoE does not, and has a shared expert and a
+    # dense layer 1; Mixtral always renormalizes.
+    "Qwen3MoeForCausalLM": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True),
+    "Qwen2MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=64, mlp_only_layers=[1]),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                               sliding_window=None, rope_theta=1e6),
 }
 
 

@@ -17,7 +17,10 @@ class GatedMLP(nn.Module):
     # router, says False.
     quantized_input = True
 
-    def __init__(self, config: ModelConfig, backend: TorchAttentionBackend, tp: TensorParallel | None) -> None:
+    def __init__(self, config: ModelConfig, backend: TorchAttentionBackend, tp: TensorParallel | None,
+                 reduce_results: bool = True) -> None:
+        """reduce_results=False leaves the all-reduce of the ranks' partial sums to the caller
+        (a mixture of experts adds its shared expert's to the routed experts' and reduces once)."""
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = column_linear(config.hidden_size, {"gate_proj": size, "up_proj": size},
@@ -26,7 +29,8 @@ class GatedMLP(nn.Module):
         act, act_quant_fp8 = ACTIVATIONS[config.hidden_act]
         self.act_and_mul = getattr(backend, act)
         self.act_and_mul_quant_fp8 = getattr(backend, act_quant_fp8)
-        self.tp = tp
+        # The group whose ranks' partial sums this block all-reduces (None: no reduce here).
+        self.tp = tp if reduce_results else None
 
     def forward(self, x: torch.Tensor | Quantized, quantize: bool) -> torch.Tensor:
         """`quantize`: down_proj is FP8 and takes its input quantized by the activation."""

@@ -5,6 +5,7 @@ from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.models.llama import LlamaForCausalLM
+from pagedserve.executor_svc.models.moe import MixtralForCausalLM, MoeForCausalLM
 from pagedserve.executor_svc.parallel import TensorParallel
 
 MODELS: dict[str, type[CausalLM]] = {
@@ -12,6 +13,9 @@ MODELS: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
 }
 
 
