@@ -69,7 +69,8 @@ class EngineClient:
     async def model_info(self, timeout: float = 2.0) -> pb.ModelInfo:
         """Fresh ModelInfo, live counters included; raises a 503 APIError if the scheduler is down."""
         try:
-            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout,
+                                                  metadata=service.call_metadata())
         except grpc.aio.AioRpcError as e:
             raise api_error(e.code(), e.details()) from e
 

@@ -4,6 +4,7 @@ import itertools
 
 import grpc
 
+from pagedserve.common import service
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import StepPlan, StepResult, plan_to_proto, result_from_proto
 from pagedserve.common.sampling_params import SamplingParams
@@ -84,7 +85,7 @@ class EngineLoop:
     async def run(self) -> None:
         """Steps until the executor's stream ends; then fails every caller waiting for output and
         returns. add() refuses requests from then until reset()."""
-        call = self.executor.Run()
+        call = self.executor.Run(metadata=service.call_metadata())
         stepping = asyncio.create_task(self.steps.run(StreamTransport(call), self._deliver,
                                                       self._wait_for_work))
         # The call's status arrives when the executor leaves, even while no step is in flight.

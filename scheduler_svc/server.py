@@ -123,7 +123,8 @@ class ExecutorLink:
         while True:
             await service.wait_serving(self.address, timeout)
             try:
-                info = info_from_proto(await self.stub.Describe(executor_pb2.DescribeRequest(), timeout=10))
+                info = info_from_proto(await self.stub.Describe(executor_pb2.DescribeRequest(), timeout=10,
+                                                                metadata=service.call_metadata()))
                 break
             except grpc.aio.AioRpcError as e:
                 log.warning("executor_describe_failed", address=self.address, code=e.code().name)
