@@ -168,7 +168,8 @@ class ModelRunner:
         self.max_seqs = max(config.max_num_seqs,
                             -(-config.max_num_batched_tokens // self.max_model_len))
         max_tokens = max([config.max_num_batched_tokens, *self.graph_sizes])
-        self.batch = InputBatch(self.max_seqs, self.max_model_len, self.block_size, self.device)
+        self.batch = InputBatch(self.max_seqs, self.max_model_len, self.block_size,
+                                self.model_config.vocab_size, self.device)
         self.structured = StructuredOutputs(config.model, self.model_config.vocab_size,
                                             list(self.model_config.eos_token_ids), self.max_seqs)
         max_blocks = self.batch.max_blocks
@@ -505,8 +506,7 @@ class ModelRunner:
         if self.structured:
             sampling.grammar = self._grammar(rows)
         if b.logit_bias:
-            bias = b.bias_table(rows)
-            sampling.logit_bias = None if bias is None else upload_pinned(bias, self.device)
+            sampling.logit_bias = b.logit_bias.select(rows, self.slot.staging.upload)
         if b.penalised:
             sampling.penalties = self._penalties(rows)
         if b.logprob_rows:

@@ -6,6 +6,7 @@ from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import (ContinuingRequest, ExecutorInfo, NewRequest, PromptLogprobs, StepPlan,
                                    StepResult, StepLogprobs)
+from pagedserve.common.sampling_params import check_request
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
 from pagedserve.scheduler_svc.step_stats import StepStats
@@ -41,6 +42,7 @@ class Scheduler:
         self.max_num_queued_reqs = config.max_num_queued_reqs
         self.max_num_batched_tokens = info.max_num_batched_tokens
         self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
         self.eos_token_ids = frozenset(info.eos_token_ids)
         self.block_manager = BlockManager(info.num_blocks, info.block_size, config.enable_prefix_caching)
         self.kv_capacity = self.block_manager.num_usable_blocks * self.block_size
@@ -87,8 +89,9 @@ class Scheduler:
         return bool(self.waiting or self.running or self.dropped)
 
     def add(self, request: Request) -> None:
-        """Queues a new request; raises ValueError if it can never be served, QueueFull if the
-        waiting queue is at --max-num-queued-reqs."""
+        """Queues a new request; raises ValueError if it can never be served (an empty or too long
+        prompt, a token id outside the vocabulary, a list past its bound), QueueFull if the waiting
+        queue is at --max-num-queued-reqs."""
         n = len(request.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty: send at least one token")
@@ -101,6 +104,7 @@ class Scheduler:
             raise ValueError(
                 f"the KV cache holds {self.kv_capacity} tokens, but the prompt has {n} tokens; "
                 f"shorten it to at most {self.max_len - 1} tokens or give the server more KV cache memory")
+        check_request(request.prompt_token_ids, request.sampling, self.vocab_size)
         if request.seq_id in self.requests or request.request_id in self.request_ids:
             raise ValueError(f"request {request.request_id!r} (seq {request.seq_id}) is already queued")
         if self.max_num_queued_reqs is not None and self._num_queued() >= self.max_num_queued_reqs:
