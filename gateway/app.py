@@ -35,7 +35,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
               log_requests: bool = False, sampling_defaults: dict | None = None,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
               max_client_batch_size: int = DEFAULT_MAX_CLIENT_BATCH_SIZE,
-              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S) -> web.Application:
+              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
+              prompt_tokens_details: bool = False) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     `scheduler_address` is one scheduler's address or several, comma-separated: each prompt goes
@@ -45,12 +46,14 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     `log_requests` logs one line per finished request (vLLM's --enable-log-requests).
     `sampling_defaults` (the model's generation config) fill the sampling options a request omits.
     `tool_parser` reads tool calls under tool_choice "auto"; `reasoning_parser` splits off thinking.
+    `prompt_tokens_details` puts cached_tokens in usage (vLLM's --enable-prompt-tokens-details).
     """
     gateway = Gateway(EnginePool(scheduler_address), tokenizer,
                       served_model_names=list(served_model_names or ()), stream_interval=stream_interval,
                       log_requests=log_requests, sampling_defaults=sampling_defaults or {},
                       tool_parser=tool_parser, reasoning_parser=reasoning_parser,
-                      max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout)
+                      max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout,
+                      prompt_tokens_details=prompt_tokens_details)
     middlewares = [request_id_middleware, error_middleware, gateway.drain.middleware]
     cors = CORS(allowed_origins) if allowed_origins else None
     if cors:

@@ -75,12 +75,13 @@ class EngineClient:
             raise api_error(e.code(), e.details()) from e
 
     def start(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, trace_id: str,
-              deliver: Callable[[pb.GenerateResponse | APIError], None]) -> None:
+              deliver: Callable[[pb.GenerateResponse | APIError], None], cache_salt: str | None = None) -> None:
         """Sends a request on the scheduler's shared GenerateStream call: `deliver` receives each of
         its responses, and an APIError last if the scheduler refused or failed it. `trace_id` is the
-        HTTP X-Request-Id, which the scheduler logs with it."""
+        HTTP X-Request-Id, which the scheduler logs with it; `cache_salt` keeps its prefix-cache blocks
+        from requests with another salt."""
         request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                     params=sampling_to_proto(params))
+                                     params=sampling_to_proto(params), cache_salt=cache_salt or "")
         self._open_stream().open(request, trace_id, deliver,
                                  lambda failed: deliver(api_error(failed.code, failed.details)))
 

@@ -56,7 +56,7 @@ class EngineLoop:
         self.error: ExecutorLost | None = None
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            queue: asyncio.Queue | None = None) -> tuple[int, asyncio.Queue]:
+            queue: asyncio.Queue | None = None, cache_salt: str = "") -> tuple[int, asyncio.Queue]:
         """Queues a request whose outputs go to `queue` (a new one by default, which several requests
         may share); raises ValueError for one the scheduler cannot take, QueueFull when the queue is
         full, and ExecutorLost while the executor is away."""
@@ -65,8 +65,8 @@ class EngineLoop:
         if request_id in self.seq_ids:
             raise ValueError(f"request id {request_id!r} is already running; use a unique id")
         seq_id = next(self.seq_counter)
-        self.scheduler.add(Request(seq_id=seq_id, request_id=request_id,
-                                   prompt_token_ids=prompt_token_ids, sampling=params))
+        self.scheduler.add(Request(seq_id=seq_id, request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                   sampling=params, cache_salt=cache_salt))
         queue = asyncio.Queue() if queue is None else queue
         self.outputs[seq_id] = queue
         self.seq_ids[request_id] = seq_id

@@ -54,7 +54,8 @@ class StreamCall:
             return
         try:
             params = sampling_from_proto(request.params)
-            self.loop.add(request.request_id, list(request.prompt_token_ids), params, self.queue)
+            self.loop.add(request.request_id, list(request.prompt_token_ids), params, self.queue,
+                          request.cache_salt)
         except (ValueError, QueueFull, ExecutorLost) as e:
             self._refuse(request.request_id, refusal_code(e), str(e))
             return

@@ -6,7 +6,7 @@ from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import (ContinuingRequest, ExecutorInfo, NewRequest, PromptLogprobs, StepPlan,
                                    StepResult, StepLogprobs)
-from pagedserve.common.sampling_params import check_request
+from pagedserve.common.sampling_params import MAX_CACHE_SALT_CHARS, check_request
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
 from pagedserve.scheduler_svc.step_stats import StepStats
@@ -105,6 +105,9 @@ class Scheduler:
                 f"the KV cache holds {self.kv_capacity} tokens, but the prompt has {n} tokens; "
                 f"shorten it to at most {self.max_len - 1} tokens or give the server more KV cache memory")
         check_request(request.prompt_token_ids, request.sampling, self.vocab_size)
+        if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt holds {len(request.cache_salt)} characters; at most "
+                             f"{MAX_CACHE_SALT_CHARS} are allowed")
         if request.seq_id in self.requests or request.request_id in self.request_ids:
             raise ValueError(f"request {request.request_id!r} (seq {request.seq_id}) is already queued")
         if self.max_num_queued_reqs is not None and self._num_queued() >= self.max_num_queued_reqs:
@@ -118,7 +121,7 @@ class Scheduler:
         if params.max_tokens is not None:
             request.max_num_tokens = min(n + params.max_tokens, self.max_len)
         if self.block_manager.enable_prefix_caching:
-            hash_blocks(request.block_hashes, request.token_ids, self.block_size)
+            hash_blocks(request.block_hashes, request.token_ids, self.block_size, request.cache_salt)
         request.status = RequestStatus.WAITING
         self.requests[request.seq_id] = request
         self.request_ids[request.request_id] = request
@@ -296,7 +299,7 @@ class Scheduler:
             token_ids.append(token_id)
             num_tokens = len(token_ids)
             if caching and num_tokens % block_size == 0:
-                hash_blocks(request.block_hashes, token_ids, block_size)
+                hash_blocks(request.block_hashes, token_ids, block_size, request.cache_salt)
                 self._cache_blocks(request)
             num_output_tokens = num_tokens - request.num_prompt_tokens
             if num_output_tokens == 1:

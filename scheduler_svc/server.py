@@ -47,7 +47,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                   prompt_tokens=len(request.prompt_token_ids))
         try:
             params = sampling_from_proto(request.params)
-            _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params)
+            _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params,
+                                     cache_salt=request.cache_salt)
         except (ValueError, QueueFull, ExecutorLost) as e:
             await context.abort(refusal_code(e), str(e))
         finished = False

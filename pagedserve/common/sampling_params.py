@@ -87,6 +87,8 @@ MAX_REASONING_END_IDS = 32
 # A structured output's schema, regex, grammar or choices, in characters: llguidance validates
 # about 1 MB a second, so the largest constraint stays near 60 ms of a grammar thread.
 MAX_CONSTRAINT_CHARS = 64 * 1024
+# A request's cache_salt (a tenant's name or a random string) is hashed with its first KV block.
+MAX_CACHE_SALT_CHARS = 256
 
 
 def check_ranges(params: object, ranges: dict[str, Range]) -> None:

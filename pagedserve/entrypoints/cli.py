@@ -213,6 +213,8 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv.append(f"--chat-template={args.chat_template}")
     if args.enable_log_requests:
         argv.append("--enable-log-requests")
+    if args.enable_prompt_tokens_details:
+        argv.append("--enable-prompt-tokens-details")
     if tool_parser(args):
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser:

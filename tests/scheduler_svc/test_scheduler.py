@@ -344,6 +344,21 @@ def test_prefix_cache_hit_is_reported_and_counted():
     assert s.prefix_cache_queries == 21 and s.prefix_cache_hits == 8
 
 
+def test_requests_with_another_cache_salt_get_no_prefix_hit():
+    s = make_scheduler(block_size=4)
+    prompt = list(range(1, 11))
+    s.add(Request(1, "a", prompt, SamplingParams(max_tokens=1), cache_salt="tenant-a"))
+    step(s)
+    hits = []
+    for seq_id, salt in ((2, "tenant-b"), (3, ""), (4, "tenant-a")):
+        s.add(Request(seq_id, f"r{seq_id}", prompt, SamplingParams(max_tokens=1), cache_salt=salt))
+        _, outputs = step(s)
+        hits.append(outputs[0].num_cached_tokens)
+    assert hits == [0, 0, 8]
+    with pytest.raises(ValueError, match="cache_salt holds 257 characters"):
+        s.add(Request(5, "r5", prompt, SamplingParams(), cache_salt="x" * 257))
+
+
 def test_output_tokens_become_cacheable_once_computed():
     s = make_scheduler(block_size=4)
     add(s, 1, 6, max_tokens=4)
