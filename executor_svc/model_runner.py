@@ -3,7 +3,7 @@ turns a step plan (a delta) into one forward pass and one sampled token per fini
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -33,7 +33,7 @@ from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import (MAX_STEPS_IN_FLIGHT, ExecutorInfo, NewRequest, PromptLogprobs,
-                             StepPlan, StepResult)
+                             RequestError, StepPlan, StepResult)
 from pagedserve.common.sampling_params import SamplingParams
 
 log = get_logger(__name__)
@@ -104,6 +104,9 @@ class Launched:
     # Whether its tokens are in the batch already (see ModelRunner._settle).
     applied: bool = False
     prompt: PendingPrompt | None = None
+    # The seq_ids whose grammar was not ready (their tokens are void), and the requests failed.
+    deferred: np.ndarray | None = None
+    errors: list[RequestError] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -171,7 +174,8 @@ class ModelRunner:
         self.batch = InputBatch(self.max_seqs, self.max_model_len, self.block_size,
                                 self.model_config.vocab_size, self.device)
         self.structured = StructuredOutputs(config.model, self.model_config.vocab_size,
-                                            list(self.model_config.eos_token_ids), self.max_seqs)
+                                            list(self.model_config.eos_token_ids), self.max_seqs,
+                                            defer=config.tensor_parallel_size == 1)
         max_blocks = self.batch.max_blocks
         self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
         self.slots = [HostSlot.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
@@ -291,6 +295,9 @@ class ModelRunner:
                                 prompt=prompt)
             self.last_end = launched.end
             batch.num_computed[rows] += query_lens
+            if deferred := self.structured.take_deferred():
+                launched.deferred = self._defer(deferred)
+        launched.errors = self.structured.take_errors()
         self.launched.append(launched)
         self.stats.host_ns += time.perf_counter_ns() - host_start
         return launched
@@ -324,7 +331,8 @@ class ModelRunner:
             logprobs = step_logprobs(asked.index, asked.num_top, step.logprobs.values.numpy(),
                                      step.logprobs.ids.numpy())
         result = StepResult(step.step_id, step.seq_ids.tolist(), step.tokens.tolist(), forward_ns,
-                            idle_ns, logprobs, None if step.prompt is None else step.prompt.result())
+                            idle_ns, logprobs, None if step.prompt is None else step.prompt.result(),
+                            step.errors, [] if step.deferred is None else step.deferred.tolist())
         self.stats.host_ns += time.perf_counter_ns() - host_start
         return result
 
@@ -335,11 +343,20 @@ class ModelRunner:
         wait = time.perf_counter_ns()
         self.wait(step)
         self.stats.wait_ns += time.perf_counter_ns() - wait
-        tokens = step.tokens.numpy()
-        self.batch.append_sampled(step.rows, step.seq_ids, tokens)
+        rows, seq_ids, tokens = step.rows, step.seq_ids, step.tokens.numpy()
+        if step.deferred is not None:
+            kept = ~np.isin(seq_ids, step.deferred)
+            rows, seq_ids, tokens = rows[kept], seq_ids[kept], tokens[kept]
+        self.batch.append_sampled(rows, seq_ids, tokens)
         if self.structured:
-            self.structured.accept(step.seq_ids, tokens)
+            self.structured.accept(seq_ids, tokens)
         step.applied = True
+
+    def _defer(self, seq_ids: list[int]) -> np.ndarray:
+        """Rolls back the rows that sampled before their grammar was ready: their token is void, and
+        the next step computes their last position again (structured_outputs.py)."""
+        self.batch.num_computed[[self.batch.rows[s] for s in seq_ids]] -= 1
+        return np.array(seq_ids, dtype=np.int64)
 
     def _settle(self) -> None:
         """Brings the batch's tokens up to date with every launched step."""

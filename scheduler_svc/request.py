@@ -83,3 +83,6 @@ class RequestDelta(msgspec.Struct, gc=False):
     logprobs: list[TokenLogprobs] | None = None
     # With prompt_logprobs, on the first output: one per prompt token after the first.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # When the executor failed the request (finish_reason "error"): the gRPC status code and why.
+    error_code: int = 0
+    error: str | None = None

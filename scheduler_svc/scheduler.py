@@ -4,8 +4,8 @@ from collections import deque
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
-from pagedserve.common.plan import (ContinuingRequest, ExecutorInfo, NewRequest, PromptLogprobs, StepPlan,
-                                   StepResult, StepLogprobs)
+from pagedserve.common.plan import (ContinuingRequest, ExecutorInfo, NewRequest, PromptLogprobs, RequestError,
+                                   StepPlan, StepResult, StepLogprobs)
 from pagedserve.common.sampling_params import MAX_CACHE_SALT_CHARS, check_request
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
@@ -274,16 +274,44 @@ class Scheduler:
             raise ValueError(f"result of step {result.step_id} does not match plan {plan.step_id}")
         if result.prompt_logprobs is not None:
             self._gather_prompt_logprobs(result.prompt_logprobs)
-        outputs = self._append_tokens(result)
+        failed = self._fail(result.errors) if result.errors else []
+        seq_ids, token_ids = self._defer(result) if result.deferred else (result.seq_ids, result.token_ids)
+        outputs = self._append_tokens(seq_ids, token_ids)
         if result.logprobs is not None:
             _attach_logprobs(outputs, result)
+        outputs += failed
         self.stats.observe(plan.schedule_ns + time.perf_counter_ns() - start, result.forward_ns,
                            0 if plan.after_pause else result.idle_ns)
         if not self.has_work():
             self._paused = True
         return outputs
 
-    def _append_tokens(self, result: StepResult) -> list[RequestDelta]:
+    def _fail(self, errors: list[RequestError]) -> list[RequestDelta]:
+        """Ends each request the executor failed on its own, with its error."""
+        outputs = []
+        for e in errors:
+            request = self.requests.get(e.seq_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            self.running.remove(request)
+            self._finish(request, "error")
+            outputs.append(RequestDelta(e.seq_id, request.request_id, [], True, "error", None,
+                                        request.num_prompt_tokens, len(request.output_token_ids),
+                                        request.num_cached_tokens, error_code=e.code, error=e.message))
+        return outputs
+
+    def _defer(self, result: StepResult) -> tuple[list[int], list[int]]:
+        """The step's tokens but those of requests that sampled before their grammar was ready,
+        whose last position is planned again (the executor rolled it back as well)."""
+        deferred = set(result.deferred)
+        for seq_id in deferred:
+            request = self.requests.get(seq_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens -= 1
+        kept = [i for i, seq_id in enumerate(result.seq_ids) if seq_id not in deferred]
+        return [result.seq_ids[i] for i in kept], [result.token_ids[i] for i in kept]
+
+    def _append_tokens(self, seq_ids: list[int], token_ids: list[int]) -> list[RequestDelta]:
         block_size = self.block_size
         requests = self.requests
         caching = self.block_manager.enable_prefix_caching
@@ -291,7 +319,7 @@ class Scheduler:
         outputs = []
         append = outputs.append
         num_finished = 0
-        for seq_id, token_id in zip(result.seq_ids, result.token_ids):
+        for seq_id, token_id in zip(seq_ids, token_ids):
             request = requests.get(seq_id)
             if request is None or request.status is not running:
                 continue

@@ -20,7 +20,7 @@ from pagedserve.common.sampling_params import sampling_from_proto
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
 from pagedserve.scheduler_svc.generate_stream import StreamCall
-from pagedserve.scheduler_svc.responses import refusal_code, response_from_outputs
+from pagedserve.scheduler_svc.responses import refusal_code, response_from_outputs, status_code
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from pagedserve.scheduler_svc.stats_logger import StatsLogger, interval_from_env
 from pagedserve.scheduler_svc.step_stats import BUCKETS_US, Histogram
@@ -60,6 +60,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 if lost:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(lost))
                 finished = outs[-1].finished
+                if outs[-1].error is not None:
+                    await context.abort(status_code(outs[-1].error_code), outs[-1].error)
                 yield response_from_outputs(outs)
         finally:
             # Runs on cancellation too (client gone, deadline): the abort frees the request's blocks.

@@ -131,15 +131,16 @@ class Service:
         await self.server.stop(grace=2)
 
 
-async def start(name: str, address: str, add_servicer: Callable[[grpc.aio.Server], None]) -> Service:
-    """Serves one gRPC service plus the standard health service at `address`, reporting SERVING;
-    with the token set (PAGEDSERVE_GRPC_TOKEN) every call but health checks must carry it, and with
-    use_tls every connection is TLS, mutual when a CA is given."""
+async def start(name: str, address: str, add_servicer: Callable[[grpc.aio.Server], None],
+                health: health_aio.HealthServicer | None = None) -> Service:
+    """Serves one gRPC service plus the standard health service (`health`, a new one by default)
+    at `address`, reporting SERVING; with the token set (PAGEDSERVE_GRPC_TOKEN) every call but
+    health checks must carry it, and with use_tls every connection is TLS, mutual when a CA is given."""
     secret = token()
     server = grpc.aio.server(options=OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
                              interceptors=None if secret is None else [TokenCheck(secret)])
     add_servicer(server)
-    health = health_aio.HealthServicer()
+    health = health or health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     if not _listen(server, address):
         raise SystemExit(f"{name}: cannot listen on {address}")

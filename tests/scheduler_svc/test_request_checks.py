@@ -1,6 +1,7 @@
 """What the scheduler checks of every request, since a direct Engine API caller passes no gateway:
 token ids against the vocabulary and list lengths against their bounds (INVALID_ARGUMENT, and the
-engine serves on), and the token every call must carry."""
+engine serves on), and the token every call must carry; and a request the executor fails on its
+own ends alone."""
 import asyncio
 import time
 from functools import partial
@@ -19,7 +20,10 @@ from pagedserve.executor_svc.null_runner import VOCAB, NullModelRunner, null_exe
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.scheduler_svc.server import serve
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2_grpc, sampling_pb2
+from tests.executor_svc.harness import make_runner
+from tests.gateway.fake_engine import build_tiny_tokenizer
 from tests.scheduler_svc.helpers import add, make_scheduler
+from tests.tiny_models import make_tiny_model
 
 SECRET = "engine-token"
 V = VOCAB
@@ -122,3 +126,38 @@ async def test_over_grpc_a_bad_id_is_invalid_argument_and_the_next_request_compl
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, rid
         assert f"[0, {V - 1}]" in refused.value.details()
         assert len(await generate(engine, f"ok-{rid}", [1, 2, 3], token)) == 3
+
+
+async def test_a_request_the_executor_fails_ends_alone_on_both_rpcs(tmp_path):
+    """A constraint that cannot compile (which the gateway would have refused) fails its own request;
+    the executor's step goes on for the others."""
+    model = make_tiny_model("LlamaForCausalLM", tmp_path / "model")
+    build_tiny_tokenizer(model)
+    executor_address, address = f"unix://{tmp_path}/executor.sock", f"unix://{tmp_path}/engine.sock"
+    executor = await service.start("executor", executor_address, partial(
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(make_runner(model))))
+    serving = asyncio.create_task(serve(EngineConfig(), address, executor_address))
+    await service.wait_serving(address, timeout=10)
+    broken = sampling_pb2.StructuredOutputs(regex="(unclosed")
+    try:
+        async with service.channel(address) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await generate(stub, "alone", [5, 6, 7], structured_outputs=broken)
+            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "cannot be compiled" in failed.value.details()
+            requests = [engine_pb2.StreamRequest(generate=engine_pb2.GenerateRequest(
+                request_id=rid, prompt_token_ids=[5, 6, 7], params=sampling_pb2.SamplingParams(
+                    max_tokens=4, ignore_eos=True, structured_outputs=constraint)))
+                for rid, constraint in (("good", None), ("bad", broken))]
+            outcomes = {}
+            async for message in stub.GenerateStream(iter(requests)):
+                for out in message.outputs:
+                    got = outcomes.setdefault(out.request_id, [])
+                    got += [out.error_code] if out.error_code else list(out.response.token_ids)
+            assert outcomes["bad"] == [grpc.StatusCode.INVALID_ARGUMENT.value[0]]
+            assert len(outcomes["good"]) == 4
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await executor.server.stop(0)
