@@ -28,6 +28,13 @@ def stages() -> dict[str, list[tuple[str, str]]]:
     return built
 
 
+def test_the_image_pins_a_cuda_torch():
+    """From requirements.lock: torch's Linux build there bundles the CUDA 13 runtime."""
+    lock = (ROOT / "requirements.lock").read_text()
+    assert re.search(r"^torch==\d+\.\d+\.\d+ ", lock, re.M)
+    assert re.search(r"^nvidia-cuda-runtime==13\.", lock, re.M)
+
+
 def test_the_base_is_pinned_by_digest():
     bases = {rest for stage in stages().values() for keyword, rest in stage if keyword == "FROM"}
     assert bases and all(re.fullmatch(r"python:3\.12[\w.-]*@sha256:[0-9a-f]{64}", b) for b in bases), bases
