@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate, groupby
 from operator import itemgetter
 
+from msgspec import UNSET
+
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.gateway.engine_client import SchedulerDown
 from pagedserve.gateway.engine_pool import Engine, EnginePool
@@ -109,7 +111,7 @@ class Generation:
         firsts = [c for c in self.choices if c.counts_prompt]
         prompt = sum(len(c.prompt_token_ids) for c in firsts)
         completion = sum(c.completion_tokens for c in self.choices)
-        details = PromptTokensDetails(sum(c.cached_tokens for c in firsts)) if self._prompt_tokens_details else None
+        details = PromptTokensDetails(sum(c.cached_tokens for c in firsts)) if self._prompt_tokens_details else UNSET
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=details)
 

@@ -215,9 +215,9 @@ class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    # Only with --enable-prompt-tokens-details (vLLM's): cached_tokens tells a client whether
-    # someone else sent the same prefix lately.
-    prompt_tokens_details: PromptTokensDetails | None = None
+    # Only with --enable-prompt-tokens-details (vLLM's), else absent (OpenAI's spec does not allow
+    # null): cached_tokens tells a client whether someone else sent the same prefix lately.
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
 
 
 class FunctionCall(Struct):

@@ -77,7 +77,7 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                        default=False, help="no line per request (the default; vLLM's older flag)")
     group.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="report usage.prompt_tokens_details.cached_tokens, which tells a client whether "
-                            "anyone sent the same prompt prefix lately (off: null, as vLLM)")
+                            "anyone sent the same prompt prefix lately")
     group.add_argument("--uvicorn-log-level", choices=list(HTTP_LOG_LEVELS), default="info",
                        help="level of the HTTP server's own logs (vLLM's uvicorn, aiohttp here): "
                             "info logs one access line per HTTP request, warning and above none")
