@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedserve.common.grammar import GrammarCompiler, GrammarError, Matcher
+from pagedserve.common.grammar import GrammarCompiler, Matcher
 from pagedserve.common.plan import FAILED_PRECONDITION, INVALID_ARGUMENT, NewRequest, RequestError
 from pagedserve.common.tokenizer import Tokenizer
 
@@ -145,24 +145,28 @@ class StructuredOutputs:
         waited = time.monotonic() - self._started[seq_id]
         try:
             matcher = matcher.result(0 if self._defer else max(0.0, GRAMMAR_TIMEOUT_S - waited))
-        except futures.TimeoutError:
-            if self._defer and waited < GRAMMAR_TIMEOUT_S:
-                self._deferred.append(seq_id)
-            else:
-                self._fail(seq_id, INVALID_ARGUMENT, f"the structured output took more than {GRAMMAR_TIMEOUT_S:.0f} "
-                                                     "s to compile; simplify its schema, regex or grammar")
-            return None
-        except OSError as e:
-            self._fail(seq_id, FAILED_PRECONDITION, f"structured outputs need the model's tokenizer in the "
-                                                    f"executor ({self._model_path}): {e}")
-            return None
-        except Exception as e:  # noqa: BLE001 - whatever the grammar library raises, it is this request's
-            self._fail(seq_id, INVALID_ARGUMENT, f"structured_outputs cannot be compiled: {e}")
+        except Exception as e:  # noqa: BLE001 - whatever compiling raised concerns this request alone
+            self._not_ready(seq_id, e, waited)
             return None
         self.matchers[seq_id] = matcher
         for token in self._replay.pop(seq_id, ()):
             matcher.accept(token)
         return matcher
+
+    def _not_ready(self, seq_id: int, error: Exception, waited: float) -> None:
+        """Defers the request's row while its grammar compiles, within the timeout; else fails it."""
+        # Checked first: futures.TimeoutError is an OSError from Python 3.11 on.
+        if isinstance(error, futures.TimeoutError):
+            if self._defer and waited < GRAMMAR_TIMEOUT_S:
+                self._deferred.append(seq_id)
+                return
+            self._fail(seq_id, INVALID_ARGUMENT, f"the structured output took more than {GRAMMAR_TIMEOUT_S:.0f} s "
+                                                 "to compile; simplify its schema, regex or grammar")
+        elif isinstance(error, OSError):
+            self._fail(seq_id, FAILED_PRECONDITION, f"structured outputs need the model's tokenizer in the "
+                                                    f"executor ({self._model_path}): {error}")
+        else:
+            self._fail(seq_id, INVALID_ARGUMENT, f"structured_outputs cannot be compiled: {error}")
 
     def _compiler_for(self) -> GrammarCompiler:
         if self._compiler is None:
