@@ -2,6 +2,7 @@
 what it allows, preemption replay, and a reasoning model's free thinking before its constraint;
 and in the runner, a grammar still compiling or failing to compile affects its own row only."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -122,10 +123,19 @@ def test_a_grammar_that_cannot_compile_fails_its_request_alone(tiny):
     runner = make_runner(tiny)
     prompt = random_prompts([5])[0]
     broken = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
-    result = runner.run(StepPlan(1, new_requests=[NewRequest(1, prompt, 0, 5, [1], SamplingParams()),
-                                                  NewRequest(2, prompt, 0, 5, [2], broken)]))
+    plan = StepPlan(1, new_requests=[NewRequest(1, prompt, 0, 5, [1, 2], SamplingParams()),
+                                     NewRequest(2, prompt, 0, 5, [3, 4], broken)])
+    continuing = [ContinuingRequest(1, 1, []), ContinuingRequest(2, 1, [])]
+    for step_id in range(2, 10):
+        result = runner.run(plan)
+        assert result.seq_ids == [1, 2]
+        if result.errors:
+            break
+        # Still compiling (the tokenizer loads first, on a worker): the row waits, the other goes on.
+        assert result.deferred == [2]
+        time.sleep(0.1)
+        plan = StepPlan(step_id, continuing=continuing)
     assert [(e.seq_id, e.code) for e in result.errors] == [(2, INVALID_ARGUMENT)]
-    assert "cannot be compiled" in result.errors[0].message
-    assert result.seq_ids == [1, 2] and not runner.structured
-    result = runner.run(StepPlan(2, continuing=[ContinuingRequest(1, 1, [])], dropped=[2]))
+    assert "cannot be compiled" in result.errors[0].message and not runner.structured
+    result = runner.run(StepPlan(step_id, continuing=continuing[:1], dropped=[2]))
     assert result.seq_ids == [1] and not result.errors
