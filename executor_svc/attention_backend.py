@@ -1,9 +1,11 @@
 """The attention backend: the kernels the model runs, behind one object a Triton backend can replace.
 
 The model calls `backend.forward` once per layer for rotary embedding, KV-cache write and paged
-attention, `backend.rms_norm`, `backend.silu_and_mul` for the other elementwise kernels, and
-`backend.per_token_quant_fp8` for the activations of FP8 linear layers (or `rms_norm_quant_fp8` and
-`silu_and_mul_quant_fp8`, which quantize their own output for them).
+attention (with the layer's own rotary table, sliding window and logit cap),
+`backend.rms_norm`, `backend.silu_and_mul` or `backend.gelu_tanh_and_mul` for the other elementwise
+kernels, and `backend.per_token_quant_fp8` for the activations of FP8 linear layers (or
+`rms_norm_quant_fp8` and `silu_and_mul_quant_fp8` / `gelu_tanh_and_mul_quant_fp8`, which quantize
+their own output for them).
 TorchAttentionBackend (the CPU backend) runs the pure-torch references; TritonAttentionBackend
 (CUDA) runs the kernels of `kernels/`.
 """
@@ -11,13 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.activation import silu_and_mul, silu_and_mul_quant_fp8
+from pagedserve.kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_quant_fp8,
+                                           silu_and_mul, silu_and_mul_quant_fp8)
 from pagedserve.kernels.attention import paged_attention
 from pagedserve.kernels.norm import rms_norm, rms_norm_quant_fp8
 from pagedserve.kernels.quant import per_token_quant_fp8
-from pagedserve.kernels.reference import (paged_attention_ref, per_token_quant_fp8_ref, rms_norm_quant_fp8_ref,
-                                          rms_norm_ref, rotary_ref, silu_and_mul_quant_fp8_ref,
-                                          silu_and_mul_ref, write_kv_ref)
+from pagedserve.kernels.reference import (gelu_tanh_and_mul_quant_fp8_ref, gelu_tanh_and_mul_ref,
+                                          paged_attention_ref, per_token_quant_fp8_ref,
+                                          rms_norm_quant_fp8_ref, rms_norm_ref, rotary_ref,
+                                          silu_and_mul_quant_fp8_ref, silu_and_mul_ref,
+                                          write_kv_ref)
 from pagedserve.kernels.rotary import rotary_write_kv
 
 
@@ -42,38 +47,49 @@ class TorchAttentionBackend:
     """Pure-torch kernels: the CPU backend and the ground truth for the faster ones."""
     rms_norm = staticmethod(rms_norm_ref)
     silu_and_mul = staticmethod(silu_and_mul_ref)
+    gelu_tanh_and_mul = staticmethod(gelu_tanh_and_mul_ref)
     per_token_quant_fp8 = staticmethod(per_token_quant_fp8_ref)
     rms_norm_quant_fp8 = staticmethod(rms_norm_quant_fp8_ref)
     silu_and_mul_quant_fp8 = staticmethod(silu_and_mul_quant_fp8_ref)
+    gelu_tanh_and_mul_quant_fp8 = staticmethod(gelu_tanh_and_mul_quant_fp8_ref)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
-                kv_scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                kv_scales: tuple[torch.Tensor, torch.Tensor], *,
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Rotates q and k by their positions [T], writes this step's k, v into the paged cache,
-        then attends q over each whole context.
+        then attends q over each context.
 
         q [T, heads, head_dim], k and v [T, kv_heads, head_dim]; returns [T, heads, head_dim].
-        q and k may be left rotated in place (the Triton backend does). kv_scales: the layer's K
-        and V scales, which an fp8 cache divides by when written and multiplies by when read."""
+        q and k may be left rotated in place (the Triton backend does). cos_sin_cache is the
+        layer's rotary table (see layers/rotary.py: its width is the rotated part of each head).
+        kv_scales: the layer's K and V scales, which an fp8 cache divides by when written and
+        multiplies by when read. sliding_window: the layer's window (a query at i sees keys
+        j > i - sliding_window; None: all earlier ones); softcap: its attention logit cap
+        (None: none)."""
         q, k = rotary_ref(positions, q, k, cos_sin_cache)
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, scale, kv_scales)
+                                   meta.query_start_loc, scale, kv_scales, sliding_window,
+                                   softcap)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
     """The Triton kernels: rotary works in place, and no kernel reads a device value on the host."""
     rms_norm = staticmethod(rms_norm)
     silu_and_mul = staticmethod(silu_and_mul)
+    gelu_tanh_and_mul = staticmethod(gelu_tanh_and_mul)
     per_token_quant_fp8 = staticmethod(per_token_quant_fp8)
     rms_norm_quant_fp8 = staticmethod(rms_norm_quant_fp8)
     silu_and_mul_quant_fp8 = staticmethod(silu_and_mul_quant_fp8)
+    gelu_tanh_and_mul_quant_fp8 = staticmethod(gelu_tanh_and_mul_quant_fp8)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
-                kv_scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                kv_scales: tuple[torch.Tensor, torch.Tensor], *,
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         # One launch for rotary and the cache write: a decode step is bound by small launches.
         q = rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                             meta.slot_mapping, kv_scales)
@@ -85,7 +101,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
                                meta.query_start_loc, scale, max_query_len=meta.max_query_len,
                                max_seq_len=meta.max_seq_len, num_splits=meta.num_splits,
                                kv_scales=kv_scales, k_new=k_new, v_new=v_new,
-                               num_decode_seqs=meta.num_decode_seqs)
+                               num_decode_seqs=meta.num_decode_seqs,
+                               sliding_window=sliding_window, softcap=softcap)
 
 
 def get_backend(device: torch.device) -> TorchAttentionBackend:

@@ -11,7 +11,8 @@ import time
 import torch
 
 from pagedserve.executor_svc.attention_backend import AttentionMetadata
-from pagedserve.executor_svc.models.llama import KVCache, LlamaForCausalLM
+from pagedserve.executor_svc.kv_cache import KVCache
+from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.step_buffers import StepBuffers
 from pagedserve.kernels.attention import default_num_splits
 from pagedserve.common.log import get_logger
@@ -53,7 +54,7 @@ def decode_metadata(buffers: StepBuffers, size: int, max_model_len: int, num_hea
 class CudaGraphs:
     """One captured decode forward per size; `replay(size)` returns its hidden states [size, H]."""
 
-    def __init__(self, model: LlamaForCausalLM, buffers: StepBuffers,
+    def __init__(self, model: CausalLM, buffers: StepBuffers,
                  metas: dict[int, AttentionMetadata]) -> None:
         self.model = model
         self.buffers = buffers

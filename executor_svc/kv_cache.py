@@ -10,6 +10,9 @@ from pagedserve.kernels.reference import FP8_DTYPE
 
 log = get_logger(__name__)
 
+# One layer's (k_cache, v_cache).
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
 GiB = 1 << 30
 CPU_DEFAULT_BYTES = GiB
 
@@ -27,7 +30,7 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 
 def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      device: torch.device) -> list[KVCache]:
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
     # Zeroed: a kernel that loads a masked-off slot then never sees NaN garbage, and on the CPU
     # writing every page commits the memory now (about a second per GiB), so the resident size

@@ -1,7 +1,8 @@
 """Logits processing around sampling: raw logprobs first, then stop tokens masked until
 min_tokens, the structured-output grammar's token bitmask, logit_bias, and repetition, frequency
 and presence penalties (vLLM's order; a masked token stays at -inf whatever its bias). Batched
-tensor functions with no host sync; rows that use none of this cost nothing."""
+tensor functions with no host sync; rows that use none of this cost nothing. Also the prompt
+logprobs, computed a chunk of positions at a time."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -178,6 +179,27 @@ def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> Sa
     rank = (logprobs >= chosen).sum(-1, keepdim=True)
     top = logprobs.topk(k, dim=-1)
     return SampledLogprobs(torch.cat((chosen, top.values), 1), torch.cat((rank, top.indices), 1))
+
+
+# Prompt positions whose logits exist at once (SEC-12). A step's prompt positions can number
+# max_num_batched_tokens, and their float32 logits plus log_softmax take 8 bytes per position and
+# vocabulary entry: 10 GB at 8192 positions of a 152k vocabulary, beyond what the memory profile
+# reserves, so one long prompt would fail the step of every request in it. A chunk of 512 takes
+# 0.6 GB there, and the profile runs one (ModelRunner.dummy_run). A chunk costs a few kernel
+# launches, small beside the forward over the same 512 positions.
+PROMPT_LOGPROBS_CHUNK = 512
+
+
+def chunked_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                     index: torch.Tensor, targets: torch.Tensor, k: int,
+                     chunk: int = PROMPT_LOGPROBS_CHUNK) -> SampledLogprobs:
+    """gather_logprobs of the logits of hidden[index] [N] against targets [N], with at most
+    `chunk` rows of logits at a time."""
+    parts = [gather_logprobs(compute_logits(hidden[i]).log_softmax(dim=-1), t, k)
+             for i, t in zip(index.split(chunk), targets.split(chunk))]
+    if len(parts) == 1:
+        return parts[0]
+    return SampledLogprobs(torch.cat([p.values for p in parts]), torch.cat([p.ids for p in parts]))
 
 
 def step_logprobs(rows: np.ndarray, num_top: np.ndarray, values: np.ndarray,

@@ -9,25 +9,25 @@ from pagedserve.executor_svc.kv_cache import allocate_kv_cache, bytes_per_block
 from pagedserve.common.log import get_logger
 
 if TYPE_CHECKING:
-    from pagedserve.executor_svc.model_runner import ModelRunner
+    from pagedserve.executor_svc.worker import Worker
 
 log = get_logger(__name__)
 
 
-def profile_peak_bytes(runner: "ModelRunner") -> int:
+def profile_peak_bytes(worker: "Worker") -> int:
     """The device memory in use at the peak of the largest step (weights included, its scratch
     KV cache not), plus what the CUDA graphs will hold and what lies outside torch's allocator."""
-    device, config = runner.device, runner.config
+    device, config, runner = worker.device, worker.config, worker.runner
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    scratch_tokens = min(config.max_num_batched_tokens, runner.max_model_len)
-    scratch_bytes = (-(-scratch_tokens // runner.block_size)
-                     * bytes_per_block(runner.rank_config, runner.block_size, runner.kv_dtype))
+    scratch_tokens = min(config.max_num_batched_tokens, worker.max_model_len)
+    scratch_bytes = (-(-scratch_tokens // worker.block_size)
+                     * bytes_per_block(worker.rank_config, worker.block_size, worker.kv_dtype))
     runner.dummy_run(config.max_num_batched_tokens, config.max_num_seqs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    graph_bytes = _graph_bytes(runner) if runner.graph_sizes else 0
+    graph_bytes = _graph_bytes(worker) if runner.graph_sizes else 0
     free, total = torch.cuda.mem_get_info(device)
     # CUDA context, cuBLAS workspaces and other memory that torch's allocator doesn't see.
     outside_torch = total - free - torch.cuda.memory_reserved(device)
@@ -39,17 +39,18 @@ def profile_peak_bytes(runner: "ModelRunner") -> int:
     return peak - scratch_bytes + graph_bytes + outside_torch
 
 
-def _graph_bytes(runner: "ModelRunner") -> int:
+def _graph_bytes(worker: "Worker") -> int:
     """What the CUDA graphs will hold beside the eager peak: the activations of the largest
     (all graphs share one pool, the largest captured first) and every graph's output."""
-    device, sizes = runner.device, runner.graph_sizes
+    device, runner = worker.device, worker.runner
+    sizes = runner.graph_sizes
     size = max(sizes)
-    scratch = allocate_kv_cache(runner.rank_config, 1, runner.block_size, runner.kv_dtype, device)
+    scratch = allocate_kv_cache(worker.rank_config, 1, worker.block_size, worker.kv_dtype, device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     runner.graphs.fill_padding(size)
     runner.graphs.forward(size, scratch)
     torch.cuda.synchronize(device)
     activations = torch.cuda.max_memory_allocated(device) - before
-    outputs = sum(sizes) * runner.model_config.hidden_size * runner.dtype.itemsize
+    outputs = sum(sizes) * worker.model_config.hidden_size * worker.dtype.itemsize
     return activations + outputs

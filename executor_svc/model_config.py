@@ -1,12 +1,10 @@
 """The model's shape, read from a Hugging Face model directory's config.json or a GGUF file."""
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.executor_svc.gguf_file import find_gguf, read_gguf_config
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+from pagedserve.executor_svc.layers.activation import ACTIVATIONS
 
 
 @dataclass(slots=True)
@@ -20,6 +18,7 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
+    hidden_act: str
     rope_theta: float
     rope_scaling: dict | None
     max_position_embeddings: int
@@ -33,6 +32,9 @@ class ModelConfig:
     sliding_window: int | None
     # The checkpoint's own quantization (config.json's quantization_config): "fp8" or None.
     quantization: str | None = None
+    # config.json as read (or as a GGUF file's metadata gives it): what only one family reads
+    # (experts, soft caps, layer types) its own file takes from here, not a field above.
+    hf_config: dict = field(default_factory=dict)
 
 
 def load_model_config(model: str | Path) -> ModelConfig:
@@ -54,9 +56,10 @@ def load_model_config(model: str | Path) -> ModelConfig:
 def model_config_from_dict(config: dict, generation_config: dict | None = None) -> ModelConfig:
     """Builds a ModelConfig from config.json's contents (e.g. a named shape for dummy weights)."""
     architecture = _architecture(config)
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{architecture} with hidden_act={config['hidden_act']!r} is not supported; "
-                         "only silu is")
+    hidden_act = config.get("hidden_act", "silu")
+    if hidden_act not in ACTIVATIONS:
+        raise ValueError(f"{architecture} with hidden_act={hidden_act!r} is not supported; pagedserve "
+                         f"implements {', '.join(ACTIVATIONS)}")
     heads = config["num_attention_heads"]
     rope_theta, rope_scaling = _rope(config)
     qwen2 = architecture == "Qwen2ForCausalLM"
@@ -71,6 +74,7 @@ def model_config_from_dict(config: dict, generation_config: dict | None = None) 
         num_key_value_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        hidden_act=hidden_act,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=config["max_position_embeddings"],
@@ -83,6 +87,7 @@ def model_config_from_dict(config: dict, generation_config: dict | None = None) 
         eos_token_ids=_eos_token_ids(config, generation_config),
         sliding_window=_sliding_window(config, architecture),
         quantization=_quantization(config.get("quantization_config")),
+        hf_config=config,
     )
 
 
@@ -100,10 +105,11 @@ def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
 
 
 def _architecture(config: dict) -> str:
+    # Imported here, not at the top: the model files import this module for ModelConfig.
+    from pagedserve.executor_svc.models import MODELS
     architectures = config.get("architectures") or []
-    if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {architectures}: pagedserve runs "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if len(architectures) != 1 or architectures[0] not in MODELS:
+        raise ValueError(f"unsupported architecture {architectures}: pagedserve runs {', '.join(MODELS)}")
     return architectures[0]
 
 

@@ -1,45 +1,34 @@
-"""The executor core: holds the model, the paged KV cache and each running request's state, and
-turns a step plan (a delta) into one forward pass and one sampled token per finished prefill or decode."""
+"""The model runner: turns a step plan (a delta) into one forward pass and one sampled token per
+finished prefill or decode. It applies the plan to the persistent batch, builds and uploads the
+step's inputs, runs the forward (a CUDA graph's replay or eagerly) and samples; steps are
+pipelined, launched before the previous one's tokens reach the host (executor_svc/worker.py builds
+it and drives it)."""
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
 
-from pagedserve.executor_svc.attention_backend import AttentionMetadata, get_backend
-from pagedserve.executor_svc.batch_limits import batch_defaults, resolve_batch_limits
-from pagedserve.executor_svc.cuda_graphs import CudaGraphs, bucket, capture_sizes, decode_metadata
-from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_device, resolve_dtype
-from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
+from pagedserve.executor_svc.attention_backend import AttentionMetadata
+from pagedserve.executor_svc.cuda_graphs import CudaGraphs, capture_sizes, decode_metadata
 from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
-from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
-                                              resolve_kv_cache_dtype)
-from pagedserve.executor_svc.logits import (GrammarMask, LogprobRows, Penalties, SampledLogprobs, gather_logprobs,
-                                            step_logprobs)
-from pagedserve.executor_svc.memory_profile import profile_peak_bytes
-from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
-from pagedserve.executor_svc.models.llama import KVCache, LlamaForCausalLM
-from pagedserve.executor_svc.parallel import init_group, rank_device, shard_config
+from pagedserve.executor_svc.kv_cache import KVCache, allocate_kv_cache
+from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.logits import (PROMPT_LOGPROBS_CHUNK, LogprobRows, SampledLogprobs,
+                                            chunked_logprobs, step_logprobs)
+from pagedserve.executor_svc.model_config import ModelConfig
+from pagedserve.executor_svc.parallel import TensorParallel
 from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
-from pagedserve.executor_svc.step_buffers import StepBuffers, upload_pinned
+from pagedserve.executor_svc.sampling_inputs import PendingPrompt, SamplingInputs
+from pagedserve.executor_svc.step_buffers import StepBuffers
+from pagedserve.executor_svc.step_inputs import HostInputs, host_inputs
 from pagedserve.executor_svc.step_clock import StepClock
 from pagedserve.executor_svc.structured_outputs import StructuredOutputs
-from pagedserve.executor_svc.tp_workers import start_workers
-from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.common.config import EngineConfig
-from pagedserve.common.log import get_logger
-from pagedserve.common.plan import (MAX_STEPS_IN_FLIGHT, ExecutorInfo, NewRequest, PromptLogprobs,
-                             RequestError, StepPlan, StepResult)
-from pagedserve.common.sampling_params import SamplingParams
-
-log = get_logger(__name__)
-
-# The warm-up step that compiles split-KV prefill attention: any prompt length does.
-SPLIT_WARM_UP_TOKENS = 64
+from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, NewRequest, RequestError, StepPlan, StepResult
+from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass(slots=True)
@@ -49,41 +38,7 @@ class Step:
     meta: AttentionMetadata
     graph_size: int | None
     sample_rows: np.ndarray
-    # The hidden-state rows to sample; None when they are the first len(sample_rows) rows.
-    logits_indices: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class HostInputs:
-    """One step's inputs as the host builds them, padded to its graph size if it has one."""
-    rows: np.ndarray                     # [num_seqs] persistent-batch rows
-    input_ids: np.ndarray                # [num_tokens]
-    # [2, n] (token index, row): tokens that steps in flight sample, filled in on the device.
-    late: np.ndarray | None
-    positions: np.ndarray                # [num_tokens]
-    slot_mapping: np.ndarray             # [num_tokens]
-    seq_lens: np.ndarray                 # [num_seqs]
-    query_lens: np.ndarray               # [num_seqs], unpadded
-    query_start_loc: np.ndarray          # [num_seqs + 1], unpadded
-    logits_indices: np.ndarray | None    # see Step
-    sample_rows: np.ndarray
-    graph_size: int | None
-
-
-@dataclass(slots=True)
-class PendingPrompt:
-    """The prompt logprobs a launched step computes (see PromptLogprobs), on the host once the
-    device passes the step's end."""
-    seq_ids: list[int]
-    starts: list[int]
-    counts: list[int]
-    num_top: np.ndarray
-    logprobs: SampledLogprobs
-
-    def result(self) -> PromptLogprobs:
-        lp = self.logprobs
-        entries = step_logprobs(np.arange(len(self.num_top)), self.num_top, lp.values.numpy(), lp.ids.numpy())
-        return PromptLogprobs(self.seq_ids, self.starts, self.counts, entries)
+    logits_indices: torch.Tensor | None  # see HostInputs
 
 
 @dataclass(slots=True)
@@ -121,142 +76,56 @@ class RunnerStats:
 
 
 class ModelRunner:
-    """Runs step plans against the model. Requests persist between plans, keyed by seq_id.
-    `offline`: the batch limits a config leaves unset take vLLM's defaults for its LLM class
-    rather than for its API server.
+    """Turns step plans into sampled tokens on `model`. Requests persist between plans, keyed by
+    seq_id, in the persistent batch. The Worker builds it, sizes and hands it the KV cache
+    (`kv_caches`), and captures its CUDA graphs; `tp` is this rank's group (None without tensor
+    parallelism), over which the ranks take rank 0's sampled tokens."""
 
-    With --tensor-parallel-size N, rank 0's runner starts ranks 1..N-1, whose runners repeat its
-    launch, collect and reset calls (executor_svc/tp_workers.py); `rank` is this one's."""
-
-    def __init__(self, config: EngineConfig, offline: bool = False, rank: int = 0) -> None:
-        self.device = resolve_device(config.device)
-        torch.manual_seed(config.seed)
-        self.model_config: ModelConfig = load_model_config(config.model)
-        # The shapes this rank holds: its share of the heads, KV heads, MLP width and vocabulary.
-        self.rank_config = shard_config(self.model_config, config.tensor_parallel_size)
-        self.quantization = config.quantization or self.model_config.quantization
-        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device, self.quantization)
-        if self.quantization:
-            check_fp8_device(self.device, self.dtype)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
-        self.config = resolve_batch_limits(config, batch_defaults(self.device, offline),
-                                           self.max_model_len)
-        self.block_size = self.config.block_size
-        self.tp = self.workers = None
-        if config.tensor_parallel_size > 1:
-            self._join_group(config, offline, rank)
-        try:
-            self._build(self.config)
-        except BaseException:
-            # The other ranks fail the same way, or wait for rank 0 in a collective: stop them.
-            if self.workers is not None:
-                self.workers.stop()
-            raise
-
-    def _build(self, config: EngineConfig) -> None:
-        backend = get_backend(self.device)
-        with torch.device(self.device), default_dtype(self.dtype):
-            self.model = LlamaForCausalLM(self.rank_config, backend, self.max_model_len, self.tp)
-        self._load_weights(backend.per_token_quant_fp8 if self.quantization else None)
+    def __init__(self, model: CausalLM, config: EngineConfig, model_config: ModelConfig,
+                 max_model_len: int, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                 tp: TensorParallel | None) -> None:
+        self.model, self.config = model, config
+        self.max_model_len, self.block_size = max_model_len, config.block_size
+        self.device, self.kv_dtype, self.tp = device, kv_dtype, tp
+        self.kv_caches: list[KVCache] = []
         self.sampler = Sampler()
         self.stats = RunnerStats()
-        self.clock = StepClock(self.device)
+        self.clock = StepClock(device)
         self.launched: deque[Launched] = deque()
         self.num_launched = 0
         self.last_end = None
         # Padded decode steps run through CUDA graphs on a GPU and eagerly, same shapes, elsewhere.
         self.graph_sizes = [] if config.enforce_eager else capture_sizes(config.max_num_seqs)
         # The profiling step packs max_num_batched_tokens into sequences of max_model_len.
-        self.max_seqs = max(config.max_num_seqs,
-                            -(-config.max_num_batched_tokens // self.max_model_len))
+        self.max_seqs = max(config.max_num_seqs, -(-config.max_num_batched_tokens // max_model_len))
         max_tokens = max([config.max_num_batched_tokens, *self.graph_sizes])
-        self.batch = InputBatch(self.max_seqs, self.max_model_len, self.block_size,
-                                self.model_config.vocab_size, self.device)
-        self.structured = StructuredOutputs(config.model, self.model_config.vocab_size,
-                                            list(self.model_config.eos_token_ids), self.max_seqs,
-                                            defer=config.tensor_parallel_size == 1)
+        self.batch = InputBatch(self.max_seqs, max_model_len, self.block_size, model_config.vocab_size, device)
+        # With tensor parallelism every rank must sample the same rows: a step waits for a grammar.
+        self.structured = StructuredOutputs(config.model, model_config.vocab_size,
+                                            list(model_config.eos_token_ids), self.max_seqs, defer=tp is None)
+        self.inputs = SamplingInputs(self.batch, self.structured, model_config.vocab_size)
         max_blocks = self.batch.max_blocks
-        self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
-        self.slots = [HostSlot.allocate(max_tokens, self.max_seqs, max_blocks, self.device)
+        self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs, max_blocks, device)
+        self.slots = [HostSlot.allocate(max_tokens, self.max_seqs, max_blocks, device)
                       for _ in range(MAX_STEPS_IN_FLIGHT)]
         self.slot = self.slots[0]
         # The device copy of the batch's block table, updated from each plan's new block ids.
-        self.block_table = torch.zeros(self.max_seqs, max_blocks, dtype=torch.int32,
-                                       device=self.device)
+        self.block_table = torch.zeros(self.max_seqs, max_blocks, dtype=torch.int32, device=device)
         # Each row's most recently sampled token, which the next step reads before the host has it.
-        self.last_sampled = torch.zeros(self.max_seqs, dtype=torch.int64, device=self.device)
-        mc = self.rank_config
-        self.graph_metas = {size: decode_metadata(self.buffers, size, self.max_model_len,
-                                                  mc.num_attention_heads, mc.num_key_value_heads,
-                                                  mc.head_dim, self.dtype, self.kv_dtype)
+        self.last_sampled = torch.zeros(self.max_seqs, dtype=torch.int64, device=device)
+        mc = model.config
+        self.graph_metas = {size: decode_metadata(self.buffers, size, max_model_len, mc.num_attention_heads,
+                                                  mc.num_key_value_heads, mc.head_dim, dtype, kv_dtype)
                             for size in self.graph_sizes}
-        self.graphs = CudaGraphs(self.model, self.buffers, self.graph_metas)
-        block_bytes = bytes_per_block(self.rank_config, self.block_size, self.kv_dtype)
-        self.num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device,
-                                               partial(profile_peak_bytes, self), self.kv_dtype)
-        if self.tp is not None:
-            self.num_blocks = self.tp.min(self.num_blocks)
-        self.kv_caches = allocate_kv_cache(self.rank_config, self.num_blocks, self.block_size,
-                                           self.kv_dtype, self.device)
-        if self.device.type == "cuda":
-            # A prefill of few sequences splits its KV (kernels/attention.py's heuristic), which
-            # neither the profiling step nor a decode graph compiles, and which a mixed step of a
-            # short prompt among a few decodes meets in the middle of serving: compiled here.
-            self.dummy_run(SPLIT_WARM_UP_TOKENS, 1, num_splits=2)
-        if self.graph_sizes and self.device.type == "cuda":
-            self.graphs.capture(self.kv_caches)
-        else:
-            log.info("cuda_graphs_off", reason="--enforce-eager" if config.enforce_eager else "not on a GPU")
-        log.info("model_runner_ready", architecture=self.model_config.architecture,
-                 device=str(self.device), dtype=dtype_name(self.dtype),
-                 max_model_len=self.max_model_len, num_blocks=self.num_blocks,
-                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                 cuda_graphs=bool(self.graphs.graphs), tensor_parallel_size=config.tensor_parallel_size)
-
-    def _join_group(self, config: EngineConfig, offline: bool, rank: int) -> None:
-        self.device = rank_device(self.device, rank)
-        if rank:
-            self.tp = init_group(rank, config.tensor_parallel_size, self.device)
-            return
-        self.workers = start_workers(config, offline, self.device)
-        self.tp = self.workers.tp
-        weakref.finalize(self, self.workers.stop)
-
-    def _load_weights(self, quantize: Quantize | None) -> None:
-        config = self.config
-        start = time.perf_counter()
-        load_weights(self.model, config.model, config.load_format, config.seed, quantize)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        log.info("model_loaded", weights_gib=round(weight_bytes / 2**30, 3),
-                 parameters=sum(p.numel() for p in self.model.parameters()),
-                 rank=0 if self.tp is None else self.tp.rank,
-                 seconds=round(time.perf_counter() - start, 2), load_format=config.load_format,
-                 quantization=self.quantization)
-
-    def describe(self) -> ExecutorInfo:
-        return ExecutorInfo(num_blocks=self.num_blocks, block_size=self.block_size,
-                            dtype=dtype_name(self.dtype), device=self.device.type,
-                            vocab_size=self.model_config.vocab_size,
-                            max_model_len=self.max_model_len,
-                            eos_token_ids=list(self.model_config.eos_token_ids),
-                            max_num_seqs=self.config.max_num_seqs,
-                            max_num_batched_tokens=self.config.max_num_batched_tokens,
-                            gpu_memory_utilization=self.config.gpu_memory_utilization)
+        self.graphs = CudaGraphs(model, self.buffers, self.graph_metas)
 
     def reset(self) -> None:
         """Forgets every request (the scheduler that sent them is gone)."""
-        if self.workers is not None:
-            self.workers.call("reset")
         self._settle()
         self.launched.clear()
         self.last_end = None
         for seq_id in list(self.batch.rows):
             self._remove(seq_id)
-
-    def run(self, plan: StepPlan) -> StepResult:
-        """Launches the plan's step and returns its result: one step at a time."""
-        return self.collect(self.launch(plan))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Launched:
@@ -267,8 +136,6 @@ class ModelRunner:
         if len(self.launched) == MAX_STEPS_IN_FLIGHT:
             raise ValueError(f"{MAX_STEPS_IN_FLIGHT} steps are in flight already: collect the oldest "
                              "result before launching another step")
-        if self.workers is not None:
-            self.workers.call("launch", plan)
         host_start = time.perf_counter_ns()
         rows, query_lens, seq_ids = self._apply(plan)
         batch = self.batch
@@ -281,14 +148,16 @@ class ModelRunner:
             start = self.clock.mark()
             step = self._prepare(rows, query_lens)
             hidden = self._forward(step, self.kv_caches)
-            prompt = self._prompt_logprobs(rows, query_lens, seq_ids, hidden) if batch.prompt_logprob_rows else None
+            prompt = None
+            if batch.prompt_logprob_rows:
+                prompt = self.inputs.prompt_logprobs(rows, query_lens, seq_ids, hidden, self.model.compute_logits)
             if batch.stop_ids or batch.penalised or self.structured:
                 # Stop masks, penalties and grammars read each request's outputs on the host: wait
                 # for the step in flight, whose forward ran before the one just queued.
                 self._settle()
             sample_rows = rows[step.sample_rows]
             # Built while the device runs the forward.
-            sampling = self._sampling(sample_rows)
+            sampling = self.inputs.sampling(sample_rows, self.slot.staging)
             tokens, logprobs = self._sample(step, hidden, sampling, sample_rows)
             launched = Launched(plan.step_id, sample_rows, seq_ids[step.sample_rows], tokens,
                                 logprobs, sampling.logprobs, start, self.clock.mark(), self.last_end,
@@ -312,8 +181,6 @@ class ModelRunner:
         """The result of the oldest launched step, waiting for the device if it is not done."""
         if not self.launched or self.launched[0] is not step:
             raise ValueError("steps are collected in the order they were launched")
-        if self.workers is not None:
-            self.workers.defer("collect")
         self.launched.popleft()
         self._apply_sampled(step)
         host_start = time.perf_counter_ns()
@@ -366,12 +233,13 @@ class ModelRunner:
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, num_sample_rows: int, num_splits: int | None = None) -> None:
         """One forward of `num_tokens` prompt tokens (in sequences of up to max_model_len sharing
-        one scratch KV cache, their KV in `num_splits` segments if given) plus logits and
-        sampling for `num_sample_rows` rows, the first greedy and the others top-p: the largest
-        step the engine will run, for memory profiling and warm-up."""
+        one scratch KV cache, their KV in `num_splits` segments if given), the largest prompt
+        logprobs pass (a chunk of positions, MAX_LOGPROBS top tokens), then logits and sampling
+        for `num_sample_rows` rows, the first greedy and the others top-p: the largest step the
+        engine will run, for memory profiling and warm-up."""
         seq_len = min(num_tokens, self.max_model_len)
         num_blocks = -(-seq_len // self.block_size)
-        scratch = allocate_kv_cache(self.rank_config, num_blocks, self.block_size, self.kv_dtype,
+        scratch = allocate_kv_cache(self.model.config, num_blocks, self.block_size, self.kv_dtype,
                                     self.device)
         full, rest = divmod(num_tokens, seq_len)
         lens = np.array([seq_len] * full + ([rest] if rest else []), dtype=np.int64)
@@ -383,6 +251,9 @@ class ModelRunner:
             step = self._prepare(rows, lens)
             step.meta.num_splits = num_splits
             hidden = self._forward(step, scratch)
+            positions = torch.arange(min(num_tokens, PROMPT_LOGPROBS_CHUNK), device=self.device)
+            chunked_logprobs(self.model.compute_logits, hidden, positions, torch.zeros_like(positions),
+                             MAX_LOGPROBS)
             n = num_sample_rows
             step.sample_rows = np.arange(n)
             step.logits_indices = torch.arange(n, device=self.device) % num_tokens
@@ -432,43 +303,13 @@ class ModelRunner:
 
     def _prepare(self, rows: np.ndarray, query_lens: np.ndarray) -> Step:
         """Builds the step's inputs on the host and copies them into the StepBuffers."""
-        batch, block_size = self.batch, self.block_size
-        computed = batch.num_computed[rows]
-        seq_lens = computed + query_lens
-        known = batch.known_tokens(rows)
-        self._check_lengths(rows, seq_lens, known)
-        num_seqs, num_tokens = len(rows), int(query_lens.sum())
-        graph_size = bucket(self.graph_sizes, num_seqs) if num_tokens == num_seqs else None
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        if graph_size is None:
-            token_rows = np.repeat(rows, query_lens)
-            positions = (np.arange(num_tokens)
-                         - np.repeat(query_start_loc[:-1] - computed, query_lens))
-        else:
-            token_rows, positions = rows, computed
-        input_ids = batch.token_ids[token_rows, positions]
-        # Tokens sampled by steps still in flight: the device fills them in from last_sampled.
-        late = np.flatnonzero(positions >= batch.num_tokens[token_rows])
-        late = np.stack((late, token_rows[late])) if len(late) else None
-        slot_mapping = (batch.block_table[token_rows, positions // block_size] * block_size
-                        + positions % block_size)
-        sample_rows = np.flatnonzero(seq_lens == known)
-        # One token per sequence, all sampling: the logits rows are the first hidden-state rows.
-        logits_indices = (None if num_tokens == num_seqs == len(sample_rows)
-                          else query_start_loc[1:][sample_rows] - 1)
-        if graph_size is not None:
-            pad = graph_size - num_seqs
-            input_ids, positions, rows = (_pad(a, pad, 0) for a in (input_ids, positions, rows))
-            slot_mapping, seq_lens = _pad(slot_mapping, pad, -1), _pad(seq_lens, pad, 1)
-            num_seqs = num_tokens = graph_size
+        host = host_inputs(self.batch, rows, query_lens, self.graph_sizes, self.max_model_len)
+        num_tokens, num_seqs = len(host.input_ids), len(host.rows)
         if num_tokens > self.buffers.input_ids.numel() or num_seqs > self.max_seqs:
             raise ValueError(f"step plan schedules {num_tokens} tokens of {num_seqs} sequences, "
                              f"more than max_num_batched_tokens "
                              f"({self.config.max_num_batched_tokens}) or max_num_seqs allow")
-        return self._upload(HostInputs(rows, input_ids, late, positions, slot_mapping, seq_lens,
-                                       query_lens, query_start_loc, logits_indices, sample_rows,
-                                       graph_size))
+        return self._upload(host)
 
     def _upload(self, host: HostInputs) -> Step:
         buf, staging = self.buffers, self.slot.staging
@@ -507,81 +348,6 @@ class ModelRunner:
                                  int(host.query_lens.max()), int(host.seq_lens.max()),
                                  num_decode_seqs=int(np.count_nonzero(host.query_lens == 1)))
         return Step(num_tokens, meta, graph_size, host.sample_rows, logits)
-
-    def _sampling(self, rows: np.ndarray) -> SamplingBatch:
-        b = self.batch
-        generators = {}
-        if b.generators:
-            generators = {i: b.generators[row] for i, row in enumerate(rows.tolist())
-                          if row in b.generators}
-        sampling = make_sampling_batch(b.temperature[rows], b.top_p[rows], b.top_k[rows],
-                                       b.min_p[rows], generators, self.slot.staging.upload)
-        if b.stop_ids:
-            mask = b.stop_mask(rows)
-            # Unbounded (a request may name many stop ids), so not through the staging buffer.
-            sampling.stop_mask = None if mask is None else upload_pinned(mask, self.device)
-        if self.structured:
-            sampling.grammar = self._grammar(rows)
-        if b.logit_bias:
-            sampling.logit_bias = b.logit_bias.select(rows, self.slot.staging.upload)
-        if b.penalised:
-            sampling.penalties = self._penalties(rows)
-        if b.logprob_rows:
-            num_top = b.num_logprobs[rows]
-            index = np.flatnonzero(num_top >= 0)
-            if len(index):
-                sampling.logprobs = LogprobRows(index, self.slot.staging.upload(index), num_top[index])
-        return sampling
-
-    def _prompt_logprobs(self, rows: np.ndarray, query_lens: np.ndarray, seq_ids: np.ndarray,
-                         hidden: torch.Tensor) -> PendingPrompt | None:
-        """Queues the logprobs of the prompt tokens that this step's positions predict, for the
-        requests that asked: the logits of every such position, not only the last."""
-        found = self.batch.prompt_positions(rows, query_lens)
-        if found is None:
-            return None
-        index, starts, counts, token_index, targets = found
-        num_top = np.repeat(self.batch.num_prompt_logprobs[rows[index]], counts)
-        logits = self.model.compute_logits(hidden[upload_pinned(token_index, self.device)])
-        lp = gather_logprobs(logits.log_softmax(dim=-1), upload_pinned(targets, self.device), int(num_top.max()))
-        if self.device.type == "cuda":
-            lp = SampledLogprobs(_to_host(lp.values), _to_host(lp.ids))
-        return PendingPrompt(seq_ids[index].tolist(), (starts + 1).tolist(), counts.tolist(), num_top, lp)
-
-    def _grammar(self, rows: np.ndarray) -> GrammarMask | None:
-        filled = self.structured.fill(self.batch.seq_ids[rows])
-        if filled is None:
-            return None
-        index, bitmask = filled
-        # Through pinned memory of its own: the next step refills the bitmask buffer.
-        return GrammarMask(self.slot.staging.upload(index), upload_pinned(bitmask, self.device))
-
-    def _penalties(self, rows: np.ndarray) -> Penalties | None:
-        b, upload = self.batch, self.slot.staging.upload
-        repetition, frequency, presence = b.repetition[rows], b.frequency[rows], b.presence[rows]
-        index = np.flatnonzero((repetition != 1) | (frequency != 0) | (presence != 0))
-        if not len(index):
-            return None
-        penalised = rows[index]
-        repetition, frequency, presence = repetition[index], frequency[index], presence[index]
-        columns = upload(np.stack((repetition, frequency, presence)))
-        token_ids = upload_pinned(b.padded_tokens(penalised, self.model_config.vocab_size), self.device)
-        return Penalties(upload(index), token_ids.long(), upload(b.num_prompt[penalised]),
-                         columns[0] if (repetition != 1).any() else None,
-                         columns[1] if frequency.any() else None,
-                         columns[2] if presence.any() else None)
-
-    def _check_lengths(self, rows: np.ndarray, seq_lens: np.ndarray, known: np.ndarray) -> None:
-        blocks = self.batch.num_blocks[rows]
-        if (seq_lens > known).any():
-            raise ValueError("step plan schedules tokens past a request's known tokens: "
-                             f"context lengths {seq_lens.tolist()}, known {known.tolist()}")
-        if (seq_lens > blocks * self.block_size).any():
-            raise ValueError(f"step plan gives too few blocks: context lengths {seq_lens.tolist()}, "
-                             f"blocks {blocks.tolist()} of {self.block_size} tokens")
-        if seq_lens.max() > self.max_model_len:
-            raise ValueError(f"step plan exceeds max_model_len {self.max_model_len}: "
-                             f"context lengths {seq_lens.tolist()}")
 
     def _forward(self, step: Step, kv_caches: list[KVCache]) -> torch.Tensor:
         if step.graph_size is not None and step.graph_size in self.graphs.graphs:
@@ -627,14 +393,3 @@ def _copy_to_host(tensor: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
     host = pinned[:tensor.numel()].view(tensor.shape)
     host.copy_(tensor, non_blocking=True)
     return host
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """Starts copying `tensor` into pinned memory of its own (sizes vary with the prompts)."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
-
-
-def _pad(array: np.ndarray, n: int, value: int) -> np.ndarray:
-    return np.concatenate((array, np.full(n, value, dtype=array.dtype)))

@@ -1,4 +1,4 @@
-"""gRPC server around the model runner: Describe, and a Run stream of step plans."""
+"""gRPC server around the worker: Describe, and a Run stream of step plans."""
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
 from pagedserve.executor_svc.device import device_broken
-from pagedserve.executor_svc.model_runner import ModelRunner
+from pagedserve.executor_svc.worker import Worker
 from pagedserve.common import service
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
@@ -21,13 +21,13 @@ log = get_logger(__name__)
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     """`health`, the server's health service, reports NOT_SERVING once the device fails."""
 
-    def __init__(self, runner: ModelRunner, health: health_aio.HealthServicer | None = None) -> None:
-        self.runner = runner
+    def __init__(self, worker: Worker, health: health_aio.HealthServicer | None = None) -> None:
+        self.worker = worker
         self.health = health
         # Why the device failed, once it has: no step can run again in this process.
         self.broken: str | None = None
         self.device_failed = asyncio.Event()
-        # Launch and collect share one thread: they change the runner's host state, in order, off
+        # Launch and collect share one thread: they change the worker's host state, in order, off
         # the event loop so health checks answer. Waiting for the device takes another, so that a
         # plan that arrives meanwhile is launched behind the running step.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
@@ -36,7 +36,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
     async def Describe(self, request: executor_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> executor_pb2.ExecutorInfo:
-        return info_to_proto(self.runner.describe())
+        return info_to_proto(self.worker.describe())
 
     async def Run(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.broken:
@@ -54,8 +54,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             while (step := await launched.get()) is not None:
                 if isinstance(step, Exception):
                     raise step
-                await loop.run_in_executor(self.waiter, self.runner.wait, step)
-                result = await loop.run_in_executor(self.pool, self.runner.collect, step)
+                await loop.run_in_executor(self.waiter, self.worker.wait, step)
+                result = await loop.run_in_executor(self.pool, self.worker.collect, step)
                 yield result_to_proto(result)
         except Exception as e:
             if device_broken(e):
@@ -65,7 +65,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             reader.cancel()
             self.busy = False
             if not self.broken:
-                await loop.run_in_executor(self.pool, self.runner.reset)
+                await loop.run_in_executor(self.pool, self.worker.reset)
             log.info("scheduler_detached")
 
     async def _fail_device(self, error: Exception) -> None:
@@ -83,7 +83,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         try:
             async for message in request_iterator:
                 plan = plan_from_proto(message)
-                launched.put_nowait(await loop.run_in_executor(self.pool, self.runner.launch, plan))
+                launched.put_nowait(await loop.run_in_executor(self.pool, self.worker.launch, plan))
         except Exception as e:  # noqa: BLE001 - handed to the writer, which fails the RPC with it
             launched.put_nowait(e)
         else:
@@ -93,12 +93,12 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 async def serve(config: EngineConfig, address: str) -> None:
     """Loads the model, then serves the Executor service at `address` until SIGINT/SIGTERM, or
     until the device fails, which exits with an error (restart policies then start it again)."""
-    runner = ModelRunner(config)
-    info = runner.describe()
+    worker = Worker(config)
+    info = worker.describe()
     log.info("executor_ready", address=address, device=info.device, dtype=info.dtype,
              num_blocks=info.num_blocks, block_size=info.block_size)
     health = health_aio.HealthServicer()
-    executor = ExecutorService(runner, health)
+    executor = ExecutorService(worker, health)
     running = await service.start("executor", address, partial(
         executor_pb2_grpc.add_ExecutorServicer_to_server, executor), health)
     stopping = [asyncio.create_task(service.wait_for_signal()), asyncio.create_task(executor.device_failed.wait())]

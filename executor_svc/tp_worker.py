@@ -1,14 +1,14 @@
 """A tensor-parallel rank other than 0: `python -m pagedserve.executor_svc.tp_worker SPEC`, started
 by rank 0 (tp_workers.start_workers) with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and
-LOCAL_RANK set. It builds the same ModelRunner as rank 0 (on cuda:LOCAL_RANK on GPUs) and repeats
-rank 0's runner calls on it until rank 0 stops it or dies."""
+LOCAL_RANK set. It builds the same Worker as rank 0 (on cuda:LOCAL_RANK on GPUs) and repeats
+rank 0's worker calls on it until rank 0 stops it or dies."""
 import json
 import os
 import sys
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import configure, get_logger
-from pagedserve.executor_svc.model_runner import ModelRunner
+from pagedserve.executor_svc.worker import Worker
 
 log = get_logger(__name__)
 
@@ -21,22 +21,22 @@ def main() -> int:
         # Rank 0 died before this process asked to die with it.
         return 1
     try:
-        runner = ModelRunner(EngineConfig(**spec["config"]), spec["offline"], rank=rank)
+        worker = Worker(EngineConfig(**spec["config"]), spec["offline"], rank=rank)
     except Exception as e:  # noqa: BLE001 - rank 0 reports the rank's exit; this says why
         sys.stderr.write(f"pagedserve: error: tensor-parallel rank {rank}: {e}\n")
         return 1
-    repeat_calls(runner)
+    repeat_calls(worker)
     return 0
 
 
-def repeat_calls(runner: ModelRunner) -> None:
+def repeat_calls(worker: Worker) -> None:
     while True:
-        for method, args in runner.tp.receive():
+        for method, args in worker.tp.receive():
             try:
                 if method == "collect":
-                    runner.collect(runner.launched[0])
+                    worker.collect(worker.runner.launched[0])
                 else:
-                    getattr(runner, method)(*args)
+                    getattr(worker, method)(*args)
             except Exception as e:  # noqa: BLE001 - rank 0 failed the same call and reports it
                 log.debug("tp_call_failed", method=method, error=str(e))
 

@@ -1,6 +1,6 @@
 """Tensor parallelism's processes, as rank 0 (the executor server, or the offline LLM) sees them:
-it starts ranks 1..N-1 as child processes (executor_svc/tp_worker.py), each with a ModelRunner of
-its own, and has them repeat its runner calls in its order, so that every rank holds the same
+it starts ranks 1..N-1 as child processes (executor_svc/tp_worker.py), each with a Worker of
+its own, and has them repeat its worker calls in its order, so that every rank holds the same
 requests and runs the same collectives. The calls travel over the gloo group, a list per
 launch or reset: a collect runs no collective, so it waits for the next message."""
 import dataclasses
@@ -34,7 +34,7 @@ class Workers:
     stopped: threading.Event = field(default_factory=threading.Event)
 
     def call(self, method: str, *args: object) -> None:
-        """Has every other rank call `method(*args)` on its runner, after the deferred calls."""
+        """Has every other rank call `method(*args)` on its Worker, after the deferred calls."""
         self.pending.append((method, args))
         self.tp.send(self.pending)
         self.pending = []

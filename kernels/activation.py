@@ -1,5 +1,5 @@
-"""SwiGLU activation: silu(gate) * up, optionally quantized per token to FP8 for the FP8
-projection after it."""
+"""Gated activations: SwiGLU, silu(gate) * up, and GeGLU with the tanh GELU, gelu_tanh(gate) * up
+(Gemma's), optionally quantized per token to FP8 for the FP8 projection after them."""
 import torch
 import triton
 import triton.language as tl
@@ -8,57 +8,98 @@ from pagedserve.kernels import pdl
 from pagedserve.kernels.quant import INTERPRETED, empty_quantized, store_quantized_row
 from pagedserve.kernels.reference import FP8_MAX, FP8_MIN_SCALE
 
+_TWO_LOG2E = tl.constexpr(2.8853900817779268)
+SILU, GELU_TANH = 0, 1
+_SILU = tl.constexpr(SILU)
+
 
 @triton.jit
-def _silu_and_mul(x, row, stride_x, d, offs, mask):
+def tanh(x):
+    """tanh in fp32 through one exp2 of a non-positive number (no overflow), within 1e-7 of it
+    absolutely: Triton has no tanh that the CPU interpreter runs."""
+    e = tl.math.exp2(tl.abs(x) * -_TWO_LOG2E)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _gated(x, row, stride_x, d, offs, mask, ACT: tl.constexpr):
     gate = tl.load(x + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
-    return (gate * tl.sigmoid(gate) * up).to(x.dtype.element_ty)
+    if ACT == _SILU:
+        h = gate * tl.sigmoid(gate)
+    else:
+        # PyTorch's gelu(approximate="tanh"); 0.7978845608028654 is sqrt(2 / pi).
+        inner = (gate + 0.044715 * gate * gate * gate) * 0.7978845608028654
+        h = 0.5 * gate * (1.0 + tanh(inner))
+    return (h * up).to(x.dtype.element_ty)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, out, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _gated_kernel(x, out, stride_x, stride_o, d, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
     pdl.wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
-    tl.store(out + row * stride_o + offs, _silu_and_mul(x, row, stride_x, d, offs, mask), mask=mask)
+    tl.store(out + row * stride_o + offs, _gated(x, row, stride_x, d, offs, mask, ACT), mask=mask)
 
 
 @triton.jit
-def _silu_and_mul_quant_kernel(x, out, scale, stride_x, stride_o, d, min_scale,
-                               BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EXACT: tl.constexpr,
-                               PDL: tl.constexpr):
+def _gated_quant_kernel(x, out, scale, stride_x, stride_o, d, min_scale, ACT: tl.constexpr,
+                        BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, EXACT: tl.constexpr,
+                        PDL: tl.constexpr):
     # One program holds a whole row, for its absmax.
     pdl.wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < d
-    h = _silu_and_mul(x, row, stride_x, d, offs, mask).to(tl.float32)
+    h = _gated(x, row, stride_x, d, offs, mask, ACT).to(tl.float32)
     store_quantized_row(h, mask, out + row * stride_o, offs, scale + row, min_scale, FP8_MAX, EXACT)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2 * d] holding gate then up projections; returns silu(gate) * up [..., d]."""
+def _gated_and_mul(x: torch.Tensor, act: int) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(d))
     if x2.shape[0] > 0:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, **pdl.launch_args(x.device))
+        _gated_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, out, x2.stride(0), out.stride(0), d, ACT=act, BLOCK=block,
+            **pdl.launch_args(x.device))
     return out.view(*x.shape[:-1], d)
+
+
+def _gated_and_mul_quant_fp8(x: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    d = x.shape[1] // 2
+    out, scale = empty_quantized(x.shape[0], d, x.device)
+    block = triton.next_power_of_2(d)
+    if x.shape[0] > 0:
+        _gated_quant_kernel[(x.shape[0],)](
+            x, out, scale, x.stride(0), out.stride(0), d, FP8_MIN_SCALE, ACT=act, BLOCK=block,
+            FP8_MAX=FP8_MAX, EXACT=INTERPRETED, num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4,
+            **pdl.launch_args(x.device))
+    return out, scale
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * d] holding gate then up projections; returns silu(gate) * up [..., d]."""
+    return _gated_and_mul(x, SILU)
 
 
 def silu_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, 2 * d] -> silu(gate) * up quantized per token, (FP8 [T, d], float32 scale [T, 1]),
     like `silu_and_mul_quant_fp8_ref`."""
-    d = x.shape[1] // 2
-    out, scale = empty_quantized(x.shape[0], d, x.device)
-    block = triton.next_power_of_2(d)
-    if x.shape[0] > 0:
-        _silu_and_mul_quant_kernel[(x.shape[0],)](
-            x, out, scale, x.stride(0), out.stride(0), d, FP8_MIN_SCALE, BLOCK=block,
-            FP8_MAX=FP8_MAX, EXACT=INTERPRETED, num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4,
-            **pdl.launch_args(x.device))
-    return out, scale
+    return _gated_and_mul_quant_fp8(x, SILU)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * d] holding gate then up projections; returns gelu_tanh(gate) * up [..., d]
+    (GELU's tanh approximation, Gemma's gelu_pytorch_tanh), like `gelu_tanh_and_mul_ref`."""
+    return _gated_and_mul(x, GELU_TANH)
+
+
+def gelu_tanh_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, 2 * d] -> gelu_tanh(gate) * up quantized per token, (FP8 [T, d], float32 scale
+    [T, 1]), like `gelu_tanh_and_mul_quant_fp8_ref`."""
+    return _gated_and_mul_quant_fp8(x, GELU_TANH)

@@ -14,6 +14,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedserve.kernels import pdl
+from pagedserve.kernels.activation import tanh
 from pagedserve.kernels.reference import is_fp8
 
 LOG2E = 1.4426950408889634
@@ -40,16 +41,21 @@ def _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr,
-                  LAZY_RESCALE: tl.constexpr, K_T: tl.constexpr):
+def _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, cap, MASKED: tl.constexpr,
+                  LAZY_RESCALE: tl.constexpr, K_T: tl.constexpr, SOFTCAP: tl.constexpr):
     """One KV tile of the online softmax; `visible` [rows, TILE] masks scores when MASKED; k is
-    [HEAD_DIM, TILE] when K_T, else [TILE, HEAD_DIM]."""
+    [HEAD_PAD, TILE] when K_T, else [TILE, HEAD_PAD]. With SOFTCAP, qk_scale is scale / softcap
+    and cap softcap * log2(e)."""
     # An fp8 cache widens to the query dtype here; its K scale is folded into qk_scale and its
     # V scale applied to the output.
     if K_T:
         s = tl.dot(q, k.to(q.dtype))
     else:
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if SOFTCAP:
+        # Capped scores are scaled already (to log2 units): the steps below scale by 1.
+        s = tanh(s * qk_scale) * cap
+        qk_scale = 1.0
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     # Scores stay unscaled so that scaling and the max subtraction fuse into one FMA.
@@ -82,18 +88,43 @@ def _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED: tl.constexp
 
 
 @triton.jit
+def _load_tile(ptrs, row_ok, col_ok, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Loads ptrs [R, C], zeros where row_ok [R] (if ROWS) or col_ok [C] (if COLS) is false:
+    a mask only where needed, since a mask along a row stops vectorized loads."""
+    if ROWS:
+        if COLS:
+            mask = row_ok[:, None] & col_ok[None, :]
+        else:
+            mask = row_ok[:, None]
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    elif COLS:
+        x = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, stride_s,
-                  q_limit, kv_end, tile_lo, tile_hi, qk_scale, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr,
-                  LAZY_RESCALE: tl.constexpr, K_T: tl.constexpr):
+                  q_limit, q_first, kv_start, kv_end, tile_lo, tile_hi, qk_scale, cap,
+                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  TILE: tl.constexpr, MASKED: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                  K_T: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     # Online softmax over the paged cache's KV tiles [tile_lo, tile_hi); only the tiles that
-    # cross the causal diagonal or the end of the context pay for masks.
+    # cross the causal diagonal, the end of the context or (WINDOW) a row's first key q_first
+    # pay for masks. Keys before kv_start, in no row's window, are not even loaded: a scheduler
+    # may free the blocks that hold them. A head_dim that is no power of two is padded to
+    # HEAD_PAD with zeros.
+    PADDED: tl.constexpr = HEAD_PAD != HEAD_DIM
     offs_t = tl.arange(0, TILE)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
     for j in range(tile_lo, tile_hi):
         k_pos = j * TILE + offs_t
+        in_range = k_pos < kv_end
         if MASKED:
-            in_range = k_pos < kv_end
+            if WINDOW:
+                in_range = in_range & (k_pos >= kv_start)
             block = tl.load(table + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         else:
             block = tl.load(table + k_pos // BLOCK_SIZE).to(tl.int64)
@@ -104,26 +135,27 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, 
             k_off = slot[None, :] + offs_d[:, None]
         else:
             k_off = v_off
-        if MASKED:
-            if K_T:
-                k = tl.load(k_cache + k_off, mask=in_range[None, :], other=0.0)
-            else:
-                k = tl.load(k_cache + k_off, mask=in_range[:, None], other=0.0)
-            v = tl.load(v_cache + v_off, mask=in_range[:, None], other=0.0)
-            visible = (k_pos[None, :] <= q_limit[:, None]) & in_range[None, :]
+        if K_T:
+            k = _load_tile(k_cache + k_off, d_ok, in_range, PADDED, MASKED)
         else:
-            k = tl.load(k_cache + k_off)
-            v = tl.load(v_cache + v_off)
+            k = _load_tile(k_cache + k_off, in_range, d_ok, MASKED, PADDED)
+        v = _load_tile(v_cache + v_off, in_range, d_ok, MASKED, PADDED)
+        if MASKED:
+            visible = (k_pos[None, :] <= q_limit[:, None]) & in_range[None, :]
+            if WINDOW:
+                visible = visible & (k_pos[None, :] >= q_first[:, None])
+        else:
             visible = 0
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED,
-                                      LAZY_RESCALE, K_T)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, cap, MASKED,
+                                      LAZY_RESCALE, K_T, SOFTCAP)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column, q_fresh, query_len,
-                        tile_lo, tile_hi, qk_scale, TILE: tl.constexpr, MASKED: tl.constexpr,
-                        LAZY_RESCALE: tl.constexpr):
+def _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column, q_fresh, window,
+                        query_len, tile_lo, tile_hi, qk_scale, cap, TILE: tl.constexpr,
+                        MASKED: tl.constexpr, LAZY_RESCALE: tl.constexpr, WINDOW: tl.constexpr,
+                        SOFTCAP: tl.constexpr):
     # The same over the sequence's own new keys, tiles [tile_lo, tile_hi) counted from its first
     # new token, read by the tensor-memory accelerator straight from this step's k and v.
     offs_t = tl.arange(0, TILE)
@@ -132,9 +164,72 @@ def _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column, q_fre
         v = v_desc.load([q_start + j * TILE, column])
         k_fresh = j * TILE + offs_t
         visible = (k_fresh[None, :] <= q_fresh[:, None]) & (k_fresh[None, :] < query_len)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED,
-                                      LAZY_RESCALE, False)
+        if WINDOW:
+            visible = visible & (k_fresh[None, :] > q_fresh[:, None] - window)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, cap, MASKED,
+                                      LAZY_RESCALE, False, SOFTCAP)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_span(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, stride_s,
+                 q_limit, q_first, kv_start, kv_end, tile_lo, tile_hi, first_full, num_full,
+                 qk_scale, cap, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                 K_T: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+    # Paged tiles [tile_lo, tile_hi): masked before first_full (a row's window starts inside
+    # them) and from num_full on (the causal diagonal or kv_end cross them), unmasked between.
+    if WINDOW:
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head,
+                                      stride_b, stride_s, q_limit, q_first, kv_start, kv_end,
+                                      tile_lo, tl.minimum(tile_hi, first_full), qk_scale, cap,
+                                      HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE, True, LAZY_RESCALE, K_T,
+                                      WINDOW, SOFTCAP)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b,
+                                  stride_s, q_limit, q_first, kv_start, kv_end,
+                                  tl.maximum(tile_lo, first_full), tl.minimum(tile_hi, num_full),
+                                  qk_scale, cap, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE, False,
+                                  LAZY_RESCALE, K_T, WINDOW, SOFTCAP)
+    return _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, stride_s,
+                         q_limit, q_first, kv_start, kv_end,
+                         tl.maximum(tile_lo, tl.maximum(first_full, num_full)), tile_hi,
+                         qk_scale, cap, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE, True,
+                         LAZY_RESCALE, K_T, WINDOW, SOFTCAP)
+
+
+@triton.jit
+def _attend_fresh_span(acc, l_i, m_i, q, k_desc, v_desc, q_start, column, q_fresh, window,
+                       query_len, tile_lo, tile_hi, first_full, num_full, qk_scale, cap,
+                       TILE: tl.constexpr, LAZY_RESCALE: tl.constexpr, WINDOW: tl.constexpr,
+                       SOFTCAP: tl.constexpr):
+    # The same over the step's new keys.
+    if WINDOW:
+        acc, l_i, m_i = _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column,
+                                            q_fresh, window, query_len, tile_lo,
+                                            tl.minimum(tile_hi, first_full), qk_scale, cap, TILE,
+                                            True, LAZY_RESCALE, WINDOW, SOFTCAP)
+    acc, l_i, m_i = _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column,
+                                        q_fresh, window, query_len,
+                                        tl.maximum(tile_lo, first_full),
+                                        tl.minimum(tile_hi, num_full), qk_scale, cap, TILE, False,
+                                        LAZY_RESCALE, WINDOW, SOFTCAP)
+    return _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column, q_fresh,
+                               window, query_len,
+                               tl.maximum(tile_lo, tl.maximum(first_full, num_full)), tile_hi,
+                               qk_scale, cap, TILE, True, LAZY_RESCALE, WINDOW, SOFTCAP)
+
+
+@triton.jit
+def _window_tiles(first_query, kv_end, window, TILE: tl.constexpr, WINDOW: tl.constexpr):
+    """(first tile any query of a block sees, first tile all of them see whole) under a sliding
+    window, for queries from first_query to kv_end - 1: tiles before the first hold no visible
+    key, so they are never read; (0, 0) without a window."""
+    tile_first = 0
+    first_full = 0
+    if WINDOW:
+        tile_first = tl.maximum(first_query - window + 1, 0) // TILE
+        first_full = tl.cdiv(tl.maximum(kv_end - window, 0), TILE)
+    return tile_first, first_full
 
 
 # num_seqs changes every step: specialising on it (== 1, multiple of 16) would recompile mid-run.
@@ -142,16 +237,18 @@ def _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column, q_fre
 # (mixed steps choose theirs from their shape) does not compile a kernel in the middle of serving;
 # so is `rows`, so that a mixed step's two launches use the kernels that prefill and decode
 # steps compile.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "rows"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "rows", "window"])
 def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_ptr, v_scale_ptr,
-                      k_desc, v_desc, block_tables, seq_lens, query_start_loc, qk_scale, num_seqs,
-                      num_splits, rows, num_heads,
+                      k_desc, v_desc, block_tables, seq_lens, query_start_loc, qk_scale, cap,
+                      window, num_seqs, num_splits, rows, num_heads,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_b, stride_s, stride_h,
                       stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                      BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr,
                       TILE: tl.constexpr, SPLIT: tl.constexpr, KV_SCALED: tl.constexpr,
                       REVERSE: tl.constexpr, LAZY_RESCALE: tl.constexpr, FRESH: tl.constexpr,
-                      K_T: tl.constexpr, DOT_FP16: tl.constexpr, PDL: tl.constexpr):
+                      K_T: tl.constexpr, DOT_FP16: tl.constexpr, WINDOW: tl.constexpr,
+                      SOFTCAP: tl.constexpr, PDL: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     if REVERSE:
         # Causal work grows along a sequence: start the longest q blocks first so that the
@@ -183,30 +280,36 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
         return
     context_len = seq_len - query_len
 
+    PADDED: tl.constexpr = HEAD_PAD != HEAD_DIM
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
     q_pos = q_local * BLOCK_Q + offs_m // GROUP_PAD
     head = kv_head * GROUP + offs_m % GROUP_PAD
     row_ok = (q_pos < query_len) & (offs_m % GROUP_PAD < GROUP)
     token = (q_start + q_pos).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = _load_tile(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+                   + offs_d[None, :], row_ok, d_ok, True, PADDED)
     if DOT_FP16:
         # An fp8 cache's products run in fp16: E4M3 widens to fp16 in one instruction per pair
         # but to bf16 only through fp32 (1.3x the decode time at 64 x 4k on an H200), and fp16
         # keeps more of q and p than the cache's 3 mantissa bits lose.
         q = q.to(tl.float16)
 
-    # Keys visible to the block's last query, and the prefix of whole tiles every query sees.
-    kv_end = tl.minimum(context_len + (q_local + 1) * BLOCK_Q, seq_len)
+    # Keys visible to the block's last query, and the prefix of whole tiles every query sees
+    # (from first_full on, under a sliding window).
+    first_query = context_len + q_local * BLOCK_Q
+    kv_end = tl.minimum(first_query + BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(kv_end, TILE)
-    num_full = tl.minimum(context_len + q_local * BLOCK_Q + 1, kv_end) // TILE
+    num_full = tl.minimum(first_query + 1, kv_end) // TILE
+    tile_first, first_full = _window_tiles(first_query, kv_end, window, TILE, WINDOW)
     if SPLIT:
-        per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = tl.minimum(split * per_split, num_tiles)
+        # Segments cut the tiles the block reads, not those before its window.
+        per_split = tl.cdiv(num_tiles - tile_first, num_splits)
+        tile_lo = tl.minimum(tile_first + split * per_split, num_tiles)
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
     else:
-        tile_lo = 0
+        tile_lo = tile_first
         tile_hi = num_tiles
 
     if KV_SCALED:
@@ -214,71 +317,74 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
     table = block_tables + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_h
     q_limit = context_len + q_pos
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    q_first = q_limit - window + 1
+    kv_start = first_query - window + 1
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if FRESH:
-        # Unsplit: the cached context from the paged cache (only its last, partial tile
-        # masked), then the new keys from k_desc / v_desc (the diagonal tiles masked).
-        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
-                                      stride_b, stride_s, q_limit, context_len, 0,
-                                      context_len // TILE, qk_scale, HEAD_DIM, BLOCK_SIZE, TILE,
-                                      False, LAZY_RESCALE, K_T)
-        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
-                                      stride_b, stride_s, q_limit, context_len,
-                                      context_len // TILE, tl.cdiv(context_len, TILE), qk_scale,
-                                      HEAD_DIM, BLOCK_SIZE, TILE, True, LAZY_RESCALE, K_T)
-        fresh_full = (q_local * BLOCK_Q + 1) // TILE
-        fresh_end = tl.minimum((q_local + 1) * BLOCK_Q, query_len)
-        column = kv_head * HEAD_DIM
-        acc, l_i, m_i = _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column,
-                                            q_pos, query_len, 0, fresh_full, qk_scale, TILE,
-                                            False, LAZY_RESCALE)
-        acc, l_i, m_i = _attend_fresh_tiles(acc, l_i, m_i, q, k_desc, v_desc, q_start, column,
-                                            q_pos, query_len, fresh_full,
-                                            tl.cdiv(fresh_end, TILE), qk_scale, TILE, True,
-                                            LAZY_RESCALE)
+        # Unsplit: the cached context from the paged cache (only its last, partial tile and
+        # those where a row's window starts masked), then the new keys from k_desc / v_desc.
+        acc, l_i, m_i = _attend_span(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
+                                     stride_b, stride_s, q_limit, q_first, kv_start, context_len,
+                                     tile_lo, tl.cdiv(context_len, TILE), first_full,
+                                     context_len // TILE, qk_scale, cap, HEAD_DIM, HEAD_PAD,
+                                     BLOCK_SIZE, TILE, LAZY_RESCALE, K_T, WINDOW, SOFTCAP)
+        first_fresh = q_local * BLOCK_Q
+        fresh_end = tl.minimum(first_fresh + BLOCK_Q, query_len)
+        fresh_lo, fresh_first_full = _window_tiles(first_fresh, fresh_end, window, TILE, WINDOW)
+        acc, l_i, m_i = _attend_fresh_span(acc, l_i, m_i, q, k_desc, v_desc, q_start,
+                                           kv_head * HEAD_DIM, q_pos, window, query_len,
+                                           fresh_lo, tl.cdiv(fresh_end, TILE), fresh_first_full,
+                                           (first_fresh + 1) // TILE, qk_scale, cap, TILE,
+                                           LAZY_RESCALE, WINDOW, SOFTCAP)
     else:
-        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
-                                      stride_b, stride_s, q_limit, kv_end, tile_lo,
-                                      tl.minimum(tile_hi, num_full), qk_scale, HEAD_DIM,
-                                      BLOCK_SIZE, TILE, False, LAZY_RESCALE, K_T)
-        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
-                                      stride_b, stride_s, q_limit, kv_end,
-                                      tl.maximum(tile_lo, num_full), tile_hi, qk_scale,
-                                      HEAD_DIM, BLOCK_SIZE, TILE, True, LAZY_RESCALE, K_T)
+        acc, l_i, m_i = _attend_span(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head_off,
+                                     stride_b, stride_s, q_limit, q_first, kv_start, kv_end,
+                                     tile_lo, tile_hi, first_full, num_full, qk_scale, cap,
+                                     HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE, LAZY_RESCALE, K_T,
+                                     WINDOW, SOFTCAP)
     if KV_SCALED:
         acc = acc * tl.load(v_scale_ptr)
 
     if SPLIT:
-        # Partials are [num_tokens, num_heads, num_splits, (HEAD_DIM | 2)] fp32; an empty
+        # Partials are [num_tokens, num_heads, num_splits, (HEAD_PAD | 2)] fp32; an empty
         # segment still writes (m=-inf, l=0, acc=0) so the merge never reads stale memory.
         row = (token * num_heads + head) * num_splits + split
-        tl.store(part_acc + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml + row * 2, m_i, mask=row_ok)
         tl.store(part_ml + row * 2 + 1, l_i, mask=row_ok)
     else:
         o_ptrs = out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=row_ok[:, None])
+        o_ok = row_ok[:, None]
+        if PADDED:
+            o_ok = o_ok & d_ok[None, :]
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=o_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(out, part_acc, part_ml, stride_ot, stride_oh, num_heads, num_splits,
-                  HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                  PDL: tl.constexpr):
     pdl.wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, MAX_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
     used = offs_s < num_splits
     row = (token * num_heads + head) * num_splits + offs_s
     m = tl.load(part_ml + row * 2, mask=used, other=float("-inf"))
     l_s = tl.load(part_ml + row * 2 + 1, mask=used, other=0.0)
-    acc = tl.load(part_acc + row[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None], other=0.0)
+    acc = tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :], mask=used[:, None],
+                  other=0.0)
     m_max = tl.max(m, 0)
     w = tl.math.exp2(m - m_max)
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
-    tl.store(out + token * stride_ot + head * stride_oh + offs_d, o.to(out.dtype.element_ty))
+    o = (tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)).to(out.dtype.element_ty)
+    o_ptrs = out + token * stride_ot + head * stride_oh + offs_d
+    if HEAD_PAD != HEAD_DIM:
+        tl.store(o_ptrs, o, mask=offs_d < HEAD_DIM)
+    else:
+        tl.store(o_ptrs, o)
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +415,8 @@ def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len
     # stages: 0.260 ms at 64 x 4k (K loaded [tile, head_dim] 0.325, 3 stages 0.359); fp8 with
     # 128-token tiles and 3 stages: 0.200 ms (64-token tiles 0.252, 2 stages 0.206), and 2.85
     # ms at 256 x 16k against 3.92 for bf16.
+    # Tiles hold heads padded to a power of two (Phi-3-mini's 96 dims as 128).
+    head_dim = triton.next_power_of_2(head_dim)
     if max_query_len * group_pad <= 16:
         kv_bytes = kv_bytes or elem_bytes
         tile = max(16, min(128, 16384 // (head_dim * kv_bytes)))
@@ -406,15 +514,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: torch.Tensor | None = None,
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                     config: AttentionConfig | None = None, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None, num_decode_seqs: int = 0) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, num_decode_seqs: int = 0,
+                    sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context, in one launch.
 
-    Same layouts and result as `paged_attention_ref`. `max_query_len` and `max_seq_len` are
-    host-known upper bounds (defaults: all tokens, the block table's capacity); they only pick
-    tile shapes and the split count, so no device value is read on the host. `num_splits`
-    forces the number of KV segments (1 = no split-KV, at most MAX_SPLITS); `out`
-    receives the result if given. An fp8 cache holds K / k_scale and V / v_scale (kv_scales:
-    float32 [] tensors; none means 1.0). `config` overrides the tiling (`default_config`).
+    Same layouts and result as `paged_attention_ref`, sliding window and soft-capping
+    included: a query at position i sees the keys j <= i with i - j < sliding_window (None or 0:
+    all), and reads no KV tile wholly before its window; `softcap` (None or 0: none) caps the
+    scaled scores at +-softcap through tanh. Their values are run-time arguments: one compiled
+    kernel serves every window and every cap, also inside a CUDA graph.
+    `max_query_len` and `max_seq_len` are host-known upper bounds (defaults: all tokens, the
+    block table's capacity); they only pick tile shapes and the split count, so no device value
+    is read on the host. `num_splits` forces the number of KV segments (1 = no split-KV, at most
+    MAX_SPLITS); `out` receives the result if given. An fp8 cache holds K / k_scale and
+    V / v_scale (kv_scales: float32 [] tensors; none means 1.0). `config` overrides the tiling
+    (`default_config`).
     k_new and v_new [num_tokens, num_kv_heads, head_dim] (rotated k) are this step's keys and
     values, as the cache holds them; a `fresh_kv` config (the default prefill one when they are
     given) reads them instead of their cache slots when the launch is unsplit and the cache is
@@ -431,11 +546,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"{v_cache.stride()}: allocate them as halves of one tensor or alike")
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
+    head_pad = triton.next_power_of_2(head_dim)
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:
         max_query_len = num_tokens
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
+    # A window no context outgrows masks nothing.
+    windowed = bool(sliding_window) and sliding_window < max_seq_len
+    # Under a window a query block reads at most window + max_query_len keys.
+    attended_len = min(max_seq_len, sliding_window + max_query_len) if windowed else max_seq_len
+    capped = bool(softcap)
     cfg = config or default_config(group_pad, head_dim, q.element_size(), max_query_len,
                                    fresh_kv=k_new is not None, kv_bytes=k_cache.element_size())
     if cfg.block_m < group_pad:
@@ -444,44 +565,52 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_q_blocks = num_tokens // block_q + num_seqs
     if num_splits is None:
         num_splits = _num_splits(cfg, group_pad, num_tokens, num_seqs, num_kv_heads,
-                                 max_query_len, max_seq_len, q.device)
+                                 max_query_len, attended_len, q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be 1 to {MAX_SPLITS}, got {num_splits}")
     fp8 = is_fp8(k_cache)
     scaled = fp8 and kv_scales is not None
     k_scale, v_scale = kv_scales if scaled else (None, None)
-    fresh = cfg.fresh_kv and k_new is not None and num_splits == 1 and not fp8
+    # Tensor descriptors load whole power-of-two heads: a padded head reads its cache.
+    fresh = (cfg.fresh_kv and k_new is not None and num_splits == 1 and not fp8
+             and head_pad == head_dim)
     k_desc, v_desc = ((_rows_descriptor(k_new, cfg.tile), _rows_descriptor(v_new, cfg.tile))
                       if fresh else (None, None))
     if out is None:
         out = torch.empty_like(q)
     if num_splits > 1:
-        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_pad, dtype=torch.float32,
                                device=q.device)
         part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32,
                               device=q.device)
     else:
         part_acc = part_ml = out
     launch = pdl.launch_args(q.device)
+    # Capped scores scale by scale / softcap inside the tanh and by softcap after it.
+    qk_scale, cap = (scale / softcap, softcap * LOG2E) if capped else (scale * LOG2E, 1.0)
 
     def attend(cfg: AttentionConfig, grid: int, rows: int, descs: tuple) -> None:
         _attention_kernel[(grid, num_kv_heads, num_splits)](
             out, part_acc, part_ml, q, k_cache, v_cache, k_scale, v_scale, *descs, block_tables,
-            seq_lens, query_start_loc, scale * LOG2E, num_seqs, num_splits, rows, num_heads,
+            seq_lens, query_start_loc, qk_scale, cap, sliding_window if windowed else 0,
+            num_seqs, num_splits, rows, num_heads,
             *q.stride()[:2], *out.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0),
             GROUP=group, GROUP_PAD=group_pad, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
             BLOCK_SIZE=block_size, TILE=cfg.tile, SPLIT=num_splits > 1, KV_SCALED=scaled,
             REVERSE=cfg.reverse, LAZY_RESCALE=cfg.lazy_rescale, FRESH=descs[0] is not None,
-            K_T=cfg.k_transposed, DOT_FP16=fp8, num_warps=cfg.num_warps,
+            K_T=cfg.k_transposed, DOT_FP16=fp8, WINDOW=windowed, SOFTCAP=capped,
+            num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **launch)
 
     decode_cfg = _decode_launch(config, group_pad, head_dim, q, k_cache, num_decode_seqs,
-                                num_kv_heads, max_query_len, max_seq_len, num_splits)
+                                num_kv_heads, max_query_len, attended_len, num_splits)
     attend(cfg, num_q_blocks, ALL_ROWS if decode_cfg is None else PREFILL_ROWS, (k_desc, v_desc))
     if decode_cfg is not None:
         attend(decode_cfg, num_seqs, DECODE_ROWS, (None, None))
     if num_splits > 1:
         _merge_kernel[(num_tokens, num_heads)](out, part_acc, part_ml, out.stride(0),
                                                out.stride(1), num_heads, num_splits,
-                                               HEAD_DIM=head_dim, MAX_SPLITS=MAX_SPLITS, **launch)
+                                               HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+                                               MAX_SPLITS=MAX_SPLITS, **launch)
     return out

@@ -47,11 +47,31 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache[blocks, offsets] = quantize_kv(value[keep], v_cache.dtype, v_scale)
 
 
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor,
+                 sliding_window: int | None = None) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)] bool: the query at absolute position i sees the key at j iff
+    j <= i and, with a sliding window W, i - j < W (W keys, itself included), the mask of
+    transformers' sliding_window_causal_mask_function for Mistral, Qwen2 and Gemma 2 / 3."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window:
+        visible &= q_pos[:, None] - k_pos[None, :] < sliding_window
+    return visible
+
+
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's attention logit soft-capping, softcap * tanh(scores / softcap); None: none."""
+    return scores if not softcap else softcap * torch.tanh(scores / softcap)
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float,
-                        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its whole paged context."""
+                        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        sliding_window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its paged context: the keys of
+    `visible_keys` (all earlier ones without a sliding window), on scaled scores soft-capped
+    when `softcap` is given."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -70,10 +90,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = dequantize_kv(k.repeat_interleave(group, dim=1).transpose(0, 1), k_scale)
         v = dequantize_kv(v.repeat_interleave(group, dim=1).transpose(0, 1), v_scale)
         qs = q[q_lo:q_hi].transpose(0, 1).float()
-        scores = torch.matmul(qs, k.transpose(1, 2)) * scale
+        scores = soft_cap(torch.matmul(qs, k.transpose(1, 2)) * scale, softcap)
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
-        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        scores.masked_fill_(~visible_keys(q_pos, k_pos, sliding_window), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_lo:q_hi] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
     return out
@@ -95,15 +115,17 @@ def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """Neox-style (rotate-half) rotary embedding, as Hugging Face Llama applies it.
 
     q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], positions [T],
-    cos_sin_cache [max_positions, head_dim]: cos in the first half, sin in the second.
+    cos_sin_cache [max_positions, rotary_dim]: cos in the first half, sin in the second. Only
+    the first rotary_dim dims of each head rotate (partial rotary); the others pass through.
     """
-    half = q.shape[-1] // 2
+    half = cos_sin_cache.shape[-1] // 2
     cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
 
     return rotate(q), rotate(k)
 
@@ -112,6 +134,13 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2 * d] holding gate then up projections; returns silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * d] holding gate then up projections; returns gelu_tanh(gate) * up (GeGLU with
+    the tanh approximation of GELU, Gemma's gelu_pytorch_tanh)."""
+    gate, up = x.chunk(2, dim=-1)
+    return (torch.nn.functional.gelu(gate.float(), approximate="tanh") * up.float()).to(x.dtype)
 
 
 def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,4 +164,62 @@ def rms_norm_quant_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def silu_and_mul_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) * up (rounded to x's dtype) quantized per token: (FP8 [T, d], scale [T, 1])."""
     out = silu_and_mul_ref(x)
+    return per_token_quant_fp8_ref(out.reshape(-1, out.shape[-1]))
+
+
+def route_ref(router_logits: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights float32 [T, top_k], expert ids [T, top_k]): the top_k of
+    the softmax over all experts, largest first, divided by their sum if `renormalize`."""
+    weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def quantize_experts_fp8_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights [E, N, K] -> (FP8 [E, N, K], float32 scale [E, N, 1]): each expert's output
+    channels quantized as per_token_quant_fp8_ref quantizes rows."""
+    q, scale = per_token_quant_fp8_ref(w.reshape(-1, w.shape[-1]))
+    return q.view(w.shape), scale.view(*w.shape[:2], 1)
+
+
+def _moe_operand(a: torch.Tensor, quantize: bool) -> torch.Tensor:
+    """a as float32 values, through per-token FP8 quantization if `quantize`."""
+    if not quantize:
+        return a.float()
+    q, scale = per_token_quant_fp8_ref(a)
+    return q.float() * scale
+
+
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return w.float() if scale is None else w.float() * scale
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None, gate_up_w8a8: bool = True,
+                  down_w8a8: bool = True) -> torch.Tensor:
+    """Mixture of experts, expert by expert (layouts in kernels/fused_moe.py): each (token, slot)
+    row's silu(gate) * up in float32, rounded to x's dtype; its down projection times the routing
+    weight, rounded; the slots of a token summed in float32. With FP8 experts (scales given) the
+    activations of each GEMM are quantized per token first where its *_w8a8 says so (W8A8), and
+    kept as they are otherwise (W8A16)."""
+    top_k = topk_ids.shape[1]
+    fp8 = w13_scale is not None
+    xs = _moe_operand(x, fp8 and gate_up_w8a8)
+    slots = torch.zeros(x.shape[0], top_k, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        tokens, ks = (topk_ids == e).nonzero(as_tuple=True)
+        h = xs[tokens] @ _expert_weight(w13[e], None if w13_scale is None else w13_scale[e]).t()
+        inter = _moe_operand(silu_and_mul_ref(h).to(x.dtype), fp8 and down_w8a8)
+        y = inter @ _expert_weight(w2[e], None if w2_scale is None else w2_scale[e]).t()
+        slots[tokens, ks] = (y * topk_weights[tokens, ks, None].float()).to(x.dtype).float()
+    return slots.sum(dim=1).to(x.dtype)
+
+
+def gelu_tanh_and_mul_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gelu_tanh(gate) * up (rounded to x's dtype) quantized per token: (FP8 [T, d],
+    scale [T, 1])."""
+    out = gelu_tanh_and_mul_ref(x)
     return per_token_quant_fp8_ref(out.reshape(-1, out.shape[-1]))

@@ -12,11 +12,13 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
-def _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF: tl.constexpr):
+def _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF: tl.constexpr,
+                  HALF_PAD: tl.constexpr):
     pos = tl.load(positions + token).to(tl.int64)
-    offs_d = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_sin_cache + pos * stride_cache + offs_d).to(tl.float32)
-    sin = tl.load(cos_sin_cache + pos * stride_cache + HALF + offs_d).to(tl.float32)
+    offs_d = tl.arange(0, HALF_PAD)[None, :]
+    mask = offs_d < HALF
+    cos = tl.load(cos_sin_cache + pos * stride_cache + offs_d, mask=mask).to(tl.float32)
+    sin = tl.load(cos_sin_cache + pos * stride_cache + HALF + offs_d, mask=mask).to(tl.float32)
     return cos, sin
 
 
@@ -29,18 +31,24 @@ def _to_storage(x, scale, dst, FP8: tl.constexpr):
 
 
 @triton.jit
-def _head_tile(base, stride_h, num_heads, HEADS_PAD: tl.constexpr, WIDTH: tl.constexpr):
-    """Pointers to the first WIDTH elements of each of one token's heads at base, and the mask
-    of the heads that exist (HEADS_PAD is num_heads rounded up to a power of two)."""
+def _head_tile(base, stride_h, num_heads, HEADS_PAD: tl.constexpr, WIDTH: tl.constexpr,
+               WIDTH_PAD: tl.constexpr):
+    """Pointers to the first WIDTH elements of each of one token's heads at base, as a
+    [HEADS_PAD, WIDTH_PAD] tile (powers of two), and the mask of the elements that exist."""
     offs_h = tl.arange(0, HEADS_PAD)[:, None]
-    return base + offs_h * stride_h + tl.arange(0, WIDTH)[None, :], offs_h < num_heads
+    offs_d = tl.arange(0, WIDTH_PAD)[None, :]
+    mask = offs_h < num_heads
+    if WIDTH_PAD != WIDTH:
+        # Only where needed: a mask along the row stops vectorized loads.
+        mask = mask & (offs_d < WIDTH)
+    return base + offs_h * stride_h + offs_d, mask
 
 
 @triton.jit
 def _rotate_heads(src, stride_sh, num_heads, cos, sin, HEADS_PAD: tl.constexpr,
-                  HALF: tl.constexpr):
-    """One token's heads read from src, rotated: their low and high halves in fp32."""
-    src_lo, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, HALF)
+                  HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """One token's heads read from src, rotated: their rotary dims' low and high halves in fp32."""
+    src_lo, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, HALF, HALF_PAD)
     x1 = tl.load(src_lo, mask=mask).to(tl.float32)
     x2 = tl.load(src_lo + HALF, mask=mask).to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
@@ -48,9 +56,9 @@ def _rotate_heads(src, stride_sh, num_heads, cos, sin, HEADS_PAD: tl.constexpr,
 
 @triton.jit
 def _store_halves(dst, stride_dh, num_heads, lo, hi, scale, HEADS_PAD: tl.constexpr,
-                  HALF: tl.constexpr, FP8: tl.constexpr):
+                  HALF: tl.constexpr, HALF_PAD: tl.constexpr, FP8: tl.constexpr):
     """Stores rotated heads at dst, in dst's storage (see _to_storage)."""
-    dst_lo, mask = _head_tile(dst, stride_dh, num_heads, HEADS_PAD, HALF)
+    dst_lo, mask = _head_tile(dst, stride_dh, num_heads, HEADS_PAD, HALF, HALF_PAD)
     tl.store(dst_lo, _to_storage(lo, scale, dst, FP8), mask=mask)
     tl.store(dst_lo + HALF, _to_storage(hi, scale, dst, FP8), mask=mask)
 
@@ -63,10 +71,11 @@ def _cache_entry(cache, slot, stride_block, stride_slot, BLOCK_SIZE: tl.constexp
 
 @triton.jit
 def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, scale, HEADS_PAD: tl.constexpr,
-                HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
-    """Copies one token's heads from src to dst, converted to dst's storage."""
-    src_heads, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, HEAD_DIM)
-    dst_heads, _ = _head_tile(dst, stride_dh, num_heads, HEADS_PAD, HEAD_DIM)
+                WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr, FP8: tl.constexpr):
+    """Copies the first WIDTH elements of one token's heads from src to dst, converted to dst's
+    storage."""
+    src_heads, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, WIDTH, WIDTH_PAD)
+    dst_heads, _ = _head_tile(dst, stride_dh, num_heads, HEADS_PAD, WIDTH, WIDTH_PAD)
     tl.store(dst_heads, _to_storage(tl.load(src_heads, mask=mask), scale, dst, FP8), mask=mask)
 
 
@@ -76,21 +85,27 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                             stride_cache, stride_kcb, stride_kcs, stride_kch, stride_vcb,
                             stride_vcs, stride_vch, num_heads, num_kv_heads,
                             BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
-                            K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
+                            K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                            HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            HEAD_PAD: tl.constexpr, TAIL_PAD: tl.constexpr, FP8: tl.constexpr,
                             KV_SCALED: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     # Positions, slots and the cos/sin cache were uploaded before the step's first kernel:
     # read before the wait (see kernels/pdl.py).
-    cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF)
+    cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF, HALF_PAD)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     pdl.wait_for_previous(PDL)
     q_token = q + token * stride_qt
-    q_lo, q_hi = _rotate_heads(q_token, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF)
-    _store_halves(q_token, stride_qh, num_heads, q_lo, q_hi, 1.0, Q_HEADS_PAD, HALF, False)
+    q_lo, q_hi = _rotate_heads(q_token, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF,
+                               HALF_PAD)
+    _store_halves(q_token, stride_qh, num_heads, q_lo, q_hi, 1.0, Q_HEADS_PAD, HALF, HALF_PAD,
+                  False)
     # The rotated k also goes back to k: prefill attention reads the step's keys from there.
     k_token = k + token * stride_kt
-    k_lo, k_hi = _rotate_heads(k_token, stride_kh, num_kv_heads, cos, sin, K_HEADS_PAD, HALF)
-    _store_halves(k_token, stride_kh, num_kv_heads, k_lo, k_hi, 1.0, K_HEADS_PAD, HALF, False)
+    k_lo, k_hi = _rotate_heads(k_token, stride_kh, num_kv_heads, cos, sin, K_HEADS_PAD, HALF,
+                               HALF_PAD)
+    _store_halves(k_token, stride_kh, num_kv_heads, k_lo, k_hi, 1.0, K_HEADS_PAD, HALF, HALF_PAD,
+                  False)
     # Slot -1 marks a CUDA-graph padding token: it owns no cache slot.
     if slot < 0:
         return
@@ -99,11 +114,16 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
     if KV_SCALED:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-    _store_halves(_cache_entry(k_cache, slot, stride_kcb, stride_kcs, BLOCK_SIZE), stride_kch,
-                  num_kv_heads, k_lo, k_hi, k_scale, K_HEADS_PAD, HALF, FP8)
+    k_entry = _cache_entry(k_cache, slot, stride_kcb, stride_kcs, BLOCK_SIZE)
+    _store_halves(k_entry, stride_kch, num_kv_heads, k_lo, k_hi, k_scale, K_HEADS_PAD, HALF,
+                  HALF_PAD, FP8)
+    if TAIL_PAD > 0:
+        # Partial rotary: the dims past the rotary ones are stored as they came.
+        _copy_heads(k_token + 2 * HALF, stride_kh, k_entry + 2 * HALF, stride_kch, num_kv_heads,
+                    k_scale, K_HEADS_PAD, HEAD_DIM - 2 * HALF, TAIL_PAD, FP8)
     _copy_heads(v + token * stride_vt, stride_vh,
                 _cache_entry(v_cache, slot, stride_vcb, stride_vcs, BLOCK_SIZE), stride_vch,
-                num_kv_heads, v_scale, K_HEADS_PAD, 2 * HALF, FP8)
+                num_kv_heads, v_scale, K_HEADS_PAD, HEAD_DIM, HEAD_PAD, FP8)
 
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -111,17 +131,20 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                     slot_mapping: torch.Tensor,
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`rotary_ref` then `write_kv_ref` in one kernel launch: rotates q [T, num_heads, head_dim]
-    and k IN PLACE by positions [T] (cos_sin_cache [max_positions, head_dim] holds cos then sin
-    halves), and writes the rotated k and v [T, num_kv_heads, head_dim] to their slots of the
-    paged caches [num_blocks, block_size, num_kv_heads, head_dim], skipping tokens with slot -1
-    (CUDA-graph padding). An fp8 cache stores k / k_scale and v / v_scale (kv_scales: float32
-    [] tensors; none means 1.0), saturated to +-448; other caches ignore kv_scales.
+    and k IN PLACE by positions [T] (cos_sin_cache [max_positions, rotary_dim] holds cos then sin
+    halves; only the first rotary_dim dims of each head rotate), and writes the rotated k and v
+    [T, num_kv_heads, head_dim] to their slots of the paged caches [num_blocks, block_size,
+    num_kv_heads, head_dim], skipping tokens with slot -1 (CUDA-graph padding). An fp8 cache
+    stores k / k_scale and v / v_scale (kv_scales: float32 [] tensors; none means 1.0),
+    saturated to +-448; other caches ignore kv_scales.
 
     Returns q. v is only read. q, k and v may be strided views (of the fused qkv output) whose
-    last dim is contiguous; head_dim a power of two.
+    last dim is contiguous.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    half = cos_sin_cache.shape[1] // 2
+    tail = head_dim - 2 * half
     fp8 = is_fp8(k_cache)
     scaled = fp8 and kv_scales is not None
     k_scale, v_scale = kv_scales if scaled else (None, None)
@@ -133,6 +156,9 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_heads, num_kv_heads,
             BLOCK_SIZE=k_cache.shape[1], Q_HEADS_PAD=triton.next_power_of_2(num_heads),
-            K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2, FP8=fp8,
-            KV_SCALED=scaled, **pdl.launch_args(q.device))
+            K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=half,
+            HALF_PAD=triton.next_power_of_2(half), HEAD_DIM=head_dim,
+            HEAD_PAD=triton.next_power_of_2(head_dim),
+            TAIL_PAD=triton.next_power_of_2(tail) if tail else 0, FP8=fp8, KV_SCALED=scaled,
+            **pdl.launch_args(q.device))
     return q

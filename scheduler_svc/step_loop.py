@@ -33,7 +33,7 @@ class Runner(Protocol):
 
 
 class RunnerTransport:
-    """An in-process runner (ModelRunner, NullModelRunner) as a transport; it never suspends."""
+    """An in-process runner (Worker, NullWorker) as a transport; it never suspends."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner

@@ -5,7 +5,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels.reference import FP8_DTYPE
-from tests.executor_svc.harness import make_runner, paged_prefill_logits, random_prompts
+from tests.executor_svc.harness import make_worker, paged_prefill_logits, random_prompts
 from tests.tiny_models import PROMPT_LENS, make_tiny_model
 
 
@@ -38,12 +38,12 @@ def test_llm_serves_with_an_fp8_cache(llama):
 
 
 def test_fp8_pool_holds_twice_the_blocks_of_bf16(llama):
-    def runner(kv_cache_dtype: str):
-        return make_runner(llama, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+    def worker(kv_cache_dtype: str):
+        return make_worker(llama, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
                            num_gpu_blocks_override=None, kv_cache_memory_bytes=1 << 20)
 
-    auto, fp8 = runner("auto"), runner("fp8")
+    auto, fp8 = worker("auto"), worker("fp8")
     assert fp8.describe().num_blocks == 2 * auto.describe().num_blocks == fp8.num_blocks
-    assert fp8.kv_caches[0][0].dtype == FP8_DTYPE and auto.kv_caches[0][0].dtype == torch.bfloat16
-    assert (sum(k.nbytes + v.nbytes for k, v in fp8.kv_caches)
-            == sum(k.nbytes + v.nbytes for k, v in auto.kv_caches))
+    fp8_caches, auto_caches = fp8.runner.kv_caches, auto.runner.kv_caches
+    assert fp8_caches[0][0].dtype == FP8_DTYPE and auto_caches[0][0].dtype == torch.bfloat16
+    assert sum(k.nbytes + v.nbytes for k, v in fp8_caches) == sum(k.nbytes + v.nbytes for k, v in auto_caches)

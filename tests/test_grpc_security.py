@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.common import service
 from pagedserve.entrypoints.cli import build_parser, grpc_tls_argv, share_grpc_token, use_grpc_tls
-from pagedserve.executor_svc.null_runner import NullModelRunner, null_executor_info
+from pagedserve.executor_svc.null_worker import NullWorker, null_executor_info
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 
@@ -19,9 +19,9 @@ SECRET = "s3cret-token"
 
 
 async def start_executor(address: str) -> service.Service:
-    runner = NullModelRunner(null_executor_info(num_blocks=16, block_size=4, max_model_len=64))
+    worker = NullWorker(null_executor_info(num_blocks=16, block_size=4, max_model_len=64))
     return await service.start("executor", address, partial(executor_pb2_grpc.add_ExecutorServicer_to_server,
-                                                            ExecutorService(runner)))
+                                                            ExecutorService(worker)))
 
 
 async def describe(address: str, metadata=None) -> executor_pb2.ExecutorInfo:

@@ -88,7 +88,7 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(llm, llm_one_st
     """Two steps in flight (the default) against one: every sampling feature, including the ones
     that make the executor settle the steps in flight first (penalties, min_tokens)."""
     prompts = ["Hello, how are you?", "The quick brown fox", "Once upon a time", "1, 2, 3,"] * 2
-    eos = llm.runner.describe().eos_token_ids[0]
+    eos = llm.worker.describe().eos_token_ids[0]
     params = [SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=9, logprobs=3, ignore_eos=True),

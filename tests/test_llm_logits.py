@@ -9,6 +9,8 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.executor_svc.logits import PROMPT_LOGPROBS_CHUNK
+from tests.executor_svc.harness import logits_rows
 from tests.tiny_models import make_tiny_model
 
 ARCH = "LlamaForCausalLM"
@@ -60,7 +62,7 @@ def generate(llm: LLM, params: SamplingParams) -> list:
 def test_logprobs_are_transformers_log_softmax_of_the_raw_logits(path, hf):
     llm = LLM(str(path))
     # On a GPU, Triton's fp32 dot products run at TF32 precision: near-ties in the top-k may swap.
-    exact = llm.runner.device.type == "cpu"
+    exact = llm.worker.device.type == "cpu"
     atol = 1e-4 if exact else 3e-2
     # Sampled at temperature 0.7: the logprobs still come from the unscaled logits.
     for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5),
@@ -152,3 +154,22 @@ def test_min_tokens_masks_an_eos_that_greedy_would_pick_first(path, hf, tmp_path
                         use_tqdm=False)[0].outputs[0]
     assert len(held.token_ids) >= 6 and first not in held.token_ids[:6]
     assert held.token_ids == hf_generate(hf, PROMPTS[0], 10, min_new_tokens=6, eos_token_id=first)
+
+
+def test_a_long_prompts_logprobs_take_a_chunk_of_positions_at_a_time(tmp_path):
+    """SEC-12: a step's prompt logprobs never hold the logits of more than PROMPT_LOGPROBS_CHUNK
+    positions, and chunking leaves them transformers' log_softmax."""
+    prompt = [random.Random(7).randrange(3, 512) for _ in range(2 * PROMPT_LOGPROBS_CHUNK + 40)]
+    path = make_tiny_model(ARCH, tmp_path, max_position_embeddings=len(prompt) + 8)
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=len(prompt))
+    rows = logits_rows(llm.worker.model)
+    [out] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                         use_tqdm=False)
+    # The whole prompt in one step: its 1063 positions as 512 + 512 + 39, then the sampled row.
+    assert rows == [PROMPT_LOGPROBS_CHUNK, PROMPT_LOGPROBS_CHUNK, 39, 1]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+    got = torch.tensor([lp[token].logprob for lp, token in zip(out.prompt_logprobs[1:], prompt[1:])])
+    torch.testing.assert_close(got, expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])],
+                               atol=1e-4, rtol=0)

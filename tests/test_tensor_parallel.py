@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from pagedserve import LLM
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.model_config import load_model_config
-from pagedserve.executor_svc.models.llama import LlamaForCausalLM
+from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.models import build_model
 from pagedserve.executor_svc.parallel import TensorParallel, shard_config
 from pagedserve.executor_svc.weight_loader import checkpoint_targets, load_weights
 from tests.serving import run_cli
@@ -42,10 +43,10 @@ def keep_torch_threads():
     torch.set_num_threads(threads)
 
 
-def rank_model(path, rank: int) -> LlamaForCausalLM:
+def rank_model(path, rank: int) -> CausalLM:
     """Rank `rank` of 2's model, loaded as that rank loads it (no process group: it never runs)."""
     config = load_model_config(path)
-    model = LlamaForCausalLM(shard_config(config, 2), TorchAttentionBackend(), 64, TensorParallel(rank, 2))
+    model = build_model(shard_config(config, 2), TorchAttentionBackend(), 64, TensorParallel(rank, 2))
     load_weights(model, path, "auto")
     return model
 
@@ -60,7 +61,7 @@ def test_tp2_gives_tp1_greedy_tokens_under_preemption_and_prefix_caching(model, 
     llm = LLM(str(model), tensor_parallel_size=2, **SMALL_POOL)
     assert generate_all(llm) == expected
     assert llm.scheduler.num_preemptions > 0 and llm.scheduler.prefix_cache_hits > 0
-    shapes = {name: p.shape for name, p in llm.runner.model.named_parameters()}
+    shapes = {name: p.shape for name, p in llm.worker.model.named_parameters()}
     assert shapes == {name: p.shape for name, p in rank_model(model, 0).named_parameters()}
     line = next(line for line in capfd.readouterr().err.splitlines() if "model_loaded" in line and "rank=1" in line)
     assert int(re.search(r"parameters=(\d+)", line)[1]) == sum(p.numel() for p in rank_model(model, 1).parameters())
@@ -91,7 +92,7 @@ def test_gguf_ranks_dequantize_their_blocks_of_each_tensor(tmp_path):
     # un-permuted per head after slicing.
     path = write_gguf(make_tiny_model("LlamaForCausalLM", tmp_path / "hf"), tmp_path / "model.gguf",
                       outtype=Q.Q8_0)
-    whole = LlamaForCausalLM(load_model_config(path), TorchAttentionBackend(), 64)
+    whole = build_model(load_model_config(path), TorchAttentionBackend(), 64)
     load_weights(whole, path, "auto")
     assert_ranks_hold_slices(path, {name: t.view for name, t in checkpoint_targets(whole).items()})
 
@@ -108,11 +109,11 @@ def test_rank_0_alone_holds_a_row_parallel_bias(tmp_path):
 def test_dummy_weights_are_the_same_slices_at_every_size(tmp_path):
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
     config = load_model_config(path)
-    whole = LlamaForCausalLM(config, TorchAttentionBackend(), 64)
+    whole = build_model(config, TorchAttentionBackend(), 64)
     load_weights(whole, path, "dummy")
     halves = []
     for rank in (0, 1):
-        half = LlamaForCausalLM(shard_config(config, 2), TorchAttentionBackend(), 64, TensorParallel(rank, 2))
+        half = build_model(shard_config(config, 2), TorchAttentionBackend(), 64, TensorParallel(rank, 2))
         load_weights(half, path, "dummy")
         halves.append(half)
     down = [h.model.layers[1].mlp.down_proj.weight for h in halves]
@@ -136,7 +137,7 @@ def test_sizes_that_do_not_divide_the_model_are_refused_in_one_line(tmp_path, ca
 def test_rank_1_dies_with_rank_0(tmp_path):
     model = make_tiny_model("Qwen2ForCausalLM", tmp_path)
     script = (f"import os, signal; from pagedserve import LLM; llm = LLM({str(model)!r}, tensor_parallel_size=2); "
-              "print(llm.runner.workers.processes[0].pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+              "print(llm.worker.ranks.processes[0].pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     rank0 = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert rank0.returncode == -9, rank0.stderr
     rank1 = int(rank0.stdout.split()[-1])

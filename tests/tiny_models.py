@@ -7,9 +7,11 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.executor_svc.models import MODELS
 
 PROMPT_LENS = (3, 9, 17, 24, 31, 40, 47, 60)
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Every architecture pagedserve runs: a new one needs its entry in ARCH_CONFIGS.
+ARCHITECTURES = tuple(MODELS)
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,

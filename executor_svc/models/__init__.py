@@ -1,0 +1,22 @@
+"""The model families, one per file, each built from the shared decoder pieces of
+executor_svc/layers/, and the one map from config.json's architecture name to the class that runs
+it: model_config refuses any architecture it does not name."""
+from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
+from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.model_config import ModelConfig
+from pagedserve.executor_svc.models.llama import LlamaForCausalLM
+from pagedserve.executor_svc.parallel import TensorParallel
+
+MODELS: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_model(config: ModelConfig, backend: TorchAttentionBackend, max_positions: int,
+                tp: TensorParallel | None = None) -> CausalLM:
+    """The model of `config.architecture`, its parameters uninitialised (the weight loader fills
+    them), on the default device and dtype; rotary tables cover `max_positions`."""
+    return MODELS[config.architecture](config, backend, max_positions, tp)

@@ -31,15 +31,15 @@ class EngineCallTimes:
     def attach(self, llm) -> None:
         llm.scheduler.schedule = self._timed(llm.scheduler.schedule, self.schedule_ns)
         llm.scheduler.update = self._timed(llm.scheduler.update, self.update_ns)
-        llm.runner.collect = self._timed(llm.runner.collect, self.collect_ns)
-        launch = self._timed(llm.runner.launch, self.launch_ns)
+        llm.worker.collect = self._timed(llm.worker.collect, self.collect_ns)
+        launch = self._timed(llm.worker.launch, self.launch_ns)
 
         def launch_step(plan):
             self.launch_start_ns.append(time.perf_counter_ns())
             self.is_decode.append(not plan.new_requests and all(
                 r.num_scheduled_tokens == 1 for r in plan.continuing))
             return launch(plan)
-        llm.runner.launch = launch_step
+        llm.worker.launch = launch_step
 
     @staticmethod
     def _timed(fn: Callable, into: list[int]) -> Callable:
@@ -138,7 +138,7 @@ def run_throughput(args: argparse.Namespace) -> None:
     from pagedserve.common.sampling_params import SamplingParams
 
     llm = _make_llm(args)
-    vocab = min(workload.VOCAB, llm.runner.describe().vocab_size)
+    vocab = min(workload.VOCAB, llm.worker.describe().vocab_size)
     if args.dataset == "mixed":
         work = workload.mixed(n=args.num_prompts, seed=args.dataset_seed, vocab=vocab)
     else:
@@ -166,7 +166,7 @@ def run_throughput(args: argparse.Namespace) -> None:
                   device_step_s=round(stats.device_ns / 1e9, 3),
                   device_idle_s=round(stats.idle_ns / 1e9, 3),
                   async_scheduling=llm.config.async_scheduling, structured_fraction=args.structured_fraction,
-                  model=args.model_config or args.model, quantization=llm.runner.quantization,
+                  model=args.model_config or args.model, quantization=llm.worker.quantization,
                   **environment())
     print(f"useful output tokens/s: {result['output_tokens_per_s']:.1f}")
     print(f"total tokens/s:         {result['total_tokens_per_s']:.1f}")
@@ -194,15 +194,15 @@ def _attach_timers(llm):
     from pagedserve.executor_svc.model_runner import RunnerStats
     times = EngineCallTimes()
     times.attach(llm)
-    llm.runner.stats = RunnerStats()
-    return times, llm.runner.stats
+    llm.worker.runner.stats = RunnerStats()
+    return times, llm.worker.runner.stats
 
 
 def run_latency(args: argparse.Namespace) -> None:
     from pagedserve.common.sampling_params import SamplingParams
 
     llm = _make_llm(args)
-    vocab = min(workload.VOCAB, llm.runner.describe().vocab_size)
+    vocab = min(workload.VOCAB, llm.worker.describe().vocab_size)
     work = workload.random(n=args.batch_size, input_len=args.input_len,
                            output_len=args.output_len, vocab=vocab)
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
@@ -221,9 +221,9 @@ def run_latency(args: argparse.Namespace) -> None:
                   device_step_ms=round(stats.device_ns / steps / 1e6, 3),
                   device_idle_ms=round(stats.idle_ns / steps / 1e6, 3),
                   host_step_ms=round(stats.host_ns / steps / 1e6, 3),
-                  cuda_graphs=bool(llm.runner.graphs.graphs),
+                  cuda_graphs=bool(llm.worker.runner.graphs.graphs),
                   async_scheduling=llm.config.async_scheduling, structured=args.structured,
-                  model=args.model_config or args.model, quantization=llm.runner.quantization,
+                  model=args.model_config or args.model, quantization=llm.worker.quantization,
                   **environment())
     print(f"mean decode step:  {result['decode_step_ms_mean']:.3f} ms (median "
           f"{result['decode_step_ms_median']:.3f} ms; launch to launch of consecutive decode steps, "

@@ -1,7 +1,7 @@
 """`pagedserve bench control-path`: what one step costs without a model, so that the scheduler's CPU
 time and the gRPC round trip to the executor can be measured apart from GPU work.
 
-The scheduler core runs against a null model runner, first in this process (scheduler CPU alone),
+The scheduler core runs against a null worker, first in this process (scheduler CPU alone),
 then through the real executor gRPC server over a Unix socket in a child process (adds the plan and
 result encoding and the round trip)."""
 import argparse
@@ -22,7 +22,7 @@ from pagedserve.common import aio, service
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.plan import ExecutorInfo, StepPlan, StepResult
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.executor_svc.null_runner import NullModelRunner, null_executor_info
+from pagedserve.executor_svc.null_worker import NullWorker, null_executor_info
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import StreamTransport
 from pagedserve.scheduler_svc.request import Request, RequestDelta
@@ -190,7 +190,7 @@ class PhaseTimer:
 
 def run_in_process(scheduler: Scheduler, info: ExecutorInfo, times: PhaseTimes,
                    batch: int) -> tuple[int, float]:
-    timer = PhaseTimer(RunnerTransport(NullModelRunner(info)), times, batch)
+    timer = PhaseTimer(RunnerTransport(NullWorker(info)), times, batch)
     start = time.perf_counter()
     StepLoop(scheduler, async_scheduling=False).run_sync(timer, timer.delivered)
     return timer.num_steps, time.perf_counter() - start
@@ -225,14 +225,14 @@ async def drive(scheduler: Scheduler, address: str, times: PhaseTimes, batch: in
 
 
 def serve_null_executor(address: str, info: ExecutorInfo) -> None:
-    aio.run(_serve_null_executor(address, NullModelRunner(info)))
+    aio.run(_serve_null_executor(address, NullWorker(info)))
 
 
-async def _serve_null_executor(address: str, runner: NullModelRunner) -> None:
+async def _serve_null_executor(address: str, worker: NullWorker) -> None:
     # Imported here: the executor server pulls in torch, which only the child needs.
     from pagedserve.executor_svc.server import ExecutorService
     running = await service.start("null executor", address, partial(
-        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(runner)))
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(worker)))
     await service.wait_for_signal()
     await running.stop()
 

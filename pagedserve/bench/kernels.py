@@ -4,7 +4,8 @@ Run as `python -m pagedserve.bench.kernels`; prints a table, then one JSON line 
 `--prefill-sweep` instead times every prefill tiling of SWEEP_VARIANTS at 1k, 4k and 16k tokens
 per sequence, after checking each against SDPA's output. Prefill rows time SDPA twice: "sdpa" in
 torch's default dispatch (on an H200 it may pick cuDNN attention; the bar) and "sdpa_flash"
-forced to FlashAttention-2.
+forced to FlashAttention-2. `--window` instead times decode and prefill under a 4k sliding window
+over a 32k context, and with a logit soft cap.
 Shapes are Llama-3.1-8B attention: 32 query heads, 8 KV heads, head_dim 128, bf16, block size 16.
 """
 import argparse
@@ -31,6 +32,7 @@ SCALE = HEAD_DIM ** -0.5
 REF_TOKENS = 2048
 SWEEP_LENS = [1024, 4096, 16384]
 SWEEP_MAX_ABS_ERR = 2e-2
+WINDOW, WINDOW_CTX, WINDOW_PREFILL, SOFTCAP = 4096, 32768, 16384, 50.0
 # Prefill tilings for --prefill-sweep: (BLOCK_M rows = query positions x GQA group of 4, KV
 # tokens per step, warps, stages). "baseline" is the tiling and order before the sweep existed;
 # "fresh" variants read the prompts' keys and values from k_new / v_new through TMA.
@@ -242,10 +244,42 @@ def _sweep_cell(result: dict, sdpa_tflops: float) -> str:
             f"{result['ms']:.3f} ms), max abs err {result['max_abs_err']:.1e}")
 
 
+def bench_window() -> list[dict]:
+    """Decode (batch 8 and 64) and a 16k-token prefill under a 4k sliding window over a 32k
+    context, beside the same steps unwindowed over 32k and over 4k (the bar: a windowed step
+    reads only its window's tiles), and soft-capped over 4k."""
+    rows = []
+    for batch in (8, 64):
+        k_cache, v_cache, table = paged_kv(batch, WINDOW_CTX)
+        q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+
+        def step_ms(ctx: int, **options: object) -> float:
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+            return median_ms(lambda: paged_attention(q, k_cache, v_cache, table, lens, starts,
+                                                     SCALE, max_query_len=1, max_seq_len=ctx,
+                                                     **options))
+
+        rows.append({"step": f"decode {batch} x 32k", "full_ms": step_ms(WINDOW_CTX),
+                     "window_ms": step_ms(WINDOW_CTX, sliding_window=WINDOW),
+                     "ctx_4k_ms": step_ms(WINDOW),
+                     "ctx_4k_softcap_ms": step_ms(WINDOW, softcap=SOFTCAP)})
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+    case = prefill_case(WINDOW_PREFILL)
+    rows.append({"step": f"prefill 1 x {WINDOW_PREFILL // 1024}k",
+                 "full_ms": median_ms(case.ours),
+                 "window_ms": median_ms(lambda: case.ours(sliding_window=WINDOW)),
+                 "softcap_ms": median_ms(lambda: case.ours(softcap=SOFTCAP))})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="time every prefill tiling against SDPA instead of the standard table")
+    parser.add_argument("--window", action="store_true",
+                        help="time sliding-window and soft-capped attention instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU; none is visible to torch.")
@@ -254,6 +288,14 @@ def main() -> None:
         rows = prefill_sweep()
         print(json.dumps({"torch": torch.__version__, "triton": triton.__version__,
                           "gpu": torch.cuda.get_device_name(), "prefill_sweep": rows}))
+        return
+    if args.window:
+        rows = bench_window()
+        for row in rows:
+            print(row["step"] + ": " + ", ".join(f"{k[:-3]} {v:.3f} ms" for k, v in row.items()
+                                                 if k.endswith("_ms")))
+        print(json.dumps({"torch": torch.__version__, "triton": triton.__version__,
+                          "gpu": torch.cuda.get_device_name(), "window": rows}))
         return
     copy_gbps = copy_bandwidth()
     torch.cuda.empty_cache()

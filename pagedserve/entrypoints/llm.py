@@ -6,7 +6,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from pagedserve.executor_svc.model_runner import ModelRunner
+from pagedserve.executor_svc.worker import Worker
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.common.tokenizer import Tokenizer
@@ -41,14 +41,14 @@ class LLM:
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
                  generation_config: str = "auto", **kwargs) -> None:
         model = model or str(default_model())
-        self.runner = ModelRunner(config_from_kwargs(model, kwargs), offline=True)
-        # With the batch limits the runner chose for the device.
-        self.config = self.runner.config
-        info = self.runner.describe()
+        self.worker = Worker(config_from_kwargs(model, kwargs), offline=True)
+        # With the batch limits the worker chose for the device.
+        self.config = self.worker.config
+        info = self.worker.describe()
         self.max_model_len = info.max_model_len
         self.scheduler = Scheduler(self.config, info)
         self.steps = StepLoop(self.scheduler, self.config.async_scheduling)
-        self.transport = RunnerTransport(self.runner)
+        self.transport = RunnerTransport(self.worker)
         self.tokenizer = _load_tokenizer(tokenizer or model)
         self.sampling_defaults = sampling_defaults(model, generation_config)
         self._request_ids = itertools.count()

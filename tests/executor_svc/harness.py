@@ -8,10 +8,11 @@ import torch
 from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
 from pagedserve.executor_svc.device import default_dtype
 from pagedserve.executor_svc.kv_cache import allocate_kv_cache
+from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.model_config import load_model_config
-from pagedserve.executor_svc.model_runner import ModelRunner
-from pagedserve.executor_svc.models.llama import LlamaForCausalLM
+from pagedserve.executor_svc.models import build_model
 from pagedserve.executor_svc.weight_loader import load_weights
+from pagedserve.executor_svc.worker import Worker
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.plan import ContinuingRequest, NewRequest, StepPlan
 from pagedserve.common.sampling_params import SamplingParams
@@ -36,10 +37,10 @@ class Seq:
 class MiniScheduler:
     """Just enough of a scheduler to build plans: first come first served under a token budget."""
 
-    def __init__(self, runner: ModelRunner, budget: int, seed: int = 0) -> None:
-        self.runner, self.budget = runner, budget
-        self.block_size = runner.describe().block_size
-        self.free = list(range(runner.describe().num_blocks))
+    def __init__(self, worker: Worker, budget: int, seed: int = 0) -> None:
+        self.worker, self.budget = worker, budget
+        self.block_size = worker.describe().block_size
+        self.free = list(range(worker.describe().num_blocks))
         random.Random(seed).shuffle(self.free)
         self.seqs: dict[int, Seq] = {}
         self.finished: dict[int, list[int]] = {}
@@ -66,7 +67,7 @@ class MiniScheduler:
                                                     list(seq.blocks), seq.sampling))
                 seq.sent = True
             scheduled[seq_id], left = n, left - n
-        result = self.runner.run(plan)
+        result = self.worker.run(plan)
         assert result.step_id == plan.step_id
         for seq_id, n in scheduled.items():
             self.seqs[seq_id].computed += n
@@ -91,11 +92,24 @@ class MiniScheduler:
         return self.finished
 
 
-def make_runner(path, block_size: int = 8, **overrides) -> ModelRunner:
+def make_worker(path, block_size: int = 8, **overrides) -> Worker:
     config = EngineConfig(**{"model": str(path), "block_size": block_size,
                              "num_gpu_blocks_override": NUM_BLOCKS, "device": "cpu",
                              "max_model_len": 256, **overrides})
-    return ModelRunner(config)
+    return Worker(config)
+
+
+def logits_rows(model: CausalLM) -> list[int]:
+    """From now on, the row count of each compute_logits call of `model`, which still computes."""
+    rows = []
+    compute_logits = model.compute_logits
+
+    def recorded(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(len(hidden))
+        return compute_logits(hidden)
+
+    model.compute_logits = recorded
+    return rows
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -113,7 +127,7 @@ def paged_prefill_logits(path, prompts: list[list[int]], backend=None,
     config = load_model_config(path)
     backend = backend or TorchAttentionBackend()
     with torch.device(device), default_dtype(dtype):
-        model = LlamaForCausalLM(config, backend, config.max_position_embeddings)
+        model = build_model(config, backend, config.max_position_embeddings)
     fp8 = fp8 or config.quantization is not None
     load_weights(model, path, load_format, quantize=backend.per_token_quant_fp8 if fp8 else None)
     num_blocks = [-(-len(p) // BLOCK_SIZE) for p in prompts]

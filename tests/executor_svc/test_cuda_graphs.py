@@ -3,10 +3,10 @@ Triton kernels (under the interpreter on a CPU) giving transformers' greedy toke
 import pytest
 import torch
 
-from pagedserve.executor_svc import model_runner
+from pagedserve.executor_svc import worker
 from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
 from pagedserve.executor_svc.cuda_graphs import bucket, capture_sizes
-from tests.executor_svc.harness import (NEW_TOKENS, MiniScheduler, Seq, make_runner,
+from tests.executor_svc.harness import (NEW_TOKENS, MiniScheduler, Seq, make_worker,
                                                   random_prompts)
 from tests.tiny_models import hf_greedy, make_tiny_model
 
@@ -32,11 +32,11 @@ def test_bucket_is_the_smallest_size_that_fits(num_seqs, size):
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["padded", "eager"])
 def test_triton_backend_matches_transformers(monkeypatch, tmp_path, enforce_eager):
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
-    monkeypatch.setattr(model_runner, "get_backend", lambda device: TritonAttentionBackend())
-    runner = make_runner(path, max_num_seqs=8, enforce_eager=enforce_eager)
-    assert runner.graph_sizes == ([] if enforce_eager else [1, 2, 4, 8])
+    monkeypatch.setattr(worker, "get_backend", lambda device: TritonAttentionBackend())
+    executor = make_worker(path, max_num_seqs=8, enforce_eager=enforce_eager)
+    assert executor.runner.graph_sizes == ([] if enforce_eager else [1, 2, 4, 8])
     prompts = random_prompts([3, 20, 9], seed=5)
-    scheduler = MiniScheduler(runner, budget=16, seed=5)
+    scheduler = MiniScheduler(executor, budget=16, seed=5)
     for seq_id, prompt in enumerate(prompts):
         scheduler.add(seq_id, Seq(list(prompt), NEW_TOKENS))
     outputs = scheduler.run_to_completion()

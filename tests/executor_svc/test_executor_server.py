@@ -10,7 +10,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.common import service
-from pagedserve.executor_svc.null_runner import TOKEN, NullModelRunner, null_executor_info
+from pagedserve.executor_svc.null_worker import TOKEN, NullWorker, null_executor_info
 from pagedserve.common.plan import ContinuingRequest, NewRequest, StepPlan, plan_to_proto, result_from_proto
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import executor_pb2_grpc
@@ -19,9 +19,9 @@ from pagedserve.v1 import executor_pb2_grpc
 @pytest.fixture
 async def executor(tmp_path):
     address = f"unix://{tmp_path}/executor.sock"
-    runner = NullModelRunner(null_executor_info(num_blocks=16, block_size=4, max_model_len=64))
+    worker = NullWorker(null_executor_info(num_blocks=16, block_size=4, max_model_len=64))
     server = await service.start("executor", address, partial(
-        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(runner)))
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(worker)))
     async with service.channel(address) as channel:
         yield executor_pb2_grpc.ExecutorStub(channel)
     await server.stop()
@@ -47,8 +47,8 @@ async def test_a_plan_the_executor_cannot_run_fails_the_stream(executor):
     assert failed.value.code() == grpc.StatusCode.UNKNOWN
 
 
-class BrokenDevice(NullModelRunner):
-    """A runner whose device fails at the second step, as CUDA reports a device-side assert."""
+class BrokenDevice(NullWorker):
+    """A worker whose device fails at the second step, as CUDA reports a device-side assert."""
 
     def launch(self, plan: StepPlan):
         if plan.step_id == 2:

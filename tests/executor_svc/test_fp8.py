@@ -13,7 +13,9 @@ from pagedserve import LLM
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.fp8 import Fp8Linear, quantize_linears
 from pagedserve.executor_svc.model_config import load_model_config, model_config_from_dict
-from pagedserve.executor_svc.models.llama import LlamaForCausalLM, MergedLinear
+from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.layers.linear import MergedLinear
+from pagedserve.executor_svc.models import build_model
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.kernels.reference import FP8_DTYPE, FP8_MAX, per_token_quant_fp8_ref
 from tests.executor_svc.harness import paged_prefill_logits
@@ -76,7 +78,7 @@ def test_tiny_models_in_fp8_keep_their_logits(tiny):
 
 def test_quantized_weights_replace_the_full_precision_ones(qwen2):
     config = load_model_config(qwen2)
-    model = LlamaForCausalLM(config, TorchAttentionBackend(), 64)
+    model = build_model(config, TorchAttentionBackend(), 64)
     load_weights(model, qwen2, "auto", quantize=quant)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     assert dtypes["model.layers.0.self_attn.qkv_proj.weight"] == FP8_DTYPE
@@ -91,7 +93,7 @@ def test_engine_generates_greedily_in_fp8(qwen2):
     """The engine's FP8 decode steps pick what an FP8 prefill over the same context ranks first."""
     prompts = mixed_prompts(1)[:4]
     llm = LLM(str(qwen2), quantization="fp8", max_model_len=256, num_gpu_blocks_override=128, seed=0)
-    assert isinstance(llm.runner.model.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert isinstance(llm.worker.model.model.layers[0].mlp.down_proj, Fp8Linear)
     outputs = llm_greedy(llm, prompts, 12)
     contexts = [p + o for p, o in zip(prompts, outputs)]
     logits = paged_prefill_logits(qwen2, contexts, fp8=True)
@@ -134,8 +136,8 @@ def write_fp8_checkpoint(source, target, quant_config: dict, quantize_weight) ->
     shutil.copy(source / "generation_config.json", target)
 
 
-def loaded(path, quantize=quant) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(load_model_config(path), TorchAttentionBackend(), 64)
+def loaded(path, quantize=quant) -> CausalLM:
+    model = build_model(load_model_config(path), TorchAttentionBackend(), 64)
     load_weights(model, path, "auto", quantize=quantize)
     return model
 

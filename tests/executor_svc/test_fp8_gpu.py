@@ -14,7 +14,7 @@ from pagedserve.common.model_shapes import write_shape
 from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
 from pagedserve.executor_svc.fp8 import quantize_linears
 from pagedserve.executor_svc.kv_cache import bytes_per_block
-from pagedserve.executor_svc.model_runner import ModelRunner
+from pagedserve.executor_svc.worker import Worker
 from pagedserve.kernels.quant import per_token_quant_fp8
 from pagedserve.kernels.reference import per_token_quant_fp8_ref
 from tests.executor_svc.harness import paged_prefill_logits
@@ -129,11 +129,11 @@ def test_llama_3_1_8b_shape_kv_cache_gets_the_memory_fp8_frees():
 
 
 def sized(path: str, quantization: str | None) -> tuple[int, int, int]:
-    """(KV blocks, weight bytes, bytes per block) of a profiled runner, whose memory is given back."""
-    runner = ModelRunner(EngineConfig(model=path, load_format="dummy", max_model_len=4096,
-                                      enforce_eager=True, quantization=quantization))
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    sizes = runner.num_blocks, weights, bytes_per_block(runner.model_config, runner.block_size, runner.dtype)
-    del runner
+    """(KV blocks, weight bytes, bytes per block) of a profiled worker, whose memory is given back."""
+    worker = Worker(EngineConfig(model=path, load_format="dummy", max_model_len=4096,
+                                 enforce_eager=True, quantization=quantization))
+    weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    sizes = worker.num_blocks, weights, bytes_per_block(worker.model_config, worker.block_size, worker.dtype)
+    del worker
     _release()
     return sizes

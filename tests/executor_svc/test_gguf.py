@@ -13,8 +13,9 @@ from pagedserve import LLM
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.gguf_file import find_gguf
 from pagedserve.executor_svc.model_config import load_model_config
-from pagedserve.executor_svc.models.llama import LlamaForCausalLM
-from pagedserve.executor_svc.models.rope import build_cos_sin_cache
+from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.models import build_model
+from pagedserve.executor_svc.layers.rotary import build_cos_sin_cache
 from pagedserve.executor_svc.weight_loader import checkpoint_targets, load_weights
 from tests.tiny_gguf import Q, write_gguf
 from tests.tiny_models import hf_greedy, llm_greedy, make_tiny_model, mixed_prompts
@@ -33,8 +34,8 @@ def llama_dir(tmp_path_factory):
     return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"))
 
 
-def loaded(path) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(load_model_config(path), TorchAttentionBackend(), 64)
+def loaded(path) -> CausalLM:
+    model = build_model(load_model_config(path), TorchAttentionBackend(), 64)
     load_weights(model, path, "auto")
     return model
 
@@ -123,7 +124,7 @@ def test_f16_gguf_serves_in_float16_on_a_gpu(llama_dir, tmp_path):
     prompts = mixed_prompts(0)
     llm = LLM(str(write_gguf(llama_dir, tmp_path / "model.gguf", Q.F16)), device="cuda",
               max_model_len=256, enable_prefix_caching=False)
-    assert llm.runner.dtype == torch.float16
+    assert llm.worker.dtype == torch.float16
     tokens = llm_greedy(llm, prompts, NEW_TOKENS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).cuda()
     agreed = 0

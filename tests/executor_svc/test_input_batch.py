@@ -6,7 +6,7 @@ import torch
 from pagedserve.common.plan import NewRequest, StepPlan
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.executor_svc.input_batch import InputBatch
-from tests.executor_svc.harness import make_runner, random_prompts
+from tests.executor_svc.harness import make_worker, random_prompts
 from tests.tiny_models import hf_greedy, make_tiny_model
 
 
@@ -42,7 +42,7 @@ def test_the_runner_never_samples_a_mask_id_before_min_tokens(tmp_path):
     prompt = random_prompts([10], seed=6)[0]
     greedy = hf_greedy(path, [prompt], 1)[0][0]
     params = SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[greedy])
-    result = make_runner(path).run(StepPlan(0, new_requests=[
+    result = make_worker(path).run(StepPlan(0, new_requests=[
         NewRequest(1, list(prompt), 0, 10, [4, 9], params),
         NewRequest(2, list(prompt), 0, 10, [5, 10], params, min_tokens_mask_ids=[greedy])]))
     assert result.token_ids[0] == greedy and result.token_ids[1] != greedy

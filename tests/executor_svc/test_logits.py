@@ -3,8 +3,14 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from pagedserve.executor_svc.logits import (GrammarMask, LogitBiasTable, apply_penalties, gather_logprobs,
-                                            mask_tokens, step_logprobs)
+from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
+from pagedserve.executor_svc.logits import (GrammarMask, LogitBiasTable, apply_penalties, chunked_logprobs,
+                                            gather_logprobs, mask_tokens, step_logprobs)
+from pagedserve.executor_svc.model_config import load_model_config
+from pagedserve.executor_svc.models import build_model
+from pagedserve.executor_svc.weight_loader import load_weights
+from tests.executor_svc.harness import logits_rows
+from tests.tiny_models import make_tiny_model
 
 VOCAB = 50
 
@@ -107,6 +113,24 @@ def test_step_logprobs_keep_each_rows_own_count():
     assert packed.top_token_ids == [10, 11, 12, 20]
     np.testing.assert_allclose(packed.logprobs, [-0.1, -1.0])
     np.testing.assert_allclose(packed.top_logprobs, [-0.2, -0.3, -0.4, -0.5])
+
+
+def test_prompt_logprobs_in_chunks_equal_one_pass(tmp_path):
+    path = make_tiny_model("LlamaForCausalLM", tmp_path)
+    model = build_model(load_model_config(path), TorchAttentionBackend(), 64)
+    load_weights(model, path, "auto")
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(100, 64, generator=generator)
+    # 61 scattered positions: seven chunks of 8 and one of 5.
+    index = torch.randperm(100, generator=generator)[:61]
+    targets = torch.randint(512, (61,), generator=generator)
+    rows = logits_rows(model)
+    with torch.inference_mode():
+        whole = chunked_logprobs(model.compute_logits, hidden, index, targets, 5, chunk=len(index))
+        chunked = chunked_logprobs(model.compute_logits, hidden, index, targets, 5, chunk=8)
+    assert rows == [61] + [8] * 7 + [5]
+    torch.testing.assert_close(chunked.values, whole.values)
+    assert torch.equal(chunked.ids, whole.ids)
 
 
 def pack(allowed: list[set[int]], vocab: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import transformers
 
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.model_config import load_model_config
-from pagedserve.executor_svc.models.llama import LlamaForCausalLM
+from pagedserve.executor_svc.models import build_model
 from tests.executor_svc.harness import paged_prefill_logits
 from tests.tiny_models import ARCHITECTURES, make_tiny_model
 
@@ -31,7 +31,7 @@ def test_prefill_logits_match_transformers(tiny_model):
 def test_tied_embeddings_have_no_lm_head(tmp_path):
     path = make_tiny_model("Qwen2ForCausalLM", tmp_path)
     config = load_model_config(path)
-    model = LlamaForCausalLM(config, TorchAttentionBackend(), 64)
+    model = build_model(config, TorchAttentionBackend(), 64)
     names = {name for name, _ in model.named_parameters()}
     assert config.tie_word_embeddings and "lm_head.weight" not in names
     assert "model.layers.0.self_attn.qkv_proj.bias" in names

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedserve.executor_svc.model_config import load_model_config, model_config_from_dict, resolve_max_model_len
-from pagedserve.executor_svc.models.rope import build_cos_sin_cache
+from pagedserve.executor_svc.layers.rotary import build_cos_sin_cache
 from pagedserve.common.model_shapes import SHAPES
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=4096,
@@ -73,5 +73,5 @@ def test_rope_tables():
     cache = build_cos_sin_cache(8, 5, 10000.0, None)
     angles = torch.arange(5.0)[:, None] * 10000.0 ** (-torch.arange(0, 8, 2) / 8)
     torch.testing.assert_close(cache, torch.cat((angles.cos(), angles.sin()), dim=-1))
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        build_cos_sin_cache(8, 5, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="rope type 'mrope' is not supported"):
+        build_cos_sin_cache(8, 5, 10000.0, {"rope_type": "mrope", "mrope_section": [1, 1, 2]})

@@ -12,7 +12,7 @@ from pagedserve.common.plan import INVALID_ARGUMENT, ContinuingRequest, NewReque
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.executor_svc.structured_outputs import StructuredOutputs
-from tests.executor_svc.harness import make_runner, random_prompts
+from tests.executor_svc.harness import make_worker, random_prompts
 from tests.gateway.fake_engine import build_tiny_tokenizer
 from tests.real_model import smollm2_path
 from tests.tiny_models import make_tiny_model
@@ -93,7 +93,8 @@ def tiny(tmp_path_factory):
 
 
 def test_a_slow_grammar_defers_its_row_without_holding_the_others(tiny):
-    runner = make_runner(tiny)
+    worker = make_worker(tiny)
+    runner = worker.runner
     gate = threading.Event()
 
     def slow_tokenizer() -> Tokenizer:
@@ -105,29 +106,30 @@ def test_a_slow_grammar_defers_its_row_without_holding_the_others(tiny):
     runner.structured._compiler = GrammarCompiler(slow_tokenizer, 512, [2])
     prompt = random_prompts([6])[0]
     digits = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
-    first = runner.run(StepPlan(1, new_requests=[NewRequest(1, prompt, 0, 6, [1], SamplingParams(temperature=0)),
+    first = worker.run(StepPlan(1, new_requests=[NewRequest(1, prompt, 0, 6, [1], SamplingParams(temperature=0)),
                                                  NewRequest(2, prompt, 0, 6, [2], digits)]))
     again = StepPlan(2, continuing=[ContinuingRequest(1, 1, []), ContinuingRequest(2, 1, [])])
-    second = runner.run(again)
+    second = worker.run(again)
     assert not gate.is_set() and first.deferred == second.deferred == [2]
     assert first.seq_ids == second.seq_ids == [1, 2] and not first.errors
     gate.set()
     runner.structured.matchers[2].result(timeout=30)
-    third = runner.run(StepPlan(3, continuing=again.continuing))
+    third = worker.run(StepPlan(3, continuing=again.continuing))
     assert third.deferred == []
     assert Tokenizer.load(tiny).decode([third.token_ids[1]]).isdigit()
     assert runner.batch.num_tokens[runner.batch.rows[2]] == 7 and runner.batch.num_tokens[runner.batch.rows[1]] == 9
 
 
 def test_a_grammar_that_cannot_compile_fails_its_request_alone(tiny):
-    runner = make_runner(tiny)
+    worker = make_worker(tiny)
+    runner = worker.runner
     prompt = random_prompts([5])[0]
     broken = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
     plan = StepPlan(1, new_requests=[NewRequest(1, prompt, 0, 5, [1, 2], SamplingParams()),
                                      NewRequest(2, prompt, 0, 5, [3, 4], broken)])
     continuing = [ContinuingRequest(1, 1, []), ContinuingRequest(2, 1, [])]
     for step_id in range(2, 10):
-        result = runner.run(plan)
+        result = worker.run(plan)
         assert result.seq_ids == [1, 2]
         if result.errors:
             break
@@ -137,5 +139,5 @@ def test_a_grammar_that_cannot_compile_fails_its_request_alone(tiny):
         plan = StepPlan(step_id, continuing=continuing)
     assert [(e.seq_id, e.code) for e in result.errors] == [(2, INVALID_ARGUMENT)]
     assert "cannot be compiled" in result.errors[0].message and not runner.structured
-    result = runner.run(StepPlan(step_id, continuing=continuing[:1], dropped=[2]))
+    result = worker.run(StepPlan(step_id, continuing=continuing[:1], dropped=[2]))
     assert result.seq_ids == [1] and not result.errors

@@ -8,7 +8,8 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.model_config import load_model_config
-from pagedserve.executor_svc.models.llama import LlamaForCausalLM
+from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.models import build_model
 from pagedserve.executor_svc.weight_loader import checkpoint_files, checkpoint_targets, load_weights
 from tests.tiny_models import make_tiny_model
 
@@ -18,8 +19,8 @@ def llama(tmp_path_factory):
     return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"))
 
 
-def loaded(path, load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(load_model_config(path), TorchAttentionBackend(), 64)
+def loaded(path, load_format: str = "auto", seed: int = 0) -> CausalLM:
+    model = build_model(load_model_config(path), TorchAttentionBackend(), 64)
     load_weights(model, path, load_format, seed)
     return model
 

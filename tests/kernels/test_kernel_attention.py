@@ -21,12 +21,15 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
              dtype: torch.dtype, num_splits: int | None, strided: bool = False,
              max_query_len: int | None = None, config: AttentionConfig | None = None,
              q_gain: float = 1.0, kv_scales: tuple[float, float] | None = None,
-             fresh: bool = False, poison_new: bool = False, decode_launch: bool = False) -> None:
+             fresh: bool = False, poison_new: bool = False, decode_launch: bool = False,
+             sliding_window: int | None = None, softcap: float | None = None) -> None:
     """Kernel against the reference on the same cache; with kv_scales, on an fp8 cache of
     K / k_scale and V / v_scale, and also against the reference on the unquantized cache; with
     fresh, given the new tokens' K and V as the step's k_new, v_new too; with poison_new, on a
     cache whose new tokens' slots hold NaN (the reference sees them); with decode_launch, told
-    how many sequences are decode rows."""
+    how many sequences are decode rows; with sliding_window, on a cache whose slots before each
+    sequence's first query's window hold NaN (no query sees them: the kernel must not read
+    them); softcap too."""
     seq_lens = [c + n for c, n in batch]
     query_lens = [n for _, n in batch]
     k_cache, v_cache, table = random_paged_kv(seq_lens, NUM_KV_HEADS, head_dim, block_size, dtype)
@@ -44,7 +47,11 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
         # A decode launch reads a decode row's new key from the cache, where serving writes it
         # before attention: only the prefill chunks' slots are poisoned then.
         poisoned = [(c, 0 if decode_launch and n == 1 else n) for c, n in batch]
-        k_cache, v_cache = (poison_new_slots(c, table, poisoned, block_size) for c in ref_caches)
+        k_cache, v_cache = (poison_slots(c, table, new_spans(poisoned), block_size)
+                            for c in ref_caches)
+    if sliding_window:
+        unseen = [(0, max(0, cached - sliding_window + 1)) for cached, _ in batch]
+        k_cache, v_cache = (poison_slots(c, table, unseen, block_size) for c in (k_cache, v_cache))
     num_heads, num_tokens = NUM_KV_HEADS * group, sum(query_lens)
     if strided:
         # q as the first columns of a fused qkv projection; k and v caches as halves of one
@@ -65,21 +72,30 @@ def run_case(batch: list[tuple[int, int]], group: int, head_dim: int, block_size
                           max_query_len=max_query_len, max_seq_len=max(seq_lens),
                           num_splits=num_splits, out=out, kv_scales=scales, config=config,
                           k_new=k_new, v_new=v_new,
-                          num_decode_seqs=query_lens.count(1) if decode_launch else 0)
+                          num_decode_seqs=query_lens.count(1) if decode_launch else 0,
+                          sliding_window=sliding_window, softcap=softcap)
     assert got is out
-    ref = paged_attention_ref(q, *ref_caches, table, lens, starts, scale, scales)
+    ref = paged_attention_ref(q, *ref_caches, table, lens, starts, scale, scales, sliding_window,
+                              softcap)
     assert_close(out, ref)
-    if kv_scales is not None:
-        exact = paged_attention_ref(q, *exact_caches, table, lens, starts, scale)
+    if softcap:
+        # The cap bends these scores enough for a kernel that ignored it to fail.
+        uncapped = paged_attention_ref(q, *ref_caches, table, lens, starts, scale, scales,
+                                       sliding_window)
+        assert rel_err(uncapped, ref) > 0.05
+    if kv_scales is not None and not softcap:
+        # (Capped cases are sharp: their fp8 error reaches the tolerance in 1 draw of ~200.)
+        exact = paged_attention_ref(q, *exact_caches, table, lens, starts, scale,
+                                    sliding_window=sliding_window)
         assert rel_err(out, exact) < FP8_TOLERANCE
 
 
-def new_token_slots(table: torch.Tensor, batch: list[tuple[int, int]],
-                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, offset) of each sequence's new tokens in the cache, in step order."""
+def token_slots(table: torch.Tensor, spans: list[tuple[int, int]],
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) in the cache of positions [lo, hi) of each sequence, in sequence order."""
     blocks, offsets = [], []
-    for i, (cached, n) in enumerate(batch):
-        pos = torch.arange(cached, cached + n, device=DEVICE)
+    for i, (lo, hi) in enumerate(spans):
+        pos = torch.arange(lo, hi, device=DEVICE)
         blocks.append(table[i, pos // block_size].long())
         offsets.append(pos % block_size)
     return torch.cat(blocks), torch.cat(offsets)
@@ -88,13 +104,19 @@ def new_token_slots(table: torch.Tensor, batch: list[tuple[int, int]],
 def new_token_rows(cache: torch.Tensor, table: torch.Tensor, batch: list[tuple[int, int]],
                    block_size: int) -> torch.Tensor:
     """The cache entries of each sequence's new tokens, packed as the step's k or v."""
-    return cache[new_token_slots(table, batch, block_size)]
+    return cache[token_slots(table, new_spans(batch), block_size)]
 
 
-def poison_new_slots(cache: torch.Tensor, table: torch.Tensor, batch: list[tuple[int, int]],
-                     block_size: int) -> torch.Tensor:
+def new_spans(batch: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The positions of each sequence's new tokens."""
+    return [(cached, cached + n) for cached, n in batch]
+
+
+def poison_slots(cache: torch.Tensor, table: torch.Tensor, spans: list[tuple[int, int]],
+                 block_size: int) -> torch.Tensor:
+    """A copy of cache whose positions [lo, hi) of each sequence hold NaN."""
     poisoned = cache.clone()
-    poisoned[new_token_slots(table, batch, block_size)] = float("nan")
+    poisoned[token_slots(table, spans, block_size)] = float("nan")
     return poisoned
 
 
@@ -159,6 +181,41 @@ def test_fp8_cache(batch: list[tuple[int, int]], max_query_len: int | None, num_
              kv_scales=(0.02, 3.0), fresh=True)
 
 
+# Sliding windows (Mistral, Qwen2, Gemma 2 / 3) and logit soft-capping (Gemma 2) over MIXED's
+# chunked prefills and decodes, on 16-token KV tiles and 8-token blocks: a window below one
+# block, capped (q x 6 makes scores of ~+-25 that a cap of 4 bends), and one spanning tiles and
+# above some contexts, with the new keys read from the step's k / v (their cache slots poisoned).
+@pytest.mark.parametrize("window, softcap, config", [
+    (5, 4.0, AttentionConfig(64, 16, 4, 2, reverse=True)),
+    (40, None, AttentionConfig(64, 16, 4, 2, lazy_rescale=True, fresh_kv=True)),
+], ids=["w5-softcap", "w40-fresh"])
+def test_sliding_window_prefill(window: int, softcap: float | None,
+                                config: AttentionConfig) -> None:
+    run_case(MIXED, 4, 32, 8, torch.float32, 1, config=config, q_gain=6.0, fresh=config.fresh_kv,
+             poison_new=config.fresh_kv, sliding_window=window, softcap=softcap)
+
+
+# Phi-3-mini's head_dim of 96, padded to 128 in the tiles: a chunk over a cached prefix and a
+# decode row unsplit, given the step's k / v (tensor descriptors take whole power-of-two heads,
+# so the kernel reads the cache), and decode rows split 2 ways (the merge's padded partials).
+@pytest.mark.parametrize("batch, max_query_len, num_splits", [
+    ([(30, 41), (9, 1)], None, 1), ([(600, 1), (3, 1)], 1, 2)],
+                         ids=["prefill", "decode-split2"])
+def test_head_dim_not_a_power_of_two(batch: list[tuple[int, int]], max_query_len: int | None,
+                                     num_splits: int) -> None:
+    run_case(batch, 1, 96, 8, torch.float32, num_splits, max_query_len=max_query_len, fresh=True)
+
+
+# Decode rows over contexts of 3 to 600 keys under a 100-key window, soft-capped: split 4 ways
+# (the segments share the tiles of the window, not those of the context) in fp16, and unsplit
+# over an fp8 cache (its K scale of 4 goes inside the cap's tanh).
+@pytest.mark.parametrize("num_splits, kv_scales", [(4, None), (1, (4.0, 0.5))],
+                         ids=["split4", "fp8-cache"])
+def test_sliding_window_decode(num_splits: int, kv_scales: tuple[float, float] | None) -> None:
+    run_case(DECODES, 4, 64, 16, torch.float16, num_splits, max_query_len=1, q_gain=6.0,
+             kv_scales=kv_scales, sliding_window=100, softcap=5.0)
+
+
 class LaunchSpy:
     """Records the grid of each _attention_kernel launch, then launches it."""
 
@@ -181,6 +238,15 @@ def test_mixed_step_attends_decode_rows_in_a_launch_of_their_own(
     run_case(MIXED, 4, 64, 16, torch.float32, num_splits=None, kv_scales=kv_scales, fresh=True,
              poison_new=kv_scales is None, decode_launch=True)
     assert len(spy.grids) == 2 and spy.grids[1][0] == len(MIXED)
+
+
+# The same under a 24-key window: both launches skip the tiles before each query's window.
+def test_sliding_window_mixed_step_decode_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = LaunchSpy(attention._attention_kernel)
+    monkeypatch.setattr(attention, "_attention_kernel", spy)
+    run_case(MIXED, 4, 32, 8, torch.float32, num_splits=None, fresh=True, poison_new=True,
+             decode_launch=True, sliding_window=24, q_gain=3.0)
+    assert len(spy.grids) == 2
 
 
 def test_strided_q_and_cache_views() -> None:

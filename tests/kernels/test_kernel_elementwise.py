@@ -2,9 +2,11 @@ import pytest
 import torch
 
 from tests.kernels.kernel_testing import DEVICE, assert_close, poison_next_alloc
-from pagedserve.kernels.activation import silu_and_mul
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+from pagedserve.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pagedserve.kernels.norm import rms_norm
-from pagedserve.kernels.reference import rms_norm_ref, silu_and_mul_ref
+from pagedserve.kernels.reference import gelu_tanh_and_mul_ref, rms_norm_ref, silu_and_mul_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -29,10 +31,24 @@ def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
         assert summed is None
 
 
+def test_gemma_rms_norm_is_a_float32_weight_plus_one() -> None:
+    """Gemma's RMSNorm scales by (1 + weight) in fp32: the loader adds 1 to the weight and keeps
+    it in fp32 (bf16 would round 1 + w to 8 bits), and the plain kernel matches transformers."""
+    x = torch.randn(4, 96, dtype=torch.bfloat16, device=DEVICE) * 3
+    gemma = Gemma2RMSNorm(96, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        gemma.weight.copy_(torch.randn(96).to(torch.bfloat16))
+    out, _ = rms_norm(x, 1.0 + gemma.weight.float(), 1e-6)
+    torch.testing.assert_close(out, gemma(x))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [80, 2048])
-def test_silu_and_mul(dtype: torch.dtype, d: int) -> None:
+@pytest.mark.parametrize("kernel, ref", [(silu_and_mul, silu_and_mul_ref),
+                                         (gelu_tanh_and_mul, gelu_tanh_and_mul_ref)],
+                         ids=["silu", "gelu_tanh"])
+def test_gated_activation(kernel, ref, dtype: torch.dtype, d: int) -> None:
     x = torch.randn(3, 2, 2 * d, dtype=dtype, device=DEVICE) * 4
     poison_next_alloc((6, d), dtype)
-    out = silu_and_mul(x)
-    assert_close(out, silu_and_mul_ref(x))
+    out = kernel(x)
+    assert_close(out, ref(x))

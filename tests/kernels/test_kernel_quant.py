@@ -2,10 +2,11 @@ import pytest
 import torch
 
 from tests.kernels.kernel_testing import DEVICE, rel_err
-from pagedserve.kernels.activation import silu_and_mul_quant_fp8
+from pagedserve.kernels.activation import gelu_tanh_and_mul_quant_fp8, silu_and_mul_quant_fp8
 from pagedserve.kernels.norm import rms_norm_quant_fp8
 from pagedserve.kernels.quant import per_token_quant_fp8
-from pagedserve.kernels.reference import (FP8_MAX, per_token_quant_fp8_ref, rms_norm_quant_fp8_ref,
+from pagedserve.kernels.reference import (FP8_MAX, gelu_tanh_and_mul_quant_fp8_ref,
+                                          per_token_quant_fp8_ref, rms_norm_quant_fp8_ref,
                                           silu_and_mul_quant_fp8_ref)
 
 
@@ -67,6 +68,10 @@ def test_rms_norm_quant_matches_norm_then_quant(dtype: torch.dtype, with_residua
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [80, 2500])
-def test_silu_and_mul_quant_matches_activation_then_quant(dtype: torch.dtype, d: int) -> None:
+@pytest.mark.parametrize("kernel, ref", [
+    (silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_ref),
+    (gelu_tanh_and_mul_quant_fp8, gelu_tanh_and_mul_quant_fp8_ref)], ids=["silu", "gelu_tanh"])
+def test_gated_activation_quant_matches_activation_then_quant(kernel, ref, dtype: torch.dtype,
+                                                              d: int) -> None:
     x = (torch.randn(5, 2 * d, device=DEVICE) * 4).to(dtype)
-    assert_quantized_like(silu_and_mul_quant_fp8(x), silu_and_mul_quant_fp8_ref(x))
+    assert_quantized_like(kernel(x), ref(x))

@@ -24,6 +24,18 @@ def test_rotary_write_kv_into_fp8_cache(dtype: torch.dtype, scales: tuple[float,
     run_case(dtype, FP8_DTYPE, 4, 16, kv_scales, exact=True)
 
 
+# Partial rotary (only the table's rotary_dim leading dims of each head rotate; the rest pass
+# through to q, k and the cache): Phi-4-mini's 96 of 128, a quarter of 64, and Phi-3-mini's
+# full rotary of 96 dims, none of them powers of two but 64 and 16; into an fp8 cache too.
+@pytest.mark.parametrize("head_dim, rotary_dim, cache_dtype", [
+    (128, 96, torch.float32), (64, 16, torch.float32), (96, 96, torch.float32),
+    (128, 96, FP8_DTYPE)], ids=["phi4-mini", "quarter", "phi3-mini", "phi4-mini-fp8-cache"])
+def test_partial_rotary(head_dim: int, rotary_dim: int, cache_dtype: torch.dtype) -> None:
+    scales = (torch.tensor(0.5, device=DEVICE), torch.tensor(2.0, device=DEVICE))
+    run_case(torch.float32, cache_dtype, 2, 16, scales if cache_dtype == FP8_DTYPE else None,
+             exact=cache_dtype == FP8_DTYPE, head_dim=head_dim, rotary_dim=rotary_dim)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="fp8 rounding as the GPU does it")
 def test_rotary_write_kv_rounds_into_fp8_cache() -> None:
     scales = (torch.tensor(0.05, device=DEVICE), torch.tensor(3.0, device=DEVICE))
@@ -46,8 +58,10 @@ def test_fp8_write_saturates_at_448() -> None:
 
 
 def run_case(dtype: torch.dtype, cache_dtype: torch.dtype, group: int, block_size: int,
-             kv_scales: tuple[torch.Tensor, torch.Tensor] | None, exact: bool) -> None:
-    num_kv_heads, head_dim, num_blocks = 2, 64, 9
+             kv_scales: tuple[torch.Tensor, torch.Tensor] | None, exact: bool,
+             head_dim: int = 64, rotary_dim: int | None = None) -> None:
+    num_kv_heads, num_blocks = 2, 9
+    rotary_dim = rotary_dim or head_dim
     num_heads = num_kv_heads * group
     # A chunk of sequence A at positions 5..13, a prompt B at 0..2, then two CUDA-graph padding
     # tokens; A and B on shuffled, non-contiguous blocks of the cache.
@@ -61,11 +75,11 @@ def run_case(dtype: torch.dtype, cache_dtype: torch.dtype, group: int, block_siz
     num_tokens = len(positions)
     # q, k, v as column slices of the fused qkv projection, as the model passes them.
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
-    cos_sin_cache = torch.randn(20, head_dim, device=DEVICE)
+    cos_sin_cache = torch.randn(20, rotary_dim, device=DEVICE)
     if exact:
         # Normal e4m3 values that stay normal divided by 2 or multiplied by 4.
         qkv = (qkv.sign() * qkv.abs().clamp(1 / 16, 8)).to(FP8_DTYPE).float()
-        turns = torch.randint(0, 4, (20, head_dim // 2)) * torch.pi / 2
+        turns = torch.randint(0, 4, (20, rotary_dim // 2)) * torch.pi / 2
         cos_sin_cache = torch.cat((turns.cos(), turns.sin()), dim=1).round().to(DEVICE)
     qkv = qkv.to(dtype)
     q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(
@@ -74,6 +88,8 @@ def run_case(dtype: torch.dtype, cache_dtype: torch.dtype, group: int, block_siz
     k_cache = torch.full(shape, float("nan"), device=DEVICE).to(cache_dtype)
     v_cache = torch.full(shape, float("nan"), device=DEVICE).to(cache_dtype)
     ref_q, ref_k = rotary_ref(positions, q.float(), k.float(), cos_sin_cache)
+    # The dims past the rotary ones pass through.
+    assert torch.equal(ref_q[..., rotary_dim:], q[..., rotary_dim:].float())
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     write_kv_ref(ref_k, v, ref_k_cache, ref_v_cache, slots, kv_scales)
     v_before = v.clone()

@@ -5,7 +5,7 @@ import pytest
 
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.common import service
-from pagedserve.executor_svc.null_runner import NullModelRunner, null_executor_info
+from pagedserve.executor_svc.null_worker import NullWorker, null_executor_info
 from pagedserve.common.config import EngineConfig
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2_grpc, sampling_pb2
 from pagedserve.scheduler_svc.engine_loop import EngineLoop
@@ -49,7 +49,7 @@ async def test_model_info_carries_the_step_histograms(tmp_path):
     info = null_executor_info(num_blocks=64, block_size=16, max_model_len=128)
     executor_address, engine_address = f"unix://{tmp_path}/executor.sock", f"unix://{tmp_path}/engine.sock"
     executor = await service.start("executor", executor_address, partial(
-        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullModelRunner(info))))
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullWorker(info))))
     config = EngineConfig()
     scheduler = Scheduler(config, info)
     async with service.channel(executor_address) as channel, service.channel(engine_address) as engine:
@@ -84,7 +84,7 @@ async def test_scheduler_refuses_geometry_that_disagrees_with_the_executor(tmp_p
     info = null_executor_info(num_blocks=64, block_size=16, max_model_len=128)
     executor_address = f"unix://{tmp_path}/executor.sock"
     executor = await service.start("executor", executor_address, partial(
-        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullModelRunner(info))))
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullWorker(info))))
     try:
         with pytest.raises(SystemExit) as refused:
             await serve(EngineConfig(), f"unix://{tmp_path}/engine.sock", executor_address, {flag: value})

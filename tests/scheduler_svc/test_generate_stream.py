@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve.common import service
 from pagedserve.common.config import EngineConfig
-from pagedserve.executor_svc.null_runner import NullModelRunner, null_executor_info
+from pagedserve.executor_svc.null_worker import NullWorker, null_executor_info
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.scheduler_svc.generate_stream import SHUTTING_DOWN, StreamCall
 from pagedserve.scheduler_svc.server import serve
@@ -51,7 +51,7 @@ async def engine(tmp_path):
     executor_address, address = f"unix://{tmp_path}/executor.sock", f"unix://{tmp_path}/engine.sock"
     info = null_executor_info(num_blocks=256, block_size=16, max_model_len=MAX_MODEL_LEN)
     executor = await service.start("executor", executor_address, partial(
-        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullModelRunner(info))))
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullWorker(info))))
     serving = asyncio.create_task(serve(EngineConfig(), address, executor_address))
     await service.wait_serving(address, timeout=10)
     async with service.channel(address) as channel:

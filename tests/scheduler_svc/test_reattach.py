@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.common import service
 from pagedserve.common.config import EngineConfig
-from pagedserve.executor_svc.null_runner import NullModelRunner, null_executor_info
+from pagedserve.executor_svc.null_worker import NullWorker, null_executor_info
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.scheduler_svc.server import serve
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2_grpc, sampling_pb2
@@ -22,7 +22,7 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 async def start_executor(address: str, max_model_len: int = 4096) -> service.Service:
     info = null_executor_info(num_blocks=1024, block_size=16, max_model_len=max_model_len, max_num_seqs=2)
     return await service.start("executor", address, partial(
-        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullModelRunner(info))))
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullWorker(info))))
 
 
 def request(rid: str, max_tokens: int) -> engine_pb2.GenerateRequest:

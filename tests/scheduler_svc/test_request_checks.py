@@ -16,11 +16,11 @@ from pagedserve.common.sampling_params import (MAX_CONSTRAINT_CHARS, MAX_LOGIT_B
                                                MAX_STOP_TOKEN_IDS, OutOfRange, SamplingParams,
                                                StructuredOutputsParams, check_request, sampling_from_proto,
                                                sampling_to_proto)
-from pagedserve.executor_svc.null_runner import VOCAB, NullModelRunner, null_executor_info
+from pagedserve.executor_svc.null_worker import VOCAB, NullWorker, null_executor_info
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.scheduler_svc.server import serve
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2_grpc, sampling_pb2
-from tests.executor_svc.harness import make_runner
+from tests.executor_svc.harness import make_worker
 from tests.gateway.fake_engine import build_tiny_tokenizer
 from tests.scheduler_svc.helpers import add, make_scheduler
 from tests.tiny_models import make_tiny_model
@@ -95,7 +95,7 @@ async def engine(tmp_path, monkeypatch):
     executor_address, address = f"unix://{tmp_path}/executor.sock", f"unix://{tmp_path}/engine.sock"
     info = null_executor_info(num_blocks=64, block_size=16, max_model_len=256)
     executor = await service.start("executor", executor_address, partial(
-        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullModelRunner(info))))
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullWorker(info))))
     serving = asyncio.create_task(serve(EngineConfig(), address, executor_address))
     await service.wait_serving(address, timeout=10)
     async with service.channel(address) as channel:
@@ -135,7 +135,7 @@ async def test_a_request_the_executor_fails_ends_alone_on_both_rpcs(tmp_path):
     build_tiny_tokenizer(model)
     executor_address, address = f"unix://{tmp_path}/executor.sock", f"unix://{tmp_path}/engine.sock"
     executor = await service.start("executor", executor_address, partial(
-        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(make_runner(model))))
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(make_worker(model))))
     serving = asyncio.create_task(serve(EngineConfig(), address, executor_address))
     await service.wait_serving(address, timeout=10)
     broken = sampling_pb2.StructuredOutputs(regex="(unclosed")

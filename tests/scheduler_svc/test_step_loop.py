@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from pagedserve.common.plan import StepPlan, StepResult
-from pagedserve.executor_svc.null_runner import TOKEN, NullModelRunner, null_executor_info
+from pagedserve.executor_svc.null_worker import TOKEN, NullWorker, null_executor_info
 from pagedserve.scheduler_svc.request import RequestDelta
 from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop
 from tests.scheduler_svc.helpers import add, make_scheduler
@@ -14,7 +14,7 @@ class Recorder:
     """An in-process transport that logs each launch and collect by step id."""
 
     def __init__(self) -> None:
-        runner = NullModelRunner(null_executor_info(num_blocks=64, block_size=4, max_model_len=256))
+        runner = NullWorker(null_executor_info(num_blocks=64, block_size=4, max_model_len=256))
         self.transport = RunnerTransport(runner)
         self.events: list[tuple[str, int]] = []
 

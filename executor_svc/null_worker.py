@@ -1,4 +1,4 @@
-"""A model runner with no model, for measuring the control path (`pagedserve bench control-path`)
+"""A worker with no model, for measuring the control path (`pagedserve bench control-path`)
 and for serving the executor's gRPC interface in tests without torch work."""
 import time
 from dataclasses import dataclass
@@ -24,8 +24,8 @@ class NullState:
     num_blocks: int
 
 
-class NullModelRunner:
-    """ModelRunner's interface with no model: keeps each request's state from the plan deltas, as the
+class NullWorker:
+    """Worker's interface with no model: keeps each request's state from the plan deltas, as the
     real runner does, and samples TOKEN for every request whose known tokens are all computed."""
 
     def __init__(self, info: ExecutorInfo) -> None:

@@ -1,0 +1,54 @@
+"""Self-attention over the paged KV cache: fused q/k/v (column parallel), optional q/k norms,
+rotary embedding, the backend's paged attention, and o_proj (row parallel, all-reduced here)."""
+import torch
+from torch import nn
+
+from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
+from pagedserve.executor_svc.fp8 import Quantized
+from pagedserve.executor_svc.kv_cache import KVCache
+from pagedserve.executor_svc.layers.linear import column_linear, row_linear
+from pagedserve.executor_svc.layers.norm import Norm
+from pagedserve.executor_svc.model_config import ModelConfig
+from pagedserve.executor_svc.parallel import TensorParallel
+
+
+class Attention(nn.Module):
+    """`config` holds this rank's heads; `norm` builds the q/k norms when the config has them
+    (Qwen3). q and k rotate by the table the decoder stack passes in (layers.rotary)."""
+
+    def __init__(self, config: ModelConfig, backend: TorchAttentionBackend, tp: TensorParallel | None,
+                 norm: Norm) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = column_linear(config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+                                      config.attention_bias, tp)
+        self.o_proj = row_linear(q_size, config.hidden_size, config.o_proj_bias, tp)
+        if config.qk_norm:
+            self.q_norm = norm(self.head_dim)
+            self.k_norm = norm(self.head_dim)
+        self.qk_norm = config.qk_norm
+        self.scale = self.head_dim ** -0.5
+        # The fp8 KV cache's per-layer scales (vLLM's k_scale, v_scale): 1.0 unless the
+        # checkpoint has calibrated ones (weight_loader.KV_SCALE_SUFFIXES).
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
+        self.backend = backend
+        self.tp = tp
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | Quantized, kv_cache: KVCache,
+                meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, _ = self.q_norm(q)
+            k, _ = self.k_norm(k)
+        out = self.backend.forward(positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1],
+                                   meta, self.scale, (self.k_scale, self.v_scale))
+        out = self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+        # NCCL's all-reduce is captured in the decode CUDA graphs like the kernels around it.
+        return out if self.tp is None else self.tp.all_reduce(out)

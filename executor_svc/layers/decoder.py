@@ -1,0 +1,105 @@
+"""The decoder stack every family shares: layers of attention then an MLP-like block, each
+behind a norm with the residual add fused in, between the embedding and the LM head.
+
+Tokens arrive flattened ([T], sequences packed one after another). Under tensor parallelism
+(`tp`) the config holds one rank's shapes (parallel.shard_config); the embedding and LM head are
+vocab parallel, and each rank's logits slice is all-gathered."""
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pagedserve.executor_svc.attention_backend import AttentionMetadata
+from pagedserve.executor_svc.fp8 import Fp8Linear, takes_quantized
+from pagedserve.executor_svc.kv_cache import KVCache
+from pagedserve.executor_svc.layers.linear import embedding, shard
+from pagedserve.executor_svc.layers.norm import Norm
+from pagedserve.executor_svc.layers.rotary import RotaryEmbedding
+from pagedserve.executor_svc.model_config import ModelConfig
+from pagedserve.executor_svc.parallel import TensorParallel
+
+
+class DecoderLayer(nn.Module):
+    """`self_attn` (layers.attention.Attention or one like it) and `mlp` (a GatedMLP, or any
+    block called as mlp(x, quantize) with a `quantized_input` flag, e.g. a mixture of experts),
+    each after a norm that `norm` builds."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module, norm: Norm) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = norm(config.hidden_size)
+        self.post_attention_layernorm = norm(config.hidden_size)
+        # A plain attribute: a submodule's would cost a Module.__getattr__ per layer and step.
+        self.quantize_mlp_input = mlp.quantized_input
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
+                quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is fused into the next norm: each norm returns (normed, x + residual).
+        # With `quantize` (FP8 projections that quantize their input) the norms and the
+        # activation quantize their own output, which saves a pass over it.
+        if residual is None:
+            residual = x
+            x, _ = self.input_layernorm(x, quantize=quantize)
+        else:
+            x, residual = self.input_layernorm(x, residual, quantize)
+        x = self.self_attn(positions, x, kv_cache, meta, cos_sin_cache)
+        x, residual = self.post_attention_layernorm(x, residual, quantize and self.quantize_mlp_input)
+        return self.mlp(x, quantize), residual
+
+
+class DecoderModel(nn.Module):
+    """The embedding, `config.num_hidden_layers` layers built by `make_layer(index)` (a model
+    whose layers differ, such as a sliding window on some, says so there), the final norm, and
+    the rotary table every layer's attention rotates with. A model with a table per layer kind
+    (Gemma 3's local and global ones) overrides forward to hand each layer its own."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None, make_layer: Callable[[int], nn.Module],
+                 norm: Norm, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
+        self.norm = norm(config.hidden_size)
+        self.rotary_emb = rotary
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        quantize = isinstance(self.layers[0].self_attn.o_proj, Fp8Linear) and takes_quantized(x)
+        cos_sin_cache = self.rotary_emb.cos_sin_cache
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin_cache, quantize)
+        return self.norm(x, residual)[0]
+
+
+class CausalLM(nn.Module):
+    """A DecoderModel and its LM head: what every family's model is. Parameter names follow
+    Hugging Face's, with q/k/v fused as `qkv_proj` and gate/up as `gate_up_proj`. With tied
+    embeddings there is no `lm_head`; logits use `embed_tokens`. `config` holds the shapes of the
+    rank `tp` (None: no tensor parallelism).
+
+    A family subclasses it with __init__(config, backend, max_positions, tp), the signature
+    models.build_model calls, and passes up how to build its layers and norms, and its rotary
+    table."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None, make_layer: Callable[[int], nn.Module],
+                 norm: Norm, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        self.model = DecoderModel(config, tp, make_layer, norm, rotary)
+        if not config.tie_word_embeddings:
+            self.lm_head = shard(nn.Linear(config.hidden_size, config.vocab_size, bias=False), tp, 0)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (the whole vocabulary on
+        every rank: each computes its slice and the ranks all-gather them)."""
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        logits = nn.functional.linear(hidden, head.weight)
+        return (logits if self.tp is None else self.tp.all_gather(logits)).float()

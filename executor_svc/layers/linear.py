@@ -1,0 +1,74 @@
+"""The decoder's linear layers and embedding, whole or tensor parallel.
+
+A fused projection (`MergedLinear`) stacks several checkpoint projections along its output dim;
+its `shards` tell the weight loader where each Hugging Face tensor goes. Under tensor parallelism
+a sharded module's `tp_split` tells the weight loader which slice of each checkpoint tensor it
+holds: column-parallel layers split the output dim, row-parallel ones the input dim (the caller
+all-reduces their partial products), the embedding and LM head the vocabulary."""
+import itertools
+
+import torch
+from torch import nn
+
+from pagedserve.executor_svc.parallel import TensorParallel
+
+
+class MergedLinear(nn.Linear):
+    """Several checkpoint projections stacked along the output dim, run as one matmul."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        starts = itertools.accumulate(shard_sizes.values(), initial=0)
+        self.shards = {name: (start, size) for (name, size), start in zip(shard_sizes.items(), starts)}
+
+
+class RowParallelLinear(nn.Linear):
+    """This rank's slice of a projection's input dim; the caller all-reduces the partial products.
+    Only rank 0 holds the bias, so the sum adds it once; the other ranks skip the checkpoint's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__(in_features, out_features, bias=bias and tp.rank == 0)
+        shard(self, tp, 1)
+        self.skipped = ("bias",) if bias and tp.rank else ()
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows [rank * n, (rank + 1) * n) of the embedding table: ids outside them give
+    zero rows, and the all-reduce fills in the other ranks' rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        shard(self, tp, 0)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.tp.rank * self.num_embeddings
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+
+def shard(module: nn.Module, tp: TensorParallel | None, dim: int) -> nn.Module:
+    """Marks `module`'s parameters as this rank's slice of the checkpoint's along `dim` (those
+    with that dim: a row-parallel bias is whole)."""
+    if tp is not None:
+        module.tp_split = (dim, tp.rank, tp.size)
+    return module
+
+
+def column_linear(in_features: int, shard_sizes: dict[str, int], bias: bool,
+                  tp: TensorParallel | None) -> MergedLinear:
+    """A fused projection whose output dim (each of its shards) is split across the ranks."""
+    return shard(MergedLinear(in_features, shard_sizes, bias), tp, 0)
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> nn.Linear:
+    if tp is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+def embedding(num_embeddings: int, embedding_dim: int, tp: TensorParallel | None) -> nn.Embedding:
+    if tp is None:
+        return nn.Embedding(num_embeddings, embedding_dim)
+    return VocabParallelEmbedding(num_embeddings, embedding_dim, tp)

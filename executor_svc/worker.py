@@ -1,0 +1,158 @@
+"""The executor's worker: what runs a model on one device, around the ModelRunner that runs its
+steps. It resolves the device, dtype and quantization, builds the model (models.build_model) and
+loads its weights, profiles memory to size the KV cache, allocates it, warms up, captures the
+CUDA graphs, and carries tensor parallelism's control plane: it joins the group, and as rank 0
+starts ranks 1..N-1 and has them repeat its launch, collect and reset calls (tp_workers.py)."""
+import time
+import weakref
+from functools import partial
+
+import torch
+
+from pagedserve.executor_svc.attention_backend import get_backend
+from pagedserve.executor_svc.batch_limits import batch_defaults, resolve_batch_limits
+from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_device, resolve_dtype
+from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
+from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
+                                              resolve_kv_cache_dtype)
+from pagedserve.executor_svc.memory_profile import profile_peak_bytes
+from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
+from pagedserve.executor_svc.model_runner import Launched, ModelRunner
+from pagedserve.executor_svc.models import build_model
+from pagedserve.executor_svc.parallel import init_group, rank_device, shard_config
+from pagedserve.executor_svc.tp_workers import start_workers
+from pagedserve.executor_svc.weight_loader import load_weights
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.log import get_logger
+from pagedserve.common.plan import ExecutorInfo, StepPlan, StepResult
+
+log = get_logger(__name__)
+
+# The warm-up step that compiles split-KV prefill attention: any prompt length does.
+SPLIT_WARM_UP_TOKENS = 64
+
+
+class Worker:
+    """Serves step plans on one device: what the executor server and the offline LLM hold.
+    `offline`: the batch limits a config leaves unset take vLLM's defaults for its LLM class
+    rather than for its API server.
+
+    With --tensor-parallel-size N, rank 0's worker starts ranks 1..N-1 (`ranks`), whose workers
+    repeat its launch, collect and reset calls (executor_svc/tp_worker.py); `rank` is this one's."""
+
+    def __init__(self, config: EngineConfig, offline: bool = False, rank: int = 0) -> None:
+        self.device = resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        self.model_config: ModelConfig = load_model_config(config.model)
+        # The shapes this rank holds: its share of the heads, KV heads, MLP width and vocabulary.
+        self.rank_config = shard_config(self.model_config, config.tensor_parallel_size)
+        self.quantization = config.quantization or self.model_config.quantization
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device, self.quantization)
+        if self.quantization:
+            check_fp8_device(self.device, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
+        self.config = resolve_batch_limits(config, batch_defaults(self.device, offline),
+                                           self.max_model_len)
+        self.block_size = self.config.block_size
+        self.tp = self.ranks = None
+        if config.tensor_parallel_size > 1:
+            self._join_group(config, offline, rank)
+        try:
+            self._build(self.config)
+        except BaseException:
+            # The other ranks fail the same way, or wait for rank 0 in a collective: stop them.
+            if self.ranks is not None:
+                self.ranks.stop()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        backend = get_backend(self.device)
+        with torch.device(self.device), default_dtype(self.dtype):
+            self.model = build_model(self.rank_config, backend, self.max_model_len, self.tp)
+        self._load_weights(backend.per_token_quant_fp8 if self.quantization else None)
+        self.runner = ModelRunner(self.model, config, self.model_config, self.max_model_len, self.device,
+                                  self.dtype, self.kv_dtype, self.tp)
+        block_bytes = bytes_per_block(self.rank_config, self.block_size, self.kv_dtype)
+        self.num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device,
+                                               partial(profile_peak_bytes, self), self.kv_dtype)
+        if self.tp is not None:
+            self.num_blocks = self.tp.min(self.num_blocks)
+        self.runner.kv_caches = allocate_kv_cache(self.rank_config, self.num_blocks, self.block_size,
+                                                  self.kv_dtype, self.device)
+        self._warm_up(config)
+        log.info("worker_ready", architecture=self.model_config.architecture,
+                 device=str(self.device), dtype=dtype_name(self.dtype),
+                 max_model_len=self.max_model_len, num_blocks=self.num_blocks,
+                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                 cuda_graphs=bool(self.runner.graphs.graphs), tensor_parallel_size=config.tensor_parallel_size)
+
+    def _warm_up(self, config: EngineConfig) -> None:
+        runner = self.runner
+        if self.device.type == "cuda":
+            # A prefill of few sequences splits its KV (kernels/attention.py's heuristic), which
+            # neither the profiling step nor a decode graph compiles, and which a mixed step of a
+            # short prompt among a few decodes meets in the middle of serving: compiled here.
+            runner.dummy_run(SPLIT_WARM_UP_TOKENS, 1, num_splits=2)
+        if runner.graph_sizes and self.device.type == "cuda":
+            runner.graphs.capture(runner.kv_caches)
+        else:
+            log.info("cuda_graphs_off", reason="--enforce-eager" if config.enforce_eager else "not on a GPU")
+
+    def _join_group(self, config: EngineConfig, offline: bool, rank: int) -> None:
+        self.device = rank_device(self.device, rank)
+        if rank:
+            self.tp = init_group(rank, config.tensor_parallel_size, self.device)
+            return
+        self.ranks = start_workers(config, offline, self.device)
+        self.tp = self.ranks.tp
+        weakref.finalize(self, self.ranks.stop)
+
+    def _load_weights(self, quantize: Quantize | None) -> None:
+        config = self.config
+        start = time.perf_counter()
+        load_weights(self.model, config.model, config.load_format, config.seed, quantize)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        log.info("model_loaded", weights_gib=round(weight_bytes / 2**30, 3),
+                 parameters=sum(p.numel() for p in self.model.parameters()),
+                 rank=0 if self.tp is None else self.tp.rank,
+                 seconds=round(time.perf_counter() - start, 2), load_format=config.load_format,
+                 quantization=self.quantization)
+
+    def describe(self) -> ExecutorInfo:
+        return ExecutorInfo(num_blocks=self.num_blocks, block_size=self.block_size,
+                            dtype=dtype_name(self.dtype), device=self.device.type,
+                            vocab_size=self.model_config.vocab_size,
+                            max_model_len=self.max_model_len,
+                            eos_token_ids=list(self.model_config.eos_token_ids),
+                            max_num_seqs=self.config.max_num_seqs,
+                            max_num_batched_tokens=self.config.max_num_batched_tokens,
+                            gpu_memory_utilization=self.config.gpu_memory_utilization)
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """Queues the plan's step on the device (see ModelRunner.launch); every rank does too."""
+        if self.ranks is not None:
+            self.ranks.call("launch", plan)
+        return self.runner.launch(plan)
+
+    def collect(self, step: Launched) -> StepResult:
+        """The result of the oldest launched step, waiting for the device if it is not done."""
+        result = self.runner.collect(step)
+        if self.ranks is not None:
+            # Once rank 0 has taken it: an out-of-order collect raises before and changes nothing.
+            self.ranks.defer("collect")
+        return result
+
+    def wait(self, step: Launched) -> None:
+        """Blocks until the device has finished `step` (on any thread: see ModelRunner.wait)."""
+        self.runner.wait(step)
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """Launches the plan's step and returns its result: one step at a time."""
+        return self.collect(self.launch(plan))
+
+    def reset(self) -> None:
+        """Forgets every request (the scheduler that sent them is gone)."""
+        if self.ranks is not None:
+            self.ranks.call("reset")
+        self.runner.reset()

@@ -1,0 +1,469 @@
+"""Fused MoE kernels on one GPU: a correctness check, a tiling sweep per token count, the TUNED
+entries it finds, and each token count's time against the roofline.
+
+Run as `python -m pagedserve.bench.moe --out DIR` (about 5 minutes on an H200). At the
+Qwen3-30B-A3B shape (128 experts, hidden 2048, intermediate 768, top-8), for bf16 and for FP8
+experts, it
+1. checks fused_moe against fused_moe_ref at a few token counts (exits 1 on a mismatch);
+2. compiles every tiling of the sweep in worker processes, whose Triton cache the timing process
+   then reads;
+3. for each M, times the alignment and each GEMM tiling at each candidate block_m (do_bench,
+   L2 flushed before each run), checks each tiling's output against the heuristic's and keeps the
+   fastest sum; then times fused_moe with that config and with the heuristic's as LAYERS layers
+   of distinct weights in one CUDA graph (cold L2 and launch gaps, as in a decode step), and
+   `route` against `route_ref` the same way;
+4. prints each M against the roofline (bytes of the experts the step touches / HBM_BYTES_PER_S,
+   matmul FLOPs / MATMUL_FLOPS) and the TUNED entries to paste into kernels/moe_config.py, and
+   writes both (moe_tuned.txt) and every timing (moe_sweep.json) under DIR.
+`--tiny` runs the same code at a toy shape with one tiling beside the heuristic's, on a CPU too
+(TRITON_INTERPRET=1; its times mean nothing), so that the path is tested without a GPU.
+"""
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, fields, replace
+from itertools import product
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from pagedserve.kernels.fused_moe import expert_gemm, fused_moe
+from pagedserve.kernels.moe_config import MoeConfig, MoeGemmConfig, default_config, dtype_name, stage_bytes
+from pagedserve.kernels.moe_routing import MoeAlignment, moe_align, route
+from pagedserve.kernels.reference import FP8_DTYPE, fused_moe_ref, quantize_experts_fp8_ref, route_ref
+
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+CHECK_TOKENS = (1, 37, 1024)
+HBM_BYTES_PER_S = 4.8e12
+MATMUL_FLOPS = {"bf16": 800e12, "fp8": 1600e12}
+# Each layer reads at least 75 MB of bf16 experts at batch 1, more than the H200's 50 MB L2.
+LAYERS = 4
+MAX_REL_ERR = 2e-2
+# Tilings whose pipeline buffers need more shared memory than this are left out (an H200 block:
+# 227 KiB). Triton 3.9 allocates num_stages - 1 buffers for the 16-row blocks' mma.sync pipeline,
+# num_stages for wgmma's: counting num_stages - 1 leaves the GPU to refuse the rest.
+SWEEP_SMEM = 227 * 1024
+# FP8 experts are tried with activations in bf16 (W8A16) up to this many tokens.
+W8A16_SWEEP_TOKENS = 64
+ACT_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    experts: int
+    hidden: int
+    inter: int
+    top_k: int
+
+
+QWEN3_30B_A3B = Shape(128, 2048, 768, 8)
+TINY = Shape(4, 32, 24, 2)
+# Beside the heuristic's.
+TINY_TILINGS = (MoeGemmConfig(16, 32, 2, 4, 2),)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    shape: Shape
+    tokens: tuple[int, ...]
+    check_tokens: tuple[int, ...]
+    layers: int
+    tiny: bool
+
+
+@dataclass(slots=True)
+class Experts:
+    """One layer's experts: bf16, or FP8 with their scales."""
+    kind: str
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> dict[str, torch.Tensor | None]:
+        return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale}
+
+
+@dataclass(slots=True)
+class Batch:
+    """M tokens and their routing."""
+    x: torch.Tensor
+    logits: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+
+def make_experts(shape: Shape, kind: str, device: torch.device) -> Experts:
+    w13 = torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device) * shape.hidden ** -0.5
+    w2 = torch.randn(shape.experts, shape.hidden, shape.inter, device=device) * shape.inter ** -0.5
+    if kind == "bf16":
+        return Experts(kind, w13.to(ACT_DTYPE), w2.to(ACT_DTYPE))
+    (q13, s13), (q2, s2) = quantize_experts_fp8_ref(w13), quantize_experts_fp8_ref(w2)
+    return Experts(kind, q13, q2, s13, s2)
+
+
+def make_batch(shape: Shape, num_tokens: int, device: torch.device) -> Batch:
+    logits = torch.randn(num_tokens, shape.experts, device=device).to(ACT_DTYPE)
+    x = torch.randn(num_tokens, shape.hidden, device=device).to(ACT_DTYPE)
+    return Batch(x, logits, *route(logits, shape.top_k, renormalize=True))
+
+
+def weight_dtype(kind: str) -> torch.dtype:
+    return FP8_DTYPE if kind == "fp8" else ACT_DTYPE
+
+
+def heuristic(shape: Shape, kind: str, num_tokens: int) -> MoeConfig:
+    return default_config(num_tokens, shape.experts, shape.hidden, shape.inter, shape.top_k,
+                          weight_dtype(kind), ACT_DTYPE)
+
+
+def with_w8a8(config: MoeConfig, w8a8: bool) -> MoeConfig:
+    return replace(config, gate_up=replace(config.gate_up, w8a8=w8a8), down=replace(config.down, w8a8=w8a8))
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def graph_ms(fn: Callable[[], object]) -> float:
+    """fn's time replayed from a CUDA graph (once, timed on the host, without a GPU)."""
+    if not torch.cuda.is_available():
+        return median_ms(fn)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = median_ms(graph.replay)
+    del graph
+    return ms
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+# Correctness
+
+def check(plan: Plan, layers: dict[str, Experts], device: torch.device) -> list[dict]:
+    """fused_moe against fused_moe_ref at each check token count, each kind and FP8 mode."""
+    rows = []
+    for (kind, layer), num_tokens in product(layers.items(), plan.check_tokens):
+        batch = make_batch(plan.shape, num_tokens, device)
+        for w8a8 in ((True, False) if kind == "fp8" else (True,)):
+            config = with_w8a8(heuristic(plan.shape, kind, num_tokens), w8a8)
+            out = fused_moe(batch.x, layer.w13, layer.w2, batch.weights, batch.ids, config=config,
+                            **layer.scales)
+            ref = fused_moe_ref(batch.x, layer.w13, layer.w2, batch.weights, batch.ids,
+                                layer.w13_scale, layer.w2_scale, w8a8, w8a8)
+            err = rel_err(out, ref)
+            rows.append({"kind": kind, "w8a8": w8a8, "tokens": num_tokens, "rel_err": err,
+                         "ok": err < MAX_REL_ERR and not out.isnan().any().item()})
+            print(f"check {kind:4s}{' w8a8' if kind == 'fp8' and w8a8 else '     '} M={num_tokens:5d}: "
+                  f"rel err vs reference {err:.2e} {'ok' if rows[-1]['ok'] else 'FAILED'}", flush=True)
+    return rows
+
+
+# The search space
+
+def block_m_candidates(shape: Shape, num_tokens: int) -> list[int]:
+    """Row blocks around the rows each expert gets on average (M x top_k / E)."""
+    rows = num_tokens * shape.top_k / shape.experts
+    if rows < 4:
+        return [16]
+    target = min(128, max(16, triton.next_power_of_2(int(rows))))
+    return sorted({max(16, target // 2), target, min(128, 2 * target)})
+
+
+def tilings(plan: Plan, block_m: int, gated: bool, a_bytes: int, w_bytes: int) -> list[MoeGemmConfig]:
+    """The tilings tried for one GEMM at block_m: narrow and deep for decode-sized blocks, wide and
+    more warps for prefill-sized ones; those surely past SWEEP_SMEM left out."""
+    if plan.tiny:
+        return list(TINY_TILINGS)
+    if block_m <= 32:
+        space = product((32, 64, 128), (64, 128, 256), (1,), (4,), (2, 3, 4))
+    elif block_m == 64:
+        space = product((64, 128), (64, 128), (1,), (4, 8), (3, 4))
+    else:
+        space = product((64, 128) if gated else (64, 128, 256), (64, 128), (1, 8), (8,), (3, 4))
+    found = [MoeGemmConfig(*t) for t in space if t[0] * t[1] <= 128 * 128 or block_m > 32]
+    return [t for t in found
+            if (t.num_stages - 1) * stage_bytes(t, block_m, a_bytes, w_bytes, gated) <= SWEEP_SMEM]
+
+
+def modes(kind: str, num_tokens: int) -> list[bool]:
+    """The w8a8 settings tried: FP8 experts also in W8A16 at small M."""
+    if kind != "fp8":
+        return [True]
+    return [True, False] if num_tokens <= W8A16_SWEEP_TOKENS else [True]
+
+
+def jobs_of(plan: Plan, kind: str, num_tokens: int) -> list[tuple[int, bool, MoeGemmConfig]]:
+    """(block_m, gated, tiling) of every GEMM launch the sweep times at M = num_tokens: the
+    search space and the heuristic's tilings (its block_m is always a candidate)."""
+    w_bytes = 1 if kind == "fp8" else 2
+    out = []
+    for w8a8 in modes(kind, num_tokens):
+        default = with_w8a8(heuristic(plan.shape, kind, num_tokens), w8a8)
+        out += [(default.block_m, True, default.gate_up), (default.block_m, False, default.down)]
+        a_bytes = 1 if kind == "fp8" and w8a8 else 2
+        for block_m, gated in product(block_m_candidates(plan.shape, num_tokens), (True, False)):
+            out += [(block_m, gated, replace(t, w8a8=w8a8))
+                    for t in tilings(plan, block_m, gated, a_bytes, w_bytes)]
+    return list(dict.fromkeys(out))
+
+
+# Compiling ahead, in parallel
+
+_WORKER_STATE: dict = {}
+
+
+def _compile(shape: Shape, kind: str, jobs: list[tuple[int, bool, MoeGemmConfig]]) -> int:
+    """Runs each job once at a representative M, for Triton to compile and cache it; returns how
+    many failed (a tiling the GPU refuses, reported again when it is timed)."""
+    device = torch.device("cuda")
+    if kind not in _WORKER_STATE:
+        _WORKER_STATE[kind] = (make_experts(shape, kind, device), make_batch(shape, 64, device))
+    layer, batch = _WORKER_STATE[kind]
+    failed = 0
+    for block_m, gated, tiling in jobs:
+        try:
+            alignment = moe_align(batch.ids, shape.experts, block_m)
+            run_gemm(layer, batch, alignment, tiling, gated, _inter(shape, batch))
+        except Exception:  # a tiling the compiler or the GPU refuses: the timing run skips it too
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def precompile(plan: Plan, kinds: list[str], workers: int) -> None:
+    jobs = sorted({(kind, job) for kind in kinds for m in plan.tokens for job in jobs_of(plan, kind, m)},
+                  key=repr)
+    start = time.perf_counter()
+    chunks = [jobs[i::workers] for i in range(workers)]
+    tasks = [(plan.shape, kind, [job for k, job in chunk if k == kind]) for chunk in chunks for kind in kinds]
+    tasks = [task for task in tasks if task[2]]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = sum(pool.map(_compile, *zip(*tasks)))
+    print(f"compiled {len(jobs)} tilings in {time.perf_counter() - start:.0f} s on {workers} processes "
+          f"({failed} refused)", flush=True)
+
+
+# Timing
+
+def _inter(shape: Shape, batch: Batch) -> torch.Tensor:
+    """A down GEMM's input: one row a slot."""
+    return torch.randn(batch.ids.numel(), shape.inter, device=batch.x.device).to(ACT_DTYPE)
+
+
+def run_gemm(layer: Experts, batch: Batch, alignment: MoeAlignment, tiling: MoeGemmConfig, gated: bool,
+             inter: torch.Tensor) -> torch.Tensor:
+    if gated:
+        return expert_gemm(batch.x, layer.w13, layer.w13_scale, alignment, tiling,
+                           a_rows_per_slot=batch.ids.shape[1], gated=True)
+    return expert_gemm(inter, layer.w2, layer.w2_scale, alignment, tiling, a_rows_per_slot=1,
+                       gated=False, topk_weights=batch.weights)
+
+
+def time_tiling(layer: Experts, batch: Batch, alignment: MoeAlignment, tiling: MoeGemmConfig, gated: bool,
+                inter: torch.Tensor, expected: torch.Tensor) -> dict:
+    """One tiling: its error against `expected` (the heuristic's output in the same mode), then
+    its time if within MAX_REL_ERR; a tiling the GPU refuses reports why."""
+    try:
+        err = rel_err(run_gemm(layer, batch, alignment, tiling, gated, inter), expected)
+    except Exception as failure:  # a tiling the compiler or the GPU refuses: report, go on
+        return {"error": f"{type(failure).__name__}: {str(failure).splitlines()[0][:160]}"}
+    if not err < MAX_REL_ERR:
+        return {"rel_err": err}
+    return {"rel_err": err, "ms": median_ms(lambda: run_gemm(layer, batch, alignment, tiling, gated, inter))}
+
+
+def sweep_block_m(plan: Plan, layer: Experts, batch: Batch, block_m: int, inter: torch.Tensor,
+                  expected: dict[tuple[bool, bool], torch.Tensor]) -> dict:
+    """Every tiling of both GEMMs at one block_m: {align_ms, gate_up: [...], down: [...]}."""
+    num_tokens = batch.x.shape[0]
+    alignment = moe_align(batch.ids, plan.shape.experts, block_m)
+    row: dict = {"align_ms": median_ms(lambda: moe_align(batch.ids, plan.shape.experts, block_m)),
+                 "gate_up": [], "down": []}
+    for bm, gated, tiling in jobs_of(plan, layer.kind, num_tokens):
+        if bm == block_m:
+            result = time_tiling(layer, batch, alignment, tiling, gated, inter, expected[gated, tiling.w8a8])
+            row["gate_up" if gated else "down"].append({**asdict(tiling), **result})
+    return row
+
+
+def fastest(results: list[dict]) -> tuple[MoeGemmConfig, float]:
+    timed = [r for r in results if "ms" in r]
+    if not timed:
+        raise RuntimeError(f"no tiling ran correctly: {results[:3]}")
+    best = min(timed, key=lambda r: r["ms"])
+    return MoeGemmConfig(**{f.name: best[f.name] for f in fields(MoeGemmConfig)}), best["ms"]
+
+
+def best_config(per_block_m: dict[int, dict]) -> tuple[MoeConfig, float]:
+    """The block_m and tilings of the least alignment + gate/up + down time."""
+    options = []
+    for block_m, row in per_block_m.items():
+        (up, up_ms), (down, down_ms) = fastest(row["gate_up"]), fastest(row["down"])
+        options.append((row["align_ms"] + up_ms + down_ms, MoeConfig(block_m, up, down)))
+    total, config = min(options, key=lambda o: o[0])
+    return config, total
+
+
+def layer_ms(layers: list[Experts], batch: Batch, config: MoeConfig) -> float:
+    """fused_moe over every layer in one graph, per layer."""
+    def step() -> None:
+        for layer in layers:
+            fused_moe(batch.x, layer.w13, layer.w2, batch.weights, batch.ids, config=config, **layer.scales)
+    return graph_ms(step) / len(layers)
+
+
+def route_ms(batch: Batch, top_k: int, layers: int) -> dict[str, float]:
+    """route (one Triton launch) and route_ref (torch ops), LAYERS calls in one graph, per call."""
+    return {name: graph_ms(lambda: [fn(batch.logits, top_k, True) for _ in range(layers)]) / layers
+            for name, fn in (("triton", route), ("torch", route_ref))}
+
+
+def roofline(shape: Shape, kind: str, batch: Batch) -> dict:
+    """The least time of the layer at this routing: the bytes of the experts it touches (and of x
+    and the output) over HBM_BYTES_PER_S, or its matmul FLOPs over MATMUL_FLOPS, the larger."""
+    touched = batch.ids.unique().numel()
+    num_tokens = batch.x.shape[0]
+    per_expert = 3 * shape.hidden * shape.inter
+    nbytes = touched * per_expert * (1 if kind == "fp8" else 2) + 2 * num_tokens * shape.hidden * 2
+    memory_ms = nbytes / HBM_BYTES_PER_S * 1e3
+    compute_ms = 2 * num_tokens * shape.top_k * per_expert / MATMUL_FLOPS[kind] * 1e3
+    return {"touched_experts": touched, "memory_ms": memory_ms, "compute_ms": compute_ms,
+            "roofline_ms": max(memory_ms, compute_ms)}
+
+
+def sweep_tokens(plan: Plan, layers: list[Experts], num_tokens: int, device: torch.device) -> dict:
+    """Everything timed at M = num_tokens for one kind of experts."""
+    layer = layers[0]
+    batch = make_batch(plan.shape, num_tokens, device)
+    inter = _inter(plan.shape, batch)
+    default = heuristic(plan.shape, layer.kind, num_tokens)
+    expected = {}
+    for w8a8 in modes(layer.kind, num_tokens):
+        reference = with_w8a8(default, w8a8)
+        alignment = moe_align(batch.ids, plan.shape.experts, reference.block_m)
+        expected[True, w8a8] = run_gemm(layer, batch, alignment, reference.gate_up, True, inter)
+        expected[False, w8a8] = run_gemm(layer, batch, alignment, reference.down, False, inter)
+    per_block_m = {bm: sweep_block_m(plan, layer, batch, bm, inter, expected)
+                   for bm in block_m_candidates(plan.shape, num_tokens)}
+    config, parts_ms = best_config(per_block_m)
+    return {"tokens": num_tokens, "best": asdict(config), "best_config": config, "parts_ms": parts_ms,
+            "layer_ms": layer_ms(layers, batch, config), "default_layer_ms": layer_ms(layers, batch, default),
+            **roofline(plan.shape, layer.kind, batch), "route_ms": route_ms(batch, plan.shape.top_k, len(layers)),
+            "block_m": per_block_m}
+
+
+# Reporting
+
+def gemm_literal(tiling: MoeGemmConfig, kind: str) -> str:
+    args = f"{tiling.block_n}, {tiling.block_k}, {tiling.group_m}, {tiling.num_warps}, {tiling.num_stages}"
+    return f"MoeGemmConfig({args}{', w8a8=False' if kind == 'fp8' and not tiling.w8a8 else ''})"
+
+
+def tuned_literal(shape: Shape, kind: str, rows: list[dict]) -> str:
+    """The TUNED entry of one shape and weight dtype, as Python to paste."""
+    dtype = dtype_name(weight_dtype(kind))
+    lines = [f'    ({shape.experts}, {shape.hidden}, {shape.inter}, {shape.top_k}, "{dtype}"): {{']
+    for row in rows:
+        config = row["best_config"]
+        lines.append(f"        {row['tokens']}: MoeConfig({config.block_m}, "
+                     f"{gemm_literal(config.gate_up, kind)}, {gemm_literal(config.down, kind)}),")
+    return "\n".join(lines + ["    },"])
+
+
+def table_line(kind: str, row: dict) -> str:
+    """One M: the layer's time tuned (heuristic; the sum of its timed parts), the roofline (HBM,
+    matmul) and the tuned time's share of it, and routing."""
+    us = {k: v * 1e3 for k, v in row.items() if k.endswith("_ms") and isinstance(v, float)}
+    route_us = {k: v * 1e3 for k, v in row["route_ms"].items()}
+    return (f"{kind:4s} M={row['tokens']:5d} {row['touched_experts']:3d} experts: {us['layer_ms']:7.1f} us "
+            f"(heuristic {us['default_layer_ms']:7.1f}, parts {us['parts_ms']:7.1f}), roofline "
+            f"{us['roofline_ms']:6.1f} (HBM {us['memory_ms']:6.1f}, matmul {us['compute_ms']:6.1f}) = "
+            f"{100 * us['roofline_ms'] / us['layer_ms']:3.0f}%; route {route_us['triton']:4.1f} us "
+            f"(torch {route_us['torch']:4.1f})")
+
+
+def sweep(plan: Plan, kind: str, device: torch.device) -> list[dict]:
+    layers = [make_experts(plan.shape, kind, device) for _ in range(plan.layers)]
+    rows = []
+    for num_tokens in plan.tokens:
+        start = time.perf_counter()
+        rows.append(sweep_tokens(plan, layers, num_tokens, device))
+        print(f"{table_line(kind, rows[-1])} [{time.perf_counter() - start:.0f} s]", flush=True)
+    return rows
+
+
+def run(plan: Plan, kinds: list[str], out_dir: Path, workers: int) -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    checks = check(plan, {kind: make_experts(plan.shape, kind, device) for kind in kinds}, device)
+    report: dict = {"torch": torch.__version__, "triton": triton.__version__, "shape": asdict(plan.shape),
+                    "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "checks": checks}
+    if not all(c["ok"] for c in checks):
+        print("fused_moe does not match its reference: no sweep", file=sys.stderr)
+        (out_dir / "moe_sweep.json").write_text(json.dumps(report))
+        return 1
+    if device.type == "cuda" and workers > 0:
+        precompile(plan, kinds, workers)
+    results = {kind: sweep(plan, kind, device) for kind in kinds}
+    literal = "\n".join(tuned_literal(plan.shape, kind, rows) for kind, rows in results.items())
+    print(f"\nTUNED entries for kernels/moe_config.py, to replace those of this shape (measured on "
+          f"{report['gpu']}):\n{literal}")
+    (out_dir / "moe_tuned.txt").write_text(literal + "\n")
+    report["sweep"] = {kind: [{k: v for k, v in row.items() if k != "best_config"} for row in rows]
+                       for kind, rows in results.items()}
+    (out_dir / "moe_sweep.json").write_text(json.dumps(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True,
+                        help="directory for moe_sweep.json and moe_tuned.txt")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a toy shape and one tiling beside the heuristic's (runs on a CPU)")
+    parser.add_argument("--kinds", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
+    parser.add_argument("--tokens", type=int, nargs="+", help=f"token counts M (default {TOKENS})")
+    parser.add_argument("--experts", type=int, default=QWEN3_30B_A3B.experts)
+    parser.add_argument("--hidden", type=int, default=QWEN3_30B_A3B.hidden)
+    parser.add_argument("--intermediate", type=int, default=QWEN3_30B_A3B.inter,
+                        help="per tensor-parallel rank (768 / tp for Qwen3-30B-A3B)")
+    parser.add_argument("--top-k", type=int, default=QWEN3_30B_A3B.top_k)
+    parser.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
+                        help="processes compiling the tilings ahead (0: compile as they are timed)")
+    args = parser.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("the MoE sweep needs a CUDA GPU (or --tiny); none is visible to torch")
+    if args.tiny:
+        tokens = tuple(args.tokens or (1, 5))
+        plan = Plan(TINY, tokens, tokens, layers=1, tiny=True)
+    else:
+        shape = Shape(args.experts, args.hidden, args.intermediate, args.top_k)
+        plan = Plan(shape, tuple(args.tokens or TOKENS), CHECK_TOKENS, LAYERS, tiny=False)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return run(plan, args.kinds, args.out, args.workers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

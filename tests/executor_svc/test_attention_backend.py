@@ -1,0 +1,35 @@
+"""Both backends' forward with a layer's own sliding window, logit cap and partial-rotary table:
+the Triton kernels (interpreted on a CPU) against the torch references."""
+import torch
+
+from pagedserve.executor_svc.attention_backend import (AttentionMetadata, TorchAttentionBackend,
+                                                       TritonAttentionBackend)
+from pagedserve.executor_svc.layers.rotary import Rope, cos_sin_cache
+from tests.kernels.kernel_testing import DEVICE, assert_close, random_paged_kv
+
+
+def test_forward_threads_window_softcap_and_partial_rotary() -> None:
+    # A 6-token chunk over 20 cached tokens and a decode over 30, 4 query heads on 2 KV heads.
+    cached, new, block_size = [20, 30], [6, 1], 8
+    seq_lens = [c + n for c, n in zip(cached, new)]
+    k_cache, v_cache, table = random_paged_kv(seq_lens, 2, 32, block_size, torch.float32)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)]).to(DEVICE)
+    seq_of = torch.tensor([0] * new[0] + [1] * new[1], device=DEVICE)
+    slots = table[seq_of, positions // block_size].long() * block_size + positions % block_size
+    meta = AttentionMetadata(slots, torch.tensor([0, 6, 7], dtype=torch.int32, device=DEVICE),
+                             torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), table,
+                             max_query_len=6, max_seq_len=31)
+    q, k, v = (torch.randn(7, heads, 32, device=DEVICE) for heads in (4, 2, 2))
+    q *= 4
+    # Half of each head rotates.
+    table_16 = cos_sin_cache(Rope(32, partial_rotary_factor=0.5), 64).to(DEVICE)
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        outs.append(backend.forward(positions, q.clone(), k.clone(), v, table_16,
+                                    k_cache.clone(), v_cache.clone(), meta, 32 ** -0.5,
+                                    None, sliding_window=5, softcap=2.0))
+    assert_close(outs[1], outs[0])
+    plain = TorchAttentionBackend().forward(positions, q.clone(), k.clone(), v, table_16,
+                                            k_cache.clone(), v_cache.clone(), meta, 32 ** -0.5,
+                                            None)
+    assert (plain - outs[0]).abs().max() > 0.1
