@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install dev up test proto clean
+.PHONY: install dev up test proto lock clean
 
 # Runtime dependencies only: what `make up` needs.
 install: $(VENV)/.installed
@@ -39,6 +39,18 @@ test: dev
 
 proto: dev
 	$(PY) -m pagedserve.v1.generate
+
+# requirements.lock, which the image installs with --require-hashes: every runtime dependency pinned
+# with its hashes for the image's platform (Linux x86_64, Python 3.12), torch at LOCK_TORCH (its
+# PyPI build bundles CUDA 13.0). Run it after changing pyproject.toml's dependencies; it needs PyPI.
+LOCK_TORCH ?= 2.11.0
+LOCK_COMMAND := uv pip compile pyproject.toml --generate-hashes --python-version 3.12 \
+	--python-platform x86_64-manylinux_2_28 --constraint /dev/stdin
+lock:
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q uv==0.13.8
+	echo "torch==$(LOCK_TORCH)" | $(VENV)/bin/$(LOCK_COMMAND) --quiet --output-file requirements.lock \
+		--custom-compile-command "make lock, which runs: echo torch==$(LOCK_TORCH) | $(LOCK_COMMAND)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

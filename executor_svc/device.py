@@ -15,6 +15,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def device_broken(error: BaseException) -> bool:
+    """Whether `error` leaves the device unusable for the rest of the process: a CUDA error (a
+    device-side assert, an illegal address) fails every later call too, unlike running out of
+    memory. torch raises AcceleratorError for them since 2.8, a RuntimeError naming them before."""
+    kind = getattr(torch, "AcceleratorError", RuntimeError)
+    return isinstance(error, kind) and (kind is not RuntimeError or "CUDA error" in str(error))
+
+
 def resolve_dtype(name: str, model: ModelConfig, device: torch.device,
                   quantization: str | None = None) -> torch.dtype:
     """`auto`: float32 on the CPU, the checkpoint's dtype (bfloat16 when unstated) on a GPU, and

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from pagedserve.common.plan import NewRequest
+from pagedserve.executor_svc.logits import LogitBiasTable
 
 FREE_ROW = np.iinfo(np.int64).min
 
@@ -15,9 +16,10 @@ class InputBatch:
     Block-table changes are also queued as (row, column, block id) triples so the device copy of
     the table can be updated incrementally (`take_block_updates`)."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int,
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int,
                  device: torch.device) -> None:
         self.max_num_seqs = max_num_seqs
+        self.vocab_size = vocab_size
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.device = device
@@ -51,8 +53,7 @@ class InputBatch:
         self.penalised: set[int] = set()
         self.logprob_rows: set[int] = set()
         self.prompt_logprob_rows: set[int] = set()
-        # Row -> [2, n] float32 (token ids, exact below 2**24, and their bias).
-        self.logit_bias: dict[int, np.ndarray] = {}
+        self.logit_bias = LogitBiasTable(max_num_seqs, vocab_size, device)
         self._update_rows: list[int] = []
         self._update_cols: list[int] = []
         self._update_ids: list[int] = []
@@ -80,6 +81,9 @@ class InputBatch:
         self.seq_ids[row] = request.seq_id
         n = len(request.token_ids)
         self.token_ids[row, :n] = request.token_ids
+        # Behind the scheduler's check, as a second guard: an id outside the vocabulary would index
+        # past the embedding (on a GPU, a device assert that ends every request).
+        np.clip(self.token_ids[row, :n], 0, self.vocab_size - 1, out=self.token_ids[row, :n])
         self.num_tokens[row] = n
         self.num_computed[row] = request.num_computed_tokens
         self.num_blocks[row] = 0
@@ -108,12 +112,13 @@ class InputBatch:
         if asks:
             self.prompt_logprob_rows.add(row)
         if s.logit_bias:
-            self.logit_bias[row] = np.array((list(s.logit_bias), list(s.logit_bias.values())),
-                                            dtype=np.float32)
+            self.logit_bias.set(row, s.logit_bias)
         self.min_tokens[row] = 0
         if s.min_tokens and request.min_tokens_mask_ids:
             self.min_tokens[row] = s.min_tokens
-            self.stop_ids[row] = np.array(request.min_tokens_mask_ids, dtype=np.int64)
+            stop_ids = np.array(request.min_tokens_mask_ids, dtype=np.int64)
+            # Masked in the flat logits, where an id past the vocabulary is another row's token.
+            self.stop_ids[row] = stop_ids[(stop_ids >= 0) & (stop_ids < self.vocab_size)]
 
     def remove(self, seq_id: int) -> None:
         row = self.row(seq_id)
@@ -124,7 +129,7 @@ class InputBatch:
         self.penalised.discard(row)
         self.logprob_rows.discard(row)
         self.prompt_logprob_rows.discard(row)
-        self.logit_bias.pop(row, None)
+        self.logit_bias.clear(row)
         self.free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -176,12 +181,6 @@ class InputBatch:
         positions = np.concatenate([np.arange(s, s + c) for s, c in zip(starts.tolist(), counts.tolist())])
         targets = self.token_ids[np.repeat(rows[index], counts), positions + 1]
         return index, starts, counts, first + positions, targets
-
-    def bias_table(self, rows: np.ndarray) -> np.ndarray | None:
-        """[3, n] float32 (index into rows, token id, bias) of the rows with a logit_bias."""
-        tables = [np.vstack((np.full(t.shape[1], i, dtype=np.float32), t))
-                  for i, row in enumerate(rows.tolist()) if (t := self.logit_bias.get(row)) is not None]
-        return np.hstack(tables) if tables else None
 
     def padded_tokens(self, rows: np.ndarray, pad: int) -> np.ndarray:
         """[len(rows), longest] int32: each row's prompt and outputs, padded with `pad`."""

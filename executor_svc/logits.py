@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from pagedserve.common.plan import StepLogprobs
+from pagedserve.common.sampling_params import MAX_LOGIT_BIAS_TOKENS
+from pagedserve.executor_svc.step_buffers import upload_pinned
 
 
 def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -34,10 +36,66 @@ class GrammarMask:
         logits.index_copy_(0, self.rows, masked)
 
 
-def add_bias(logits: torch.Tensor, bias: torch.Tensor) -> None:
-    """Adds logit_bias in place: bias [3, n] float32 holds (row, token id, value) triples."""
-    flat = bias[0].long() * logits.shape[1] + bias[1].long()
-    logits.view(-1).index_add_(0, flat, bias[2])
+@dataclass(slots=True)
+class LogitBias:
+    """The rows of a batch that set a logit_bias (indices into its logits) and their entries,
+    [k, width] each; an entry past a row's own count adds 0."""
+    rows: torch.Tensor       # [k] int64
+    token_ids: torch.Tensor  # [k, width] int32, each in [0, vocab)
+    values: torch.Tensor     # [k, width] float32
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Adds each row's bias to its logits in place (contiguous logits)."""
+        flat = self.rows[:, None] * logits.shape[1] + self.token_ids
+        logits.view(-1).index_add_(0, flat.view(-1), self.values.reshape(-1))
+
+
+class LogitBiasTable:
+    """Every row's logit_bias on the device, uploaded once when its request arrives: a step only
+    gathers the rows it samples. At most MAX_LOGIT_BIAS_TOKENS entries a row (the scheduler refuses
+    more), so the table is small: 8 KiB a row."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.token_ids = torch.zeros(max_rows, MAX_LOGIT_BIAS_TOKENS, dtype=torch.int32, device=device)
+        self.values = torch.zeros(max_rows, MAX_LOGIT_BIAS_TOKENS, dtype=torch.float32, device=device)
+        self.lengths = np.zeros(max_rows, dtype=np.int64)
+        self.rows: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def set(self, row: int, bias: dict[int, float]) -> None:
+        ids = np.fromiter(bias, dtype=np.int64, count=len(bias))
+        values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+        # Behind the scheduler's check, as a second guard: an id past the vocabulary would land in
+        # the next row of the flat logits, another request's.
+        keep = (ids >= 0) & (ids < self.vocab_size)
+        ids, values = ids[keep][:MAX_LOGIT_BIAS_TOKENS], values[keep][:MAX_LOGIT_BIAS_TOKENS]
+        n = len(ids)
+        self.lengths[row] = n
+        if not n:
+            return
+        # The entries past n are a former request's: a step gathers them with a longer row's.
+        self.values[row].zero_()
+        self.token_ids[row, :n] = upload_pinned(ids.astype(np.int32), self.device)
+        self.values[row, :n] = upload_pinned(values, self.device)
+        self.rows.add(row)
+
+    def clear(self, row: int) -> None:
+        self.lengths[row] = 0
+        self.rows.discard(row)
+
+    def select(self, rows: np.ndarray, upload: Callable[[np.ndarray], torch.Tensor]) -> LogitBias | None:
+        """The bias of the batch `rows` that have one; None if none has."""
+        index = np.flatnonzero(self.lengths[rows])
+        if not len(index):
+            return None
+        biased = rows[index]
+        width = int(self.lengths[biased].max())
+        table = upload(np.stack((index, biased)))
+        return LogitBias(table[0], self.token_ids[table[1], :width], self.values[table[1], :width])
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ pipelined, launched before the previous one's tokens reach the host (executor_sv
 it and drives it)."""
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from pagedserve.executor_svc.step_inputs import HostInputs, host_inputs
 from pagedserve.executor_svc.step_clock import StepClock
 from pagedserve.executor_svc.structured_outputs import StructuredOutputs
 from pagedserve.common.config import EngineConfig
-from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, NewRequest, StepPlan, StepResult
+from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, NewRequest, RequestError, StepPlan, StepResult
 from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -59,6 +59,9 @@ class Launched:
     # Whether its tokens are in the batch already (see ModelRunner._settle).
     applied: bool = False
     prompt: PendingPrompt | None = None
+    # The seq_ids whose grammar was not ready (their tokens are void), and the requests failed.
+    deferred: np.ndarray | None = None
+    errors: list[RequestError] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -96,9 +99,10 @@ class ModelRunner:
         # The profiling step packs max_num_batched_tokens into sequences of max_model_len.
         self.max_seqs = max(config.max_num_seqs, -(-config.max_num_batched_tokens // max_model_len))
         max_tokens = max([config.max_num_batched_tokens, *self.graph_sizes])
-        self.batch = InputBatch(self.max_seqs, max_model_len, self.block_size, device)
+        self.batch = InputBatch(self.max_seqs, max_model_len, self.block_size, model_config.vocab_size, device)
+        # With tensor parallelism every rank must sample the same rows: a step waits for a grammar.
         self.structured = StructuredOutputs(config.model, model_config.vocab_size,
-                                            list(model_config.eos_token_ids), self.max_seqs)
+                                            list(model_config.eos_token_ids), self.max_seqs, defer=tp is None)
         self.inputs = SamplingInputs(self.batch, self.structured, model_config.vocab_size)
         max_blocks = self.batch.max_blocks
         self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs, max_blocks, device)
@@ -160,6 +164,9 @@ class ModelRunner:
                                 prompt=prompt)
             self.last_end = launched.end
             batch.num_computed[rows] += query_lens
+            if deferred := self.structured.take_deferred():
+                launched.deferred = self._defer(deferred)
+        launched.errors = self.structured.take_errors()
         self.launched.append(launched)
         self.stats.host_ns += time.perf_counter_ns() - host_start
         return launched
@@ -191,7 +198,8 @@ class ModelRunner:
             logprobs = step_logprobs(asked.index, asked.num_top, step.logprobs.values.numpy(),
                                      step.logprobs.ids.numpy())
         result = StepResult(step.step_id, step.seq_ids.tolist(), step.tokens.tolist(), forward_ns,
-                            idle_ns, logprobs, None if step.prompt is None else step.prompt.result())
+                            idle_ns, logprobs, None if step.prompt is None else step.prompt.result(),
+                            step.errors, [] if step.deferred is None else step.deferred.tolist())
         self.stats.host_ns += time.perf_counter_ns() - host_start
         return result
 
@@ -202,11 +210,20 @@ class ModelRunner:
         wait = time.perf_counter_ns()
         self.wait(step)
         self.stats.wait_ns += time.perf_counter_ns() - wait
-        tokens = step.tokens.numpy()
-        self.batch.append_sampled(step.rows, step.seq_ids, tokens)
+        rows, seq_ids, tokens = step.rows, step.seq_ids, step.tokens.numpy()
+        if step.deferred is not None:
+            kept = ~np.isin(seq_ids, step.deferred)
+            rows, seq_ids, tokens = rows[kept], seq_ids[kept], tokens[kept]
+        self.batch.append_sampled(rows, seq_ids, tokens)
         if self.structured:
-            self.structured.accept(step.seq_ids, tokens)
+            self.structured.accept(seq_ids, tokens)
         step.applied = True
+
+    def _defer(self, seq_ids: list[int]) -> np.ndarray:
+        """Rolls back the rows that sampled before their grammar was ready: their token is void, and
+        the next step computes their last position again (structured_outputs.py)."""
+        self.batch.num_computed[[self.batch.rows[s] for s in seq_ids]] -= 1
+        return np.array(seq_ids, dtype=np.int64)
 
     def _settle(self) -> None:
         """Brings the batch's tokens up to date with every launched step."""

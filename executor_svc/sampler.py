@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedserve.executor_svc.logits import (GrammarMask, LogprobRows, Penalties, SampledLogprobs, add_bias,
+from pagedserve.executor_svc.logits import (GrammarMask, LogitBias, LogprobRows, Penalties, SampledLogprobs,
                                             gather_logprobs, mask_tokens)
 from pagedserve.kernels.argmax import argmax
 
@@ -30,8 +30,7 @@ class SamplingBatch:
     # [2, n] (row, token id): stop tokens of rows with fewer than min_tokens outputs.
     stop_mask: torch.Tensor | None = None
     grammar: GrammarMask | None = None
-    # [3, n] float32 (row, token id, bias): logit_bias of the rows that set one.
-    logit_bias: torch.Tensor | None = None
+    logit_bias: LogitBias | None = None
     penalties: Penalties | None = None
     logprobs: LogprobRows | None = None
 
@@ -81,7 +80,7 @@ class Sampler:
         if batch.grammar is not None:
             batch.grammar.apply(logits)
         if batch.logit_bias is not None:
-            add_bias(logits, batch.logit_bias)
+            batch.logit_bias.apply(logits)
         if batch.penalties is not None:
             batch.penalties.apply(logits)
         tokens = self._sample(logits, batch)

@@ -56,8 +56,7 @@ class SamplingInputs:
         if self.structured:
             sampling.grammar = self._grammar(rows, staging)
         if b.logit_bias:
-            bias = b.bias_table(rows)
-            sampling.logit_bias = None if bias is None else upload_pinned(bias, staging.device)
+            sampling.logit_bias = b.logit_bias.select(rows, staging.upload)
         if b.penalised:
             sampling.penalties = self._penalties(rows, staging)
         if b.logprob_rows:

@@ -4,7 +4,10 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
 
+from pagedserve.executor_svc.device import device_broken
 from pagedserve.executor_svc.worker import Worker
 from pagedserve.common import service
 from pagedserve.common.config import EngineConfig
@@ -16,8 +19,14 @@ log = get_logger(__name__)
 
 
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, worker: Worker) -> None:
+    """`health`, the server's health service, reports NOT_SERVING once the device fails."""
+
+    def __init__(self, worker: Worker, health: health_aio.HealthServicer | None = None) -> None:
         self.worker = worker
+        self.health = health
+        # Why the device failed, once it has: no step can run again in this process.
+        self.broken: str | None = None
+        self.device_failed = asyncio.Event()
         # Launch and collect share one thread: they change the worker's host state, in order, off
         # the event loop so health checks answer. Waiting for the device takes another, so that a
         # plan that arrives meanwhile is launched behind the running step.
@@ -30,6 +39,9 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         return info_to_proto(self.worker.describe())
 
     async def Run(self, request_iterator, context: grpc.aio.ServicerContext):
+        if self.broken:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the executor's device failed ({self.broken}); "
+                                                             "restart the executor")
         if self.busy:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "another scheduler is already attached to this executor")
@@ -45,11 +57,25 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 await loop.run_in_executor(self.waiter, self.worker.wait, step)
                 result = await loop.run_in_executor(self.pool, self.worker.collect, step)
                 yield result_to_proto(result)
+        except Exception as e:
+            if device_broken(e):
+                await self._fail_device(e)
+            raise
         finally:
             reader.cancel()
             self.busy = False
-            await loop.run_in_executor(self.pool, self.worker.reset)
+            if not self.broken:
+                await loop.run_in_executor(self.pool, self.worker.reset)
             log.info("scheduler_detached")
+
+    async def _fail_device(self, error: Exception) -> None:
+        """Reports NOT_SERVING for good: a failed device fails every later step, so the liveness
+        probe, or `serve`, restarts the executor."""
+        self.broken = str(error).splitlines()[0]
+        log.error("device_failed", error=self.broken)
+        if self.health is not None:
+            await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.device_failed.set()
 
     async def _launch_all(self, request_iterator, launched: asyncio.Queue) -> None:
         """Launches each plan as it arrives, queueing the step for the result writer; then None."""
@@ -65,12 +91,20 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
 
 async def serve(config: EngineConfig, address: str) -> None:
-    """Loads the model, then serves the Executor service at `address` until SIGINT/SIGTERM."""
+    """Loads the model, then serves the Executor service at `address` until SIGINT/SIGTERM, or
+    until the device fails, which exits with an error (restart policies then start it again)."""
     worker = Worker(config)
     info = worker.describe()
     log.info("executor_ready", address=address, device=info.device, dtype=info.dtype,
              num_blocks=info.num_blocks, block_size=info.block_size)
+    health = health_aio.HealthServicer()
+    executor = ExecutorService(worker, health)
     running = await service.start("executor", address, partial(
-        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(worker)))
-    await service.wait_for_signal()
+        executor_pb2_grpc.add_ExecutorServicer_to_server, executor), health)
+    stopping = [asyncio.create_task(service.wait_for_signal()), asyncio.create_task(executor.device_failed.wait())]
+    await asyncio.wait(stopping, return_when=asyncio.FIRST_COMPLETED)
+    for task in stopping:
+        task.cancel()
     await running.stop()
+    if executor.broken:
+        raise SystemExit(f"executor: the device failed ({executor.broken}); restart the executor")

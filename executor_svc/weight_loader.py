@@ -257,12 +257,23 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
+        return sorted(_shard(index, name) for name in set(weight_map.values()))
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}: download the safetensors "
                                 "weights, or pass --load-format dummy for random weights")
     return files
+
+
+def _shard(index: Path, name: object) -> Path:
+    """The file a safetensors index names, which must be in the model's folder or below: `..` or an
+    absolute path would read outside it. Checked by name, not resolved: Hugging Face's cache links
+    each shard to a blob outside its snapshot folder."""
+    path = Path(name) if isinstance(name, str) else None
+    if path is None or path.is_absolute() or ".." in path.parts or not path.parts:
+        raise ValueError(f"{index}: weight_map names the shard {name!r}, which is not a file in the model's "
+                         "folder; the index is corrupt or crafted")
+    return index.parent / path
 
 
 def _copy(name: str, tensor: CheckpointTensor, target: Target) -> None:

@@ -43,7 +43,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
               max_client_batch_size: int = DEFAULT_MAX_CLIENT_BATCH_SIZE,
               body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
               trust_request_chat_template: bool = False,
-              max_concurrent_requests: int | None = None) -> web.Application:
+              max_concurrent_requests: int | None = None,
+              prompt_tokens_details: bool = False) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     `scheduler_address` is one scheduler's address or several, comma-separated: each prompt goes
@@ -56,6 +57,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     `tool_parser` reads tool calls under tool_choice "auto"; `reasoning_parser` splits off thinking.
     `trust_request_chat_template` lets requests bring a chat template (else a 400).
     Past `max_concurrent_requests` generation requests in flight, new ones get a 503.
+    `prompt_tokens_details` puts cached_tokens in usage (vLLM's --enable-prompt-tokens-details).
     """
     gateway = Gateway(EnginePool(scheduler_address), tokenizer,
                       served_model_names=list(served_model_names or ()), stream_interval=stream_interval,
@@ -63,7 +65,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
                       tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                       max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout,
                       trust_request_chat_template=trust_request_chat_template,
-                      max_concurrent_requests=max_concurrent_requests)
+                      max_concurrent_requests=max_concurrent_requests,
+                      prompt_tokens_details=prompt_tokens_details)
     middlewares = [request_id_middleware, error_middleware, gateway.drain.middleware]
     if allowed_hosts is not None:
         middlewares.insert(2, host_middleware(allowed_hosts))

@@ -69,16 +69,20 @@ class EngineClient:
     async def model_info(self, timeout: float = 2.0) -> pb.ModelInfo:
         """Fresh ModelInfo, live counters included; raises a 503 APIError if the scheduler is down."""
         try:
-            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout,
+                                                  metadata=service.call_metadata())
         except grpc.aio.AioRpcError as e:
             raise api_error(e.code(), e.details()) from e
 
     def start(self, request_id: str, prompt_token_ids: list[int], params: sampling_pb2.SamplingParams,
-              trace_id: str, deliver: Callable[[pb.GenerateResponse | APIError], None]) -> None:
+              trace_id: str, deliver: Callable[[pb.GenerateResponse | APIError], None],
+              cache_salt: str | None = None) -> None:
         """Sends a request on the scheduler's shared GenerateStream call: `deliver` receives each of
         its responses, and an APIError last if the scheduler refused or failed it. `trace_id` is the
-        HTTP X-Request-Id, which the scheduler logs with it."""
-        request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params)
+        HTTP X-Request-Id, which the scheduler logs with it; `cache_salt` keeps its prefix-cache blocks
+        from requests with another salt."""
+        request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
+                                     cache_salt=cache_salt or "")
         self._open_stream().open(request, trace_id, deliver,
                                  lambda failed: deliver(api_error(failed.code, failed.details)))
 

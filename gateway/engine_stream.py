@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pagedserve.common import service
 from pagedserve.v1 import engine_pb2 as pb
 from pagedserve.v1.engine_pb2_grpc import EngineStub
 
@@ -28,7 +29,7 @@ class EngineStream:
         # Request id -> (the callback for its responses, the one for its failure).
         self._deliver_to: dict[str, tuple[Callable[[pb.GenerateResponse], None], Callable[[Failed], None]]] = {}
         self.error: Failed | None = None
-        self._call = stub.GenerateStream(self._requests())
+        self._call = stub.GenerateStream(self._requests(), metadata=service.call_metadata())
         self._reading = asyncio.create_task(self._read())
 
     def open(self, request: pb.GenerateRequest, trace_id: str, deliver: Callable[[pb.GenerateResponse], None],

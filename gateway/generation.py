@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate, groupby
 from operator import itemgetter
 
+from msgspec import UNSET
+
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.gateway.engine_client import SchedulerDown
 from pagedserve.gateway.engine_pool import Engine, EnginePool
@@ -59,6 +61,7 @@ class Choice:
     # `params` as the scheduler receives them.
     wire: sampling_pb2.SamplingParams
     counts_prompt: bool
+    cache_salt: str | None = None
     # The scheduler it runs on, picked when the generation starts.
     engine: Engine | None = None
     completion_tokens: int = 0
@@ -70,7 +73,8 @@ class Choice:
     ended: bool = False
 
 
-def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
+def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams,
+            cache_salt: str | None = None) -> list[Choice]:
     """n choices per prompt, each its own engine request; seeds differ so that samples do too. The
     parameters are converted to their wire form once per request: each choice gets a copy (made
     in C) that differs in its seed only."""
@@ -81,7 +85,8 @@ def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams) -
     for p, prompt in enumerate(prompts):
         for i, child in enumerate(children):
             index = p * params.n + i
-            choices.append(Choice(index, f"{request_id}-{index}", prompt, child, wires[i], counts_prompt=i == 0))
+            choices.append(Choice(index, f"{request_id}-{index}", prompt, child, wires[i], counts_prompt=i == 0,
+                                  cache_salt=cache_salt))
     return choices
 
 
@@ -102,7 +107,7 @@ class Generation:
 
     def __init__(self, engines: EnginePool, tokenizer: Tokenizer, choices: list[Choice],
                  trace_id: str, metrics: ModelMetrics, arrival: float, stream_interval: int = 1,
-                 log_requests: bool = False) -> None:
+                 log_requests: bool = False, prompt_tokens_details: bool = False) -> None:
         self._engines = engines
         self._trace_id = trace_id
         self._tokenizer = tokenizer
@@ -114,6 +119,8 @@ class Generation:
         self._stream_interval = stream_interval
         # Whether its end is logged at info with its parameters (--enable-log-requests).
         self.log_requests = log_requests
+        # Whether usage reports cached_tokens (--enable-prompt-tokens-details).
+        self._prompt_tokens_details = prompt_tokens_details
         self._queue: asyncio.Queue[tuple[Choice, pb.GenerateResponse | APIError] | Exception] = asyncio.Queue()
 
     def usage(self) -> Usage:
@@ -121,8 +128,9 @@ class Generation:
         firsts = [c for c in self.choices if c.counts_prompt]
         prompt = sum(len(c.prompt_token_ids) for c in firsts)
         completion = sum(c.completion_tokens for c in self.choices)
+        details = PromptTokensDetails(sum(c.cached_tokens for c in firsts)) if self._prompt_tokens_details else UNSET
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(sum(c.cached_tokens for c in firsts)))
+                     prompt_tokens_details=details)
 
     def interrupt(self, error: Exception) -> None:
         """Makes events() raise `error` after the events already produced (a shutdown)."""
@@ -170,7 +178,7 @@ class Generation:
         choice.progress = _Progress(detok, ChoiceStats(self.metrics, self._arrival))
         queue = self._queue
         choice.engine.client.start(choice.request_id, choice.prompt_token_ids, choice.wire, self._trace_id,
-                                   lambda reply: queue.put_nowait((choice, reply)))
+                                   lambda reply: queue.put_nowait((choice, reply)), choice.cache_salt)
 
     def _end(self, choice: Choice, finish_reason: str | None) -> None:
         # Ending a request the scheduler has not finished (a stop string, a client gone) aborts it.

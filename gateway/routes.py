@@ -222,7 +222,7 @@ def _choices(rid: str, req: SamplingFields, prompts: list[list[int]], max_tokens
     params.check_stop(req.stop)
     sampling = params.sampling_params(req, max_tokens, logprobs, served.sampling_defaults, constraint,
                                       prompt_logprobs, bias)
-    choices = fan_out(rid, prompts, sampling)
+    choices = fan_out(rid, prompts, sampling, req.cache_salt)
     served.metrics.request_params_n.observe(req.n)
     served.metrics.request_params_max_tokens.observe(
         max_tokens or spec.max_model_len - max(len(p) for p in prompts))
@@ -234,7 +234,8 @@ async def _generate(request: web.Request, builder: ResponseBuilder, choices: lis
     gateway = request.app[GATEWAY]
     start = time.monotonic()
     generation = Generation(gateway.engines, gateway.tokenizer, choices, current_request_id(),
-                            served.metrics, start, gateway.stream_interval, gateway.log_requests)
+                            served.metrics, start, gateway.stream_interval, gateway.log_requests,
+                            gateway.prompt_tokens_details)
     try:
         with gateway.drain.track(generation):
             async with aclosing(generation.events()) as events:

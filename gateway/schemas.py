@@ -5,7 +5,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from pagedserve.common.sampling_params import RANGES, OutOfRange, Range, check_ranges
+from pagedserve.common.sampling_params import MAX_CACHE_SALT_CHARS, RANGES, OutOfRange, Range, check_ranges
 from pagedserve.gateway.errors import bad_request
 
 Int32 = Annotated[int, Meta(ge=-2**31, le=2**31 - 1)]
@@ -136,6 +136,8 @@ class SamplingFields(Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     user: str | None = None
+    # vLLM's: only requests with the same salt share prefix-cache blocks (one per tenant, say).
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
     def __post_init__(self) -> None:
         if self.n is None:
@@ -217,7 +219,9 @@ class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    # Only with --enable-prompt-tokens-details (vLLM's), else absent (OpenAI's spec does not allow
+    # null): cached_tokens tells a client whether someone else sent the same prefix lately.
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
 
 
 class FunctionCall(Struct):

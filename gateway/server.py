@@ -87,6 +87,9 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                             "finish reasons, completion tokens and latency")
     group.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                        default=False, help="no line per request (the default; vLLM's older flag)")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="report usage.prompt_tokens_details.cached_tokens, which tells a client whether "
+                            "anyone sent the same prompt prefix lately")
     group.add_argument("--uvicorn-log-level", choices=list(HTTP_LOG_LEVELS), default="info",
                        help="level of the HTTP server's own logs (vLLM's uvicorn, aiohttp here): "
                             "info logs one access line per HTTP request, warning and above none")
@@ -210,7 +213,8 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     tool_parser=tool_parser(args), reasoning_parser=args.reasoning_parser,
                     max_client_batch_size=args.max_client_batch_size, body_read_timeout=args.body_read_timeout,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    max_concurrent_requests=args.max_concurrent_requests)
+                    max_concurrent_requests=args.max_concurrent_requests,
+                    prompt_tokens_details=args.enable_prompt_tokens_details)
     # The tokenizer and everything loaded so far live as long as the process: frozen, they leave
     # the collector's full passes, which a large request's objects would otherwise trigger over
     # the whole heap (tens of milliseconds with the event loop held).

@@ -47,6 +47,8 @@ class Gateway:
     served_model_names: list[str] = field(default_factory=list)
     stream_interval: int = 1
     log_requests: bool = False
+    # --enable-prompt-tokens-details: usage reports cached_tokens.
+    prompt_tokens_details: bool = False
     sampling_defaults: dict = field(default_factory=dict)
     # --tool-call-parser when --enable-auto-tool-choice is on (else None), and --reasoning-parser.
     tool_parser: str | None = None

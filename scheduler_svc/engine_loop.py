@@ -4,6 +4,7 @@ import itertools
 
 import grpc
 
+from pagedserve.common import service
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import StepPlan, StepResult, plan_to_proto, result_from_proto
 from pagedserve.common.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ class EngineLoop:
         self.error: ExecutorLost | None = None
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            queue: asyncio.Queue | None = None) -> tuple[int, asyncio.Queue]:
+            queue: asyncio.Queue | None = None, cache_salt: str = "") -> tuple[int, asyncio.Queue]:
         """Queues a request whose outputs go to `queue` (a new one by default, which several requests
         may share); raises ValueError for one the scheduler cannot take, QueueFull when the queue is
         full, and ExecutorLost while the executor is away."""
@@ -64,8 +65,8 @@ class EngineLoop:
         if request_id in self.seq_ids:
             raise ValueError(f"request id {request_id!r} is already running; use a unique id")
         seq_id = next(self.seq_counter)
-        self.scheduler.add(Request(seq_id=seq_id, request_id=request_id,
-                                   prompt_token_ids=prompt_token_ids, sampling=params))
+        self.scheduler.add(Request(seq_id=seq_id, request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                   sampling=params, cache_salt=cache_salt))
         queue = asyncio.Queue() if queue is None else queue
         self.outputs[seq_id] = queue
         self.seq_ids[request_id] = seq_id
@@ -84,7 +85,7 @@ class EngineLoop:
     async def run(self) -> None:
         """Steps until the executor's stream ends; then fails every caller waiting for output and
         returns. add() refuses requests from then until reset()."""
-        call = self.executor.Run()
+        call = self.executor.Run(metadata=service.call_metadata())
         stepping = asyncio.create_task(self.steps.run(StreamTransport(call), self._deliver,
                                                       self._wait_for_work))
         # The call's status arrives when the executor leaves, even while no step is in flight.

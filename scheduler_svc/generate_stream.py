@@ -54,7 +54,8 @@ class StreamCall:
             return
         try:
             params = sampling_from_proto(request.params)
-            self.loop.add(request.request_id, list(request.prompt_token_ids), params, self.queue)
+            self.loop.add(request.request_id, list(request.prompt_token_ids), params, self.queue,
+                          request.cache_salt)
         except (ValueError, QueueFull, ExecutorLost) as e:
             self._refuse(request.request_id, refusal_code(e), str(e))
             return
@@ -97,7 +98,12 @@ class StreamCall:
             if refused:
                 outputs += group
                 continue
-            if group[-1].finished and self.live.pop(request_id, None) is not None:
+            last = group[-1]
+            if last.finished and self.live.pop(request_id, None) is not None:
                 log.debug("request_finished", engine_request_id=request_id)
+            if last.error is not None:
+                outputs.append(engine_pb2.StreamOutput(request_id=request_id, error_code=last.error_code,
+                                                       error_message=last.error))
+                continue
             outputs.append(engine_pb2.StreamOutput(request_id=request_id, response=response_from_outputs(group)))
         return outputs

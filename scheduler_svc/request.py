@@ -30,8 +30,10 @@ class Request:
     # How many leading blocks are registered in the prefix cache.
     num_registered_blocks: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Mixed into the prefix cache's hash of block 0: only requests with the same salt share blocks.
+    cache_salt: str = ""
     # Chained hashes of the full blocks of token_ids (prefix caching only).
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     # Set by Scheduler.add: the token ids that stop this request (stop_token_ids, plus EOS unless
     # ignore_eos), and the length at which it stops (max_tokens, max_model_len, KV cache size).
     stop_ids: frozenset[int] = field(init=False)
@@ -81,3 +83,6 @@ class RequestDelta(msgspec.Struct, gc=False):
     logprobs: list[TokenLogprobs] | None = None
     # With prompt_logprobs, on the first output: one per prompt token after the first.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # When the executor failed the request (finish_reason "error"): the gRPC status code and why.
+    error_code: int = 0
+    error: str | None = None

@@ -12,6 +12,14 @@ REFUSALS = ((QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED), (ExecutorLost, grpc
             (ValueError, grpc.StatusCode.INVALID_ARGUMENT))
 
 
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The StatusCode of its number (a RequestError's code)."""
+    return _CODES.get(value, grpc.StatusCode.INTERNAL)
+
+
 def refusal_code(error: Exception) -> grpc.StatusCode:
     """The status a request refused by EngineLoop.add ends with."""
     return next(code for kind, code in REFUSALS if isinstance(error, kind))

@@ -4,8 +4,9 @@ from collections import deque
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
-from pagedserve.common.plan import (ContinuingRequest, ExecutorInfo, NewRequest, PromptLogprobs, StepPlan,
-                                   StepResult, StepLogprobs)
+from pagedserve.common.plan import (ContinuingRequest, ExecutorInfo, NewRequest, PromptLogprobs, RequestError,
+                                   StepPlan, StepResult, StepLogprobs)
+from pagedserve.common.sampling_params import MAX_CACHE_SALT_CHARS, check_request
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
 from pagedserve.scheduler_svc.step_stats import StepStats
@@ -41,6 +42,7 @@ class Scheduler:
         self.max_num_queued_reqs = config.max_num_queued_reqs
         self.max_num_batched_tokens = info.max_num_batched_tokens
         self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
         self.eos_token_ids = frozenset(info.eos_token_ids)
         self.block_manager = BlockManager(info.num_blocks, info.block_size, config.enable_prefix_caching)
         self.kv_capacity = self.block_manager.num_usable_blocks * self.block_size
@@ -87,8 +89,9 @@ class Scheduler:
         return bool(self.waiting or self.running or self.dropped)
 
     def add(self, request: Request) -> None:
-        """Queues a new request; raises ValueError if it can never be served, QueueFull if the
-        waiting queue is at --max-num-queued-reqs."""
+        """Queues a new request; raises ValueError if it can never be served (an empty or too long
+        prompt, a token id outside the vocabulary, a list past its bound), QueueFull if the waiting
+        queue is at --max-num-queued-reqs."""
         n = len(request.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty: send at least one token")
@@ -101,6 +104,10 @@ class Scheduler:
             raise ValueError(
                 f"the KV cache holds {self.kv_capacity} tokens, but the prompt has {n} tokens; "
                 f"shorten it to at most {self.max_len - 1} tokens or give the server more KV cache memory")
+        check_request(request.prompt_token_ids, request.sampling, self.vocab_size)
+        if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt holds {len(request.cache_salt)} characters; at most "
+                             f"{MAX_CACHE_SALT_CHARS} are allowed")
         if request.seq_id in self.requests or request.request_id in self.request_ids:
             raise ValueError(f"request {request.request_id!r} (seq {request.seq_id}) is already queued")
         if self.max_num_queued_reqs is not None and self._num_queued() >= self.max_num_queued_reqs:
@@ -114,7 +121,7 @@ class Scheduler:
         if params.max_tokens is not None:
             request.max_num_tokens = min(n + params.max_tokens, self.max_len)
         if self.block_manager.enable_prefix_caching:
-            hash_blocks(request.block_hashes, request.token_ids, self.block_size)
+            hash_blocks(request.block_hashes, request.token_ids, self.block_size, request.cache_salt)
         request.status = RequestStatus.WAITING
         self.requests[request.seq_id] = request
         self.request_ids[request.request_id] = request
@@ -267,16 +274,44 @@ class Scheduler:
             raise ValueError(f"result of step {result.step_id} does not match plan {plan.step_id}")
         if result.prompt_logprobs is not None:
             self._gather_prompt_logprobs(result.prompt_logprobs)
-        outputs = self._append_tokens(result)
+        failed = self._fail(result.errors) if result.errors else []
+        seq_ids, token_ids = self._defer(result) if result.deferred else (result.seq_ids, result.token_ids)
+        outputs = self._append_tokens(seq_ids, token_ids)
         if result.logprobs is not None:
             _attach_logprobs(outputs, result)
+        outputs += failed
         self.stats.observe(plan.schedule_ns + time.perf_counter_ns() - start, result.forward_ns,
                            0 if plan.after_pause else result.idle_ns)
         if not self.has_work():
             self._paused = True
         return outputs
 
-    def _append_tokens(self, result: StepResult) -> list[RequestDelta]:
+    def _fail(self, errors: list[RequestError]) -> list[RequestDelta]:
+        """Ends each request the executor failed on its own, with its error."""
+        outputs = []
+        for e in errors:
+            request = self.requests.get(e.seq_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            self.running.remove(request)
+            self._finish(request, "error")
+            outputs.append(RequestDelta(e.seq_id, request.request_id, [], True, "error", None,
+                                        request.num_prompt_tokens, len(request.output_token_ids),
+                                        request.num_cached_tokens, error_code=e.code, error=e.message))
+        return outputs
+
+    def _defer(self, result: StepResult) -> tuple[list[int], list[int]]:
+        """The step's tokens but those of requests that sampled before their grammar was ready,
+        whose last position is planned again (the executor rolled it back as well)."""
+        deferred = set(result.deferred)
+        for seq_id in deferred:
+            request = self.requests.get(seq_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens -= 1
+        kept = [i for i, seq_id in enumerate(result.seq_ids) if seq_id not in deferred]
+        return [result.seq_ids[i] for i in kept], [result.token_ids[i] for i in kept]
+
+    def _append_tokens(self, seq_ids: list[int], token_ids: list[int]) -> list[RequestDelta]:
         block_size = self.block_size
         requests = self.requests
         caching = self.block_manager.enable_prefix_caching
@@ -284,7 +319,7 @@ class Scheduler:
         outputs = []
         append = outputs.append
         num_finished = 0
-        for seq_id, token_id in zip(result.seq_ids, result.token_ids):
+        for seq_id, token_id in zip(seq_ids, token_ids):
             request = requests.get(seq_id)
             if request is None or request.status is not running:
                 continue
@@ -292,7 +327,7 @@ class Scheduler:
             token_ids.append(token_id)
             num_tokens = len(token_ids)
             if caching and num_tokens % block_size == 0:
-                hash_blocks(request.block_hashes, token_ids, block_size)
+                hash_blocks(request.block_hashes, token_ids, block_size, request.cache_salt)
                 self._cache_blocks(request)
             num_output_tokens = num_tokens - request.num_prompt_tokens
             if num_output_tokens == 1:

@@ -20,7 +20,7 @@ from pagedserve.common.sampling_params import sampling_from_proto
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
 from pagedserve.scheduler_svc.generate_stream import StreamCall
-from pagedserve.scheduler_svc.responses import refusal_code, response_from_outputs
+from pagedserve.scheduler_svc.responses import refusal_code, response_from_outputs, status_code
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from pagedserve.scheduler_svc.stats_logger import StatsLogger, interval_from_env
 from pagedserve.scheduler_svc.step_stats import BUCKETS_US, Histogram
@@ -58,7 +58,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                   prompt_tokens=len(request.prompt_token_ids))
         try:
             params = sampling_from_proto(request.params)
-            _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params)
+            _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params,
+                                     cache_salt=request.cache_salt)
         except (ValueError, QueueFull, ExecutorLost) as e:
             await context.abort(refusal_code(e), str(e))
         finished = False
@@ -70,6 +71,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 if lost:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(lost))
                 finished = outs[-1].finished
+                if outs[-1].error is not None:
+                    await context.abort(status_code(outs[-1].error_code), outs[-1].error)
                 yield response_from_outputs(outs)
         finally:
             # Runs on cancellation too (client gone, deadline): the abort frees the request's blocks.
@@ -134,7 +137,8 @@ class ExecutorLink:
         while True:
             await service.wait_serving(self.address, timeout)
             try:
-                info = info_from_proto(await self.stub.Describe(executor_pb2.DescribeRequest(), timeout=10))
+                info = info_from_proto(await self.stub.Describe(executor_pb2.DescribeRequest(), timeout=10,
+                                                                metadata=service.call_metadata()))
                 break
             except grpc.aio.AioRpcError as e:
                 log.warning("executor_describe_failed", address=self.address, code=e.code().name)

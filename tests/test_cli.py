@@ -1,7 +1,6 @@
 """The command line as a vLLM user types it: flag names, value forms, range checks and errors
 (parsed only; tests/e2e/test_vllm_cli.py starts servers)."""
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -107,14 +106,6 @@ def test_docker_run_arguments_follow_serve(user_args):
     args = build_parser().parse_args(entrypoint[1:] + user_args)
     assert args.command == "serve" and args.host == "0.0.0.0"
     assert (args.model or args.model_path) == "/models/X"
-
-
-def test_dockerfile_pins_a_cuda_torch():
-    text = (ROOT / "Dockerfile").read_text()
-    version = re.search(r"ARG TORCH_VERSION=(\S+)", text).group(1)
-    index = re.search(r"ARG TORCH_INDEX_URL=(\S+)", text).group(1)
-    assert re.fullmatch(r"\d+\.\d+\.\d+", version) and re.search(r"/whl/cu\d+$", index)
-    assert '"torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"' in text
 
 
 def test_chat_template_from_a_file_or_inline(tmp_path, capsys):

@@ -1,5 +1,6 @@
-"""compose.yaml: valid against the compose spec, wired by health, and its three commands, taken
-from the file with the environment interpolated as compose does, serve as local processes."""
+"""compose.yaml: valid against the compose spec, wired by health, every container hardened, and its
+three commands and environments, taken from the file with the settings interpolated as compose does,
+serve as local processes that require the API key and the gRPC token."""
 import json
 import os
 import re
@@ -11,8 +12,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
+
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
 from tests.serving import free_port, wait_http
 
@@ -46,6 +50,23 @@ def test_compose_wires_three_services_by_health():
     assert services["gateway"]["environment"]["PAGEDSERVE_API_KEY"] == "${PAGEDSERVE_API_KEY:-}"
 
 
+def test_every_container_is_hardened_and_only_the_gateway_reaches_the_engine():
+    spec = compose()
+    for name, svc in spec["services"].items():
+        assert svc["read_only"] is True, name
+        assert svc["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in svc["security_opt"], name
+        user, _, group = svc["user"].partition(":")
+        assert int(user) != 0 and int(group) != 0, name
+        assert svc["tmpfs"] == ["/tmp"], name
+        assert svc["environment"]["PAGEDSERVE_GRPC_TOKEN"] == "${PAGEDSERVE_GRPC_TOKEN:-}", name
+    services = spec["services"]
+    assert spec["networks"]["engine"] == {"internal": True}
+    assert services["executor"]["networks"] == services["scheduler"]["networks"] == ["engine"]
+    assert "engine" in services["gateway"]["networks"]
+    assert not any("ports" in services[name] for name in ("executor", "scheduler"))
+
+
 def interpolate(text: str, env: dict[str, str]) -> str:
     """Compose's ${VAR:-default} and ${VAR:+alternative}, innermost first."""
     pattern = re.compile(r"\$\{(\w+)(?::([-+])([^${}]*))?\}")
@@ -62,20 +83,23 @@ def interpolate(text: str, env: dict[str, str]) -> str:
     return text
 
 
-def test_the_three_commands_serve_locally_with_a_key_from_the_environment(tmp_path):
+def test_the_three_commands_serve_locally_with_a_key_and_token_from_the_environment():
     services = compose()["services"]
     executor, scheduler, port = free_port(), free_port(), free_port()
     # The compose network's names and the container port, as this machine's loopback.
     network = {"0.0.0.0:50052": f"127.0.0.1:{executor}", "executor:50052": f"127.0.0.1:{executor}",
                "0.0.0.0:50051": f"127.0.0.1:{scheduler}", "scheduler:50051": f"127.0.0.1:{scheduler}",
                "0.0.0.0": "127.0.0.1", "8000": str(port)}
-    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path / "cache"), PAGEDSERVE_API_KEY="sk-compose",
-               SERVED_MODEL_NAME="composed alias", ENGINE_ARGS="--max-model-len 512 --max-num-seqs 4",
-               GATEWAY_ARGS="--enable-log-requests")
+    settings = dict(PAGEDSERVE_API_KEY="sk-compose", PAGEDSERVE_GRPC_TOKEN="compose-token",
+                    SERVED_MODEL_NAME="composed alias", ENGINE_ARGS="--max-model-len 512 --max-num-seqs 4",
+                    GATEWAY_ARGS="--enable-log-requests")
+    # A container sees its service's `environment`, not the settings.
+    host = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     processes = []
     try:
         for name in SERVICES:
-            argv = [network.get(a, a) for a in shlex.split(interpolate(services[name]["command"], env))]
+            argv = [network.get(a, a) for a in shlex.split(interpolate(services[name]["command"], settings))]
+            env = host | {k: interpolate(v, settings) for k, v in services[name]["environment"].items()}
             processes.append(subprocess.Popen([sys.executable, "-m", "pagedserve", *argv], env=env))
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/health", processes[-1], timeout=180)
@@ -86,6 +110,9 @@ def test_the_three_commands_serve_locally_with_a_key_from_the_environment(tmp_pa
         with urllib.request.urlopen(request, timeout=10) as reply:
             card = json.loads(reply.read())["data"][0]
         assert (card["id"], card["max_model_len"]) == ("composed", 512)
+        with grpc.insecure_channel(f"127.0.0.1:{scheduler}") as channel, pytest.raises(grpc.RpcError) as refused:
+            engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         for process in reversed(processes):
             process.terminate()

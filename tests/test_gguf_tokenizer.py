@@ -1,5 +1,6 @@
 """The tokenizer built from GGUF metadata against transformers' own GGUF tokenizer (the reference)."""
 import json
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -300,7 +301,9 @@ def _gguf_reader_header(path: Path) -> tuple[dict, list[tuple]]:
 def _assert_header_equals_gguf_reader(path: Path) -> dict:
     expected_metadata, expected_tensors = _gguf_reader_header(path)
     header = read_gguf_header(path)
-    assert read_gguf_metadata(path) == header.metadata == expected_metadata
+    # Numeric arrays come packed (array.array), gguf's as lists.
+    ours = {key: value.tolist() if isinstance(value, array) else value for key, value in header.metadata.items()}
+    assert read_gguf_metadata(path) == header.metadata and ours == expected_metadata
     assert [(t.name, t.shape, t.ggml_type, t.offset, t.n_bytes) for t in header.tensors] == expected_tensors
     return expected_metadata
 

@@ -214,7 +214,7 @@ def run_over_grpc(scheduler: Scheduler, info: ExecutorInfo, times: PhaseTimes,
 async def drive(scheduler: Scheduler, address: str, times: PhaseTimes, batch: int) -> tuple[int, float]:
     async with service.channel(address) as channel:
         await service.wait_serving(address, timeout=60)
-        call = executor_pb2_grpc.ExecutorStub(channel).Run()
+        call = executor_pb2_grpc.ExecutorStub(channel).Run(metadata=service.call_metadata())
         timed_call = TimedCall(call)
         timer = PhaseTimer(StreamTransport(timed_call), times, batch, timed_call)
         start = time.perf_counter()

@@ -1,6 +1,8 @@
 """The header of a GGUF file (llama.cpp's model format): its key-value metadata and the table of
-its tensors, without reading any tensor's data."""
+its tensors, without reading any tensor's data. A model file is trusted input, but the gateway
+parses the same header, so a crafted one must fail with a ValueError, not take the process down."""
 import math
+from array import array
 import mmap
 import struct
 from dataclasses import dataclass
@@ -17,6 +19,14 @@ _STRING, _ARRAY = 8, 9
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 _LENGTH = struct.Struct("<Q")
+# Numeric arrays (token types, scores) stay packed at the file's width, as array.array: a list holds
+# an object per element, ~14x the file's bytes (a 50 MB uint8 array took 715 MB). Bools stay lists.
+_PACKED = {kind: fmt for kind, fmt in _SCALARS.items() if fmt != "?"}
+# Bounds far past any real model's: the largest vocabularies (262k tokens, or 128k and 280k merges)
+# take under 10 MB and a million strings; a deeper nesting than an array of arrays is unheard of.
+MAX_METADATA_BYTES = 64 * 2**20
+MAX_METADATA_OBJECTS = 2**21
+MAX_ARRAY_DEPTH = 4
 
 T = TypeVar("T")
 
@@ -37,12 +47,20 @@ class GGUFHeader:
     tensors: list[GGUFTensorInfo]
 
 
+class _TooLarge(Exception):
+    """A metadata value past one of the bounds above; the message says which."""
+
+
 class _Cursor:
-    """Reads little-endian GGUF values one after another from a buffer."""
+    """Reads little-endian GGUF values one after another from a buffer; until the metadata is read
+    (`limit` is then lifted), strings and arrays end within MAX_METADATA_BYTES and make at most
+    MAX_METADATA_OBJECTS objects."""
 
     def __init__(self, blob: mmap.mmap) -> None:
         self.blob = blob
         self.pos = 0
+        self.limit = MAX_METADATA_BYTES
+        self.objects_left = MAX_METADATA_OBJECTS
 
     def unpack(self, fmt: str) -> tuple:
         fmt = "<" + fmt
@@ -55,33 +73,52 @@ class _Cursor:
         (length,) = _LENGTH.unpack_from(self.blob, self.pos)
         start = self.pos + _LENGTH.size
         end = start + length
-        if end > len(self.blob):
-            raise struct.error("string runs past the end of the file")
+        self._check_end(end, "string")
         text = self.blob[start:end].decode("utf-8")
         self.pos = end
         return text
 
-    def value(self, kind: int):
+    def _check_end(self, end: int, what: str) -> None:
+        if end > len(self.blob):
+            raise struct.error(f"{what} runs past the end of the file")
+        if end > self.limit:
+            raise _TooLarge(f"runs past {self.limit // 2**20} MiB of metadata")
+
+    def value(self, kind: int, depth: int = 0):
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind])[0]
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
-            return self.array()
+            return self.array(depth + 1)
         raise ValueError(f"unknown GGUF value type {kind}")
 
-    def array(self) -> list:
+    def array(self, depth: int) -> list | array:
+        if depth > MAX_ARRAY_DEPTH:
+            raise _TooLarge(f"nests arrays more than {MAX_ARRAY_DEPTH} deep")
         kind, count = self.unpack("IQ")
-        if kind in _SCALARS:
-            return list(self.unpack(f"{count}{_SCALARS[kind]}"))
+        if kind in _PACKED:
+            return self.packed(_PACKED[kind], count)
+        self.objects_left -= count
+        if self.objects_left < 0:
+            raise _TooLarge(f"makes the metadata hold more than {MAX_METADATA_OBJECTS} strings and arrays")
         if kind == _STRING:
             return [self.string() for _ in range(count)]
-        return [self.value(kind) for _ in range(count)]
+        return [self.value(kind, depth) for _ in range(count)]
+
+    def packed(self, fmt: str, count: int) -> array:
+        values = array(fmt)
+        end = self.pos + count * values.itemsize
+        self._check_end(end, "array")
+        values.frombytes(self.blob[self.pos:end])
+        self.pos = end
+        return values
 
 
 def read_gguf_metadata(path: str | Path) -> dict:
-    """Every metadata key of a GGUF file with its value (arrays as lists); no tensor is read."""
-    return _parse(path, lambda cursor: _key_values(cursor, _counts(cursor, path)[1]))
+    """Every metadata key of a GGUF file with its value (numeric arrays as array.array, the others as
+    lists); no tensor is read."""
+    return _parse(path, lambda cursor: _key_values(cursor, _counts(cursor, path)[1], path))
 
 
 def read_gguf_header(path: str | Path) -> GGUFHeader:
@@ -109,19 +146,27 @@ def _counts(cursor: _Cursor, path: str | Path) -> tuple[int, int]:
     return cursor.unpack("QQ")
 
 
-def _key_values(cursor: _Cursor, count: int) -> dict:
+def _key_values(cursor: _Cursor, count: int, path: str | Path) -> dict:
     metadata = {}
-    for _ in range(count):
-        key = cursor.string()
-        metadata[key] = cursor.value(cursor.unpack("I")[0])
+    key = "(the first)"
+    try:
+        for _ in range(count):
+            key = cursor.string()
+            metadata[key] = cursor.value(cursor.unpack("I")[0])
+    except _TooLarge as e:
+        raise ValueError(f"{path}: metadata key {key} {e}; the file is corrupt or crafted") from None
+    cursor.limit = len(cursor.blob)
     return metadata
 
 
 def _header(cursor: _Cursor, path: str | Path) -> GGUFHeader:
     n_tensors, n_key_values = _counts(cursor, path)
-    metadata = _key_values(cursor, n_key_values)
+    metadata = _key_values(cursor, n_key_values, path)
     entries = [_tensor_entry(cursor) for _ in range(n_tensors)]
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"{path}: general.alignment is {alignment!r}, not a power of two; llama.cpp writes "
+                         f"{_DEFAULT_ALIGNMENT}: convert the model again")
     data_start = -(-cursor.pos // alignment) * alignment
     tensors = [_tensor_info(path, data_start, *entry) for entry in entries]
     _check_tensors(path, tensors, len(cursor.blob))

@@ -14,11 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import numpy as np
 
-from pagedserve.common.log import get_logger
 from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.common.tokenizer import Tokenizer
-
-log = get_logger(__name__)
 
 # Compact JSON: a small model given free whitespace can pad an object with newlines until max_tokens.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -108,7 +105,8 @@ class GrammarCompiler:
     def _build(self, text: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self._tokenizer.result(), text, log_level=0)
         if matcher.is_error():
-            log.error("grammar_failed", error=matcher.get_error().splitlines()[0])
+            # The gateway checks every constraint first: this one came past it (a direct caller).
+            raise GrammarError(matcher.get_error().strip().splitlines()[0])
         return matcher
 
 

@@ -78,6 +78,18 @@ class PromptLogprobs:
     logprobs: StepLogprobs
 
 
+# The gRPC status codes a RequestError carries (grpc.StatusCode's numbers, fixed by the protocol).
+INVALID_ARGUMENT, FAILED_PRECONDITION = 3, 9
+
+
+@dataclass(slots=True)
+class RequestError:
+    """A request the executor failed on its own, the rest of its step going on."""
+    seq_id: int
+    code: int
+    message: str
+
+
 @dataclass(slots=True)
 class StepResult:
     step_id: int
@@ -89,6 +101,10 @@ class StepResult:
     idle_ns: int = 0
     logprobs: StepLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    errors: list[RequestError] = field(default_factory=list)
+    # Requests that sampled before their grammar was ready: their tokens here are void, and the
+    # executor computes their last position again in the next step that schedules them.
+    deferred: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -140,12 +156,15 @@ def plan_from_proto(m: pb.StepPlan) -> StepPlan:
 
 def result_to_proto(r: StepResult) -> pb.StepResult:
     prompt = r.prompt_logprobs
-    return pb.StepResult(step_id=r.step_id, seq_ids=r.seq_ids, token_ids=r.token_ids,
-                         forward_ns=r.forward_ns, idle_ns=r.idle_ns,
-                         logprobs=None if r.logprobs is None else logprobs_to_proto(r.logprobs),
-                         prompt_logprobs=None if prompt is None else pb.PromptLogprobs(
-                             seq_ids=prompt.seq_ids, starts=prompt.starts, counts=prompt.counts,
-                             logprobs=logprobs_to_proto(prompt.logprobs)))
+    m = pb.StepResult(step_id=r.step_id, seq_ids=r.seq_ids, token_ids=r.token_ids,
+                      forward_ns=r.forward_ns, idle_ns=r.idle_ns,
+                      logprobs=None if r.logprobs is None else logprobs_to_proto(r.logprobs),
+                      prompt_logprobs=None if prompt is None else pb.PromptLogprobs(
+                          seq_ids=prompt.seq_ids, starts=prompt.starts, counts=prompt.counts,
+                          logprobs=logprobs_to_proto(prompt.logprobs)), deferred=r.deferred)
+    for e in r.errors:
+        m.errors.add(seq_id=e.seq_id, code=e.code, message=e.message)
+    return m
 
 
 def result_from_proto(m: pb.StepResult) -> StepResult:
@@ -154,7 +173,8 @@ def result_from_proto(m: pb.StepResult) -> StepResult:
         p = m.prompt_logprobs
         prompt = PromptLogprobs(p.seq_ids[:], p.starts[:], p.counts[:], logprobs_from_proto(p.logprobs))
     return StepResult(m.step_id, list(m.seq_ids), list(m.token_ids), m.forward_ns, m.idle_ns,
-                      logprobs_from_proto(m.logprobs) if m.HasField("logprobs") else None, prompt)
+                      logprobs_from_proto(m.logprobs) if m.HasField("logprobs") else None, prompt,
+                      [RequestError(e.seq_id, e.code, e.message) for e in m.errors], m.deferred[:])
 
 
 def logprobs_to_proto(lp: StepLogprobs) -> pb.StepLogprobs:

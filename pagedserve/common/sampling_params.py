@@ -73,6 +73,24 @@ RANGES: dict[str, Range] = {
 # OpenAI's bound on a logit_bias value; a larger one is clamped to it, as OpenAI does.
 MAX_LOGIT_BIAS = 100.0
 
+# Bounds on what one request carries, checked where requests enter the engine (Scheduler.add, for
+# the gateway and direct Engine API callers alike), so that converting and applying them stays
+# small per request and per step; the gateway refuses the same with a 400. A list of a few hundred
+# words to ban or favour fits the logit_bias bound, at which the scheduler's part (decode, check,
+# plan encoding) and the executor's decode take about a millisecond per request together
+# (tests/scheduler_svc/test_request_checks.py bounds it).
+MAX_LOGIT_BIAS_TOKENS = 1024
+# A model has a handful of end-of-turn tokens; the executor uploads a request's stop ids every step
+# while it masks them for min_tokens.
+MAX_STOP_TOKEN_IDS = 1024
+# A reasoning model's </think> is a token or a few; the executor compares them with its outputs.
+MAX_REASONING_END_IDS = 32
+# A structured output's schema, regex, grammar or choices, in characters: llguidance validates
+# about 1 MB a second, so the largest constraint stays near 60 ms of a grammar thread.
+MAX_CONSTRAINT_CHARS = 64 * 1024
+# A request's cache_salt (a tenant's name or a random string) is hashed with its first KV block.
+MAX_CACHE_SALT_CHARS = 256
+
 
 def check_ranges(params: object, ranges: dict[str, Range]) -> None:
     """Raises OutOfRange for the first attribute of `params` named in `ranges` that is outside it
@@ -161,6 +179,34 @@ def _clamped_bias(bias: dict[int, float]) -> dict[int, float]:
     if bad is not None:
         raise OutOfRange("logit_bias", Range(0, INT32_MAX, note="token ids"), bad)
     return {int(t): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b))) for t, b in bias.items()}
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+    """Raises ValueError (OutOfRange for an id) naming the first field that holds a token id outside
+    [0, vocab_size) or is longer than its bound: the prompt, stop_token_ids, logit_bias keys and
+    reasoning_end_ids, and the constraint's size. An id past the vocabulary would index past the
+    embedding or, in the executor's flat [rows x vocab] logits, into another request's row."""
+    _check_ids("prompt_token_ids", prompt_token_ids, vocab_size)
+    _check_ids("stop_token_ids", params.stop_token_ids, vocab_size, MAX_STOP_TOKEN_IDS)
+    if params.logit_bias:
+        _check_ids("logit_bias", list(params.logit_bias), vocab_size, MAX_LOGIT_BIAS_TOKENS)
+    structured = params.structured_outputs
+    if structured is not None:
+        _check_ids("reasoning_end_ids", structured.reasoning_end_ids or [], vocab_size, MAX_REASONING_END_IDS)
+        size = sum(len(text) for text in (structured.schema_text(), structured.regex, structured.grammar,
+                                           *(structured.choice or ())) if text)
+        if size > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"structured_outputs holds {size} characters; at most {MAX_CONSTRAINT_CHARS} "
+                             "are allowed, so simplify the schema, regex, grammar or choices")
+
+
+def _check_ids(name: str, ids: list[int], vocab_size: int, limit: int | None = None) -> None:
+    if limit is not None and len(ids) > limit:
+        raise ValueError(f"{name} holds {len(ids)} token ids; at most {limit} are allowed")
+    # min and max run in C: about 0.1 ms for an 8k-token prompt.
+    if ids and not (min(ids) >= 0 and max(ids) < vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise OutOfRange(name, Range(0, vocab_size - 1, note="token ids of this model"), bad)
 
 
 def choice_params(params: SamplingParams) -> list[SamplingParams]:

@@ -1,25 +1,31 @@
 """The `pagedserve` command: serve the whole stack, run one service, benchmark."""
 import argparse
 import json
+import os
+import secrets
 import sys
 
-from pagedserve.common import aio, arg_types
+from pagedserve.common import aio, arg_types, service
 from pagedserve.common.config import (COMPAT_FLAGS, EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_FLAGS,
                                       EngineConfig, add_engine_args, add_geometry_checks,
                                       config_from_args, config_to_argv)
-from pagedserve.common.log import configure
+from pagedserve.common.log import configure, get_logger
 from pagedserve.common.model_shapes import SHAPES, write_shape
 from pagedserve.entrypoints import default_model
 from pagedserve.entrypoints.arg_parser import Parser
 
 # Errors whose message says all a user needs; any other also names its type.
 USER_ERRORS = (ValueError, OSError)
+TLS_FLAGS = ("grpc_tls_cert", "grpc_tls_key", "grpc_tls_ca")
+
+log = get_logger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure(args.log_level, service=args.command, fmt=args.log_format)
     try:
+        use_grpc_tls(args)
         return args.run(args) or 0
     except KeyboardInterrupt:
         return 130
@@ -38,6 +44,8 @@ def build_parser(prog: str = "pagedserve") -> Parser:
                         help="least severe log level shown; debug also shows tracebacks of errors")
     common.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="logs on stderr as readable lines, or one JSON object per line")
+    grpc_security = Parser(add_help=False)
+    add_grpc_tls_args(grpc_security)
     model = Parser(add_help=False)
     model.add_argument("model", nargs="?", default=None,
                        help=f"a Hugging Face model directory or a .gguf file; {default_model.NAME} if omitted")
@@ -45,29 +53,29 @@ def build_parser(prog: str = "pagedserve") -> Parser:
     parser = Parser(prog=prog, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", parents=[common], help="run gateway, scheduler and executor")
+    serve = sub.add_parser("serve", parents=[common, grpc_security], help="run gateway, scheduler and executor")
     add_serve_args(serve)
     serve.set_defaults(run=run_serve)
 
-    gateway = sub.add_parser("gateway", parents=[common, model], help="run the OpenAI REST gateway")
+    gateway = sub.add_parser("gateway", parents=[common, model, grpc_security], help="run the OpenAI REST gateway")
     from pagedserve.gateway.server import add_gateway_args
     add_gateway_args(gateway)
     gateway.set_defaults(run=run_gateway)
 
-    scheduler = sub.add_parser("scheduler", parents=[common, model], help="run the gRPC scheduler")
+    scheduler = sub.add_parser("scheduler", parents=[common, model, grpc_security], help="run the gRPC scheduler")
     from pagedserve.scheduler_svc.server import add_scheduler_args
     add_scheduler_args(scheduler)
     add_engine_args(scheduler, SCHEDULER_FLAGS)
     add_geometry_checks(scheduler)
     scheduler.set_defaults(run=run_scheduler)
 
-    executor = sub.add_parser("executor", parents=[common, model], help="run the GPU executor")
+    executor = sub.add_parser("executor", parents=[common, model, grpc_security], help="run the GPU executor")
     executor.add_argument("--address", default="127.0.0.1:50052",
                           help="where the executor listens (host:port or unix:///path)")
     add_engine_args(executor, EXECUTOR_FLAGS + COMPAT_FLAGS)
     executor.set_defaults(run=run_executor)
 
-    probe = sub.add_parser("probe", parents=[common], help="exit 0 if a service is healthy (compose)")
+    probe = sub.add_parser("probe", parents=[common, grpc_security], help="exit 0 if a service is healthy (compose)")
     target = probe.add_mutually_exclusive_group(required=True)
     target.add_argument("--grpc", help="address of a gRPC service with the standard health service")
     target.add_argument("--http", help="URL that answers 200 when healthy")
@@ -85,6 +93,30 @@ def build_parser(prog: str = "pagedserve") -> Parser:
                        help="add a synthetic tokenizer, so that `serve` can run on it")
     shape.set_defaults(run=run_make_shape_model)
     return parser
+
+
+def add_grpc_tls_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--grpc-tls-cert", default=None,
+                        help="PEM certificate chain that this process presents on its gRPC connections, as "
+                             "server and as client (needs --grpc-tls-key); without it, no TLS")
+    parser.add_argument("--grpc-tls-key", default=None, help="the PEM private key of --grpc-tls-cert")
+    parser.add_argument("--grpc-tls-ca", default=None,
+                        help="PEM CA certificates that the other side's certificate must chain to; a server "
+                             "given one requires a client certificate (mutual TLS)")
+
+
+def use_grpc_tls(args: argparse.Namespace) -> None:
+    """Makes this process's gRPC channels and servers use the --grpc-tls-* files, if given."""
+    cert, key, ca = (getattr(args, name, None) for name in TLS_FLAGS)
+    if (cert is None) != (key is None) or (ca is not None and cert is None):
+        raise ValueError("--grpc-tls-cert and --grpc-tls-key go together, and --grpc-tls-ca needs both")
+    if cert is not None:
+        service.use_tls(service.Tls.load(cert, key, ca))
+
+
+def grpc_tls_argv(args: argparse.Namespace) -> list[str]:
+    """The --grpc-tls-* flags given, to pass on to a child."""
+    return [f"--{name.replace('_', '-')}={value}" for name in TLS_FLAGS if (value := getattr(args, name))]
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -127,13 +159,27 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.gateway.server import api_key
     # The gateway gets the key in its environment: in its argv the key would show in process listings.
     key = api_key(args)
-    logs = ["--log-level", args.log_level, "--log-format", args.log_format]
-    argv = {"executor": config_to_argv(config, EXECUTOR_FLAGS) + logs,
-            "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + logs,
-            "gateway": _gateway_argv(args, config) + logs}
+    share_grpc_token(scheduler_addresses)
+    # Every child's: logging, and gRPC TLS.
+    shared = ["--log-level", args.log_level, "--log-format", args.log_format, *grpc_tls_argv(args)]
+    argv = {"executor": config_to_argv(config, EXECUTOR_FLAGS) + shared,
+            "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + shared,
+            "gateway": _gateway_argv(args, config) + shared}
     from pagedserve.entrypoints.launcher import serve
     return serve(args.model, argv, listener, scheduler_addresses, args.startup_timeout,
                  args.shutdown_timeout, args.data_parallel_size, config.tensor_parallel_size, key)
+
+
+def share_grpc_token(scheduler_addresses: list[str] | None) -> None:
+    """Gives the children a gRPC token through the environment: PAGEDSERVE_GRPC_TOKEN if set, else
+    a random one. Their sockets sit in a private folder already; the token is the second lock."""
+    if service.token() is not None:
+        return
+    os.environ[service.TOKEN_ENV] = secrets.token_urlsafe(32)
+    if scheduler_addresses:
+        log.warning("grpc_token_generated", scheduler_addresses=scheduler_addresses,
+                    message=f"set {service.TOKEN_ENV} to call the Engine service at --scheduler-address: "
+                            "serve made a random token that no one else knows")
 
 
 def _scheduler_addresses(args: argparse.Namespace) -> list[str] | None:
@@ -173,6 +219,8 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv.append("--enable-log-requests")
     if args.trust_request_chat_template:
         argv.append("--trust-request-chat-template")
+    if args.enable_prompt_tokens_details:
+        argv.append("--enable-prompt-tokens-details")
     if tool_parser(args):
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser:

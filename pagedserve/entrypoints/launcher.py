@@ -21,6 +21,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.common import service
 from pagedserve.common.log import get_logger
 from pagedserve.common.process import die_with_parent, environment_without_secrets
 from pagedserve.entrypoints.preflight import connect_host
@@ -124,7 +125,7 @@ class Launcher:
 
 def grpc_ready(address: str) -> Callable[[], bool]:
     def probe() -> bool:
-        with grpc.insecure_channel(address) as channel:
+        with service.sync_channel(address) as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
             except grpc.RpcError:

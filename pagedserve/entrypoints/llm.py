@@ -128,6 +128,9 @@ class LLM:
 
     def _deliver(self, children: dict[int, _Child], bar: tqdm, outputs: list[RequestDelta]) -> None:
         for out in outputs:
+            if out.error is not None:
+                # As a request the scheduler refuses: the offline API reports bad input by raising.
+                raise ValueError(out.error)
             child = children[out.seq_id]
             child.completion.token_ids += out.new_token_ids
             if out.logprobs:

@@ -78,7 +78,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., dropped: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "forward_ns", "idle_ns", "logprobs", "prompt_logprobs")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "forward_ns", "idle_ns", "logprobs", "prompt_logprobs", "errors", "deferred")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class StepResult(_message.Message):
     IDLE_NS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -93,7 +95,19 @@ class StepResult(_message.Message):
     idle_ns: int
     logprobs: StepLogprobs
     prompt_logprobs: PromptLogprobs
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., logprobs: _Optional[_Union[StepLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    errors: _containers.RepeatedCompositeFieldContainer[RequestError]
+    deferred: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., forward_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., logprobs: _Optional[_Union[StepLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., deferred: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("seq_id", "code", "message")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    code: int
+    message: str
+    def __init__(self, seq_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_ids", "starts", "counts", "logprobs")

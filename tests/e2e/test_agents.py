@@ -6,6 +6,7 @@ The small model does not write tool calls by itself, so `auto` tests force the t
 with a regex (structured outputs apply under `auto` too); `required` and named choices are forced
 by the server's own schemas."""
 import json
+import os
 import subprocess
 import sys
 from typing import Literal
@@ -19,6 +20,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
+from pagedserve.common import service
 from tests.serving import free_port, wait_http
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -62,7 +64,9 @@ class Car(BaseModel):
 
 
 def start(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", *argv])
+    # The second gateway calls serve's scheduler, which requires the token serve was given.
+    env = {**os.environ, service.TOKEN_ENV: "e2e-agents-token"}
+    return subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", *argv], env=env)
 
 
 @pytest.fixture(scope="module")

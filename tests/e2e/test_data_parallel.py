@@ -43,7 +43,8 @@ def grew(before: dict[str, float], after: dict[str, float]) -> list[str]:
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
-    with pagedserve(["serve", "--data-parallel-size", "2", "--port", str(port), *GEOMETRY, "--log-level", "warning"],
+    with pagedserve(["serve", "--data-parallel-size", "2", "--port", str(port), *GEOMETRY, "--log-level", "warning",
+                     "--enable-prompt-tokens-details"],
                     http_ready(f"http://127.0.0.1:{port}/health")) as process:
         yield process, f"http://127.0.0.1:{port}"
 

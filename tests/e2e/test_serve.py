@@ -1,4 +1,5 @@
 """Starts `pagedserve serve` (demo model) as a subprocess and talks to it like a user would."""
+import os
 import signal
 import subprocess
 import sys
@@ -9,11 +10,14 @@ import openai
 import psutil
 import pytest
 
+from pagedserve.common import service
 from pagedserve.entrypoints import default_model
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 from tests.serving import free_port, wait_http
 
 MODEL = default_model.NAME
+# What a backend service calling the Engine API at --scheduler-address shares with serve.
+GRPC_TOKEN = "e2e-grpc-token"
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +26,7 @@ def server():
     process = subprocess.Popen(
         [sys.executable, "-m", "pagedserve", "serve", "--port", str(port),
          "--scheduler-address", f"127.0.0.1:{grpc_port}", "--num-gpu-blocks-override", "256",
-         "--max-model-len", "1024"])
+         "--max-model-len", "1024"], env={**os.environ, service.TOKEN_ENV: GRPC_TOKEN})
     try:
         wait_http(f"http://127.0.0.1:{port}/health", process, timeout=180)
         yield dict(process=process, base_url=f"http://127.0.0.1:{port}/v1",
@@ -35,7 +39,8 @@ def server():
 
 def model_info(address: str) -> engine_pb2.ModelInfo:
     with grpc.insecure_channel(address) as channel:
-        return engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=5)
+        return engine_pb2_grpc.EngineStub(channel).GetModelInfo(
+            engine_pb2.GetModelInfoRequest(), timeout=5, metadata=[("authorization", f"Bearer {GRPC_TOKEN}")])
 
 
 def client(server) -> openai.OpenAI:

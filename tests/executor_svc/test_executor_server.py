@@ -1,8 +1,12 @@
-"""The executor's Run stream: plans launched as they arrive, results in plan order, errors fail it."""
+"""The executor's Run stream: plans launched as they arrive, results in plan order, errors fail it,
+and a failed device turns the executor NOT_SERVING for good."""
 from functools import partial
 
 import grpc
 import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.common import service
@@ -41,3 +45,47 @@ async def test_a_plan_the_executor_cannot_run_fails_the_stream(executor):
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         await call.read()
     assert failed.value.code() == grpc.StatusCode.UNKNOWN
+
+
+class BrokenDevice(NullWorker):
+    """A worker whose device fails at the second step, as CUDA reports a device-side assert."""
+
+    def launch(self, plan: StepPlan):
+        if plan.step_id == 2:
+            raise torch.AcceleratorError("CUDA error: device-side assert triggered\nCUDA kernel errors might be ...")
+        return super().launch(plan)
+
+
+async def test_a_failed_device_reports_not_serving_and_refuses_the_next_scheduler(tmp_path):
+    address = f"unix://{tmp_path}/executor.sock"
+    health = health_aio.HealthServicer()
+    executor = ExecutorService(BrokenDevice(null_executor_info(num_blocks=16, block_size=4, max_model_len=64)),
+                               health)
+    server = await service.start("executor", address, partial(executor_pb2_grpc.add_ExecutorServicer_to_server,
+                                                              executor), health)
+    async with service.channel(address) as channel:
+        stub, probe = executor_pb2_grpc.ExecutorStub(channel), health_pb2_grpc.HealthStub(channel)
+        call = stub.Run()
+        await call.write(plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5, 6], 0, 2, [1], SamplingParams())])))
+        assert result_from_proto(await call.read()).token_ids == [TOKEN]
+        assert (await probe.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+        await call.write(plan_to_proto(StepPlan(2, continuing=[ContinuingRequest(7, 1, [])])))
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call.read()
+        assert (await probe.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert executor.device_failed.is_set() and executor.broken == "CUDA error: device-side assert triggered"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Run().read()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "device failed" in refused.value.details()
+    await server.stop()
+
+
+async def test_a_plan_error_leaves_the_executor_serving(executor, tmp_path):
+    call = executor.Run()
+    await call.write(plan_to_proto(StepPlan(1, continuing=[ContinuingRequest(99, 1, [])])))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await call.read()
+    second = executor.Run()
+    await second.write(plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5], 0, 1, [1], SamplingParams())])))
+    assert result_from_proto(await second.read()).token_ids == [TOKEN]
+    await second.done_writing()

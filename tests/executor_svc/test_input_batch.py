@@ -1,4 +1,5 @@
-"""The executor masks a request's min_tokens_mask_ids, and only those, until it has min_tokens outputs."""
+"""The executor masks a request's min_tokens_mask_ids, and only those, until it has min_tokens outputs;
+token ids outside the vocabulary, which the scheduler refuses, never reach the model or another row."""
 import numpy as np
 import torch
 
@@ -10,7 +11,7 @@ from tests.tiny_models import hf_greedy, make_tiny_model
 
 
 def test_rows_mask_their_mask_ids_until_min_tokens_outputs():
-    batch = InputBatch(max_num_seqs=4, max_model_len=64, block_size=8, device=torch.device("cpu"))
+    batch = InputBatch(max_num_seqs=4, max_model_len=64, block_size=8, vocab_size=32, device=torch.device("cpu"))
     held = SamplingParams(min_tokens=2, stop_token_ids=[9])
     rows = np.array([
         batch.add(NewRequest(1, [5, 6], 0, 2, [0], held, min_tokens_mask_ids=[0, 9])),
@@ -25,6 +26,15 @@ def test_rows_mask_their_mask_ids_until_min_tokens_outputs():
     assert batch.stop_mask(rows).tolist() == [[0, 0], [0, 9]]
     batch.append_sampled(rows, np.array([1, 2, 3, 4]), np.array([8, 8, 8, 8]))
     assert batch.stop_mask(rows) is None
+
+
+def test_ids_outside_the_vocabulary_are_clamped_or_dropped():
+    batch = InputBatch(max_num_seqs=2, max_model_len=64, block_size=8, vocab_size=32, device=torch.device("cpu"))
+    params = SamplingParams(min_tokens=2, logit_bias={40: 5.0, 3: 1.0})
+    row = batch.add(NewRequest(1, [5, -1, 32, 2**31 - 1], 0, 4, [0], params, min_tokens_mask_ids=[0, 32, 33]))
+    assert batch.token_ids[row, :4].tolist() == [5, 0, 31, 31]
+    assert batch.stop_mask(np.array([row])).tolist() == [[0], [0]]
+    assert batch.logit_bias.lengths[row] == 1
 
 
 def test_the_runner_never_samples_a_mask_id_before_min_tokens(tmp_path):

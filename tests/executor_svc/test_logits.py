@@ -4,8 +4,8 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
-from pagedserve.executor_svc.logits import (GrammarMask, add_bias, apply_penalties, chunked_logprobs, gather_logprobs,
-                                            mask_tokens, step_logprobs)
+from pagedserve.executor_svc.logits import (GrammarMask, LogitBiasTable, apply_penalties, chunked_logprobs,
+                                            gather_logprobs, mask_tokens, step_logprobs)
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.models import build_model
 from pagedserve.executor_svc.weight_loader import load_weights
@@ -154,9 +154,45 @@ def test_grammar_mask_refuses_what_the_bitmask_does_not_allow_in_its_rows_only()
     assert torch.equal(logits[[0, 2]], before[[0, 2]])
 
 
-def test_logit_bias_adds_to_the_named_tokens():
-    logits = torch.zeros(2, 6)
-    add_bias(logits, torch.tensor([[1.0, 1.0, 0.0], [2.0, 5.0, 2.0], [100.0, -100.0, 3.0]]))
-    expected = torch.zeros(2, 6)
-    expected[1, 2], expected[1, 5], expected[0, 2] = 100.0, -100.0, 3.0
+def test_logit_bias_adds_to_the_named_tokens_of_the_rows_that_sample():
+    table = LogitBiasTable(max_rows=4, vocab_size=6, device=torch.device("cpu"))
+    table.set(3, {2: 100.0, 5: -100.0})
+    table.set(0, {2: 3.0})
+    logits = torch.zeros(3, 6)
+    # The batch samples rows 0, 2 and 3 of the table, in that order.
+    table.select(np.array([0, 2, 3]), torch.from_numpy).apply(logits)
+    expected = torch.zeros(3, 6)
+    expected[2, 2], expected[2, 5], expected[0, 2] = 100.0, -100.0, 3.0
     assert torch.equal(logits, expected)
+    assert table.select(np.array([1, 2]), torch.from_numpy) is None
+
+
+def test_a_reused_row_keeps_none_of_its_former_requests_bias():
+    table = LogitBiasTable(max_rows=2, vocab_size=8, device=torch.device("cpu"))
+    table.set(0, {t: 1.0 for t in range(8)})
+    table.clear(0)
+    table.set(0, {7: 2.0})
+    table.set(1, {t: 0.5 for t in range(5)})
+    logits = torch.zeros(2, 8)
+    table.select(np.array([0, 1]), torch.from_numpy).apply(logits)
+    assert logits[0].tolist() == [0.0] * 7 + [2.0]
+    assert logits[1].tolist() == [0.5] * 5 + [0.0] * 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_bias_on_one_row_never_changes_another_rows_logits(seed):
+    """Ids outside the vocabulary (which the scheduler refuses) are dropped: in the flat logits,
+    token vocab + k of row i is token k of row i + 1, another request's."""
+    vocab, rows = 16, 5
+    rng = np.random.default_rng(seed)
+    table = LogitBiasTable(max_rows=rows, vocab_size=vocab, device=torch.device("cpu"))
+    row = int(rng.integers(rows))
+    ids = rng.integers(-2 * vocab, 3 * vocab, size=12).tolist()
+    table.set(row, {t: 100.0 for t in ids})
+    logits = torch.randn(rows, vocab)
+    before = logits.clone()
+    table.select(np.arange(rows), torch.from_numpy).apply(logits)
+    others = [r for r in range(rows) if r != row]
+    assert torch.equal(logits[others], before[others])
+    changed = set((logits[row] != before[row]).nonzero().flatten().tolist())
+    assert changed == {t for t in ids if 0 <= t < vocab}

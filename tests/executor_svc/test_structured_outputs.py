@@ -1,13 +1,21 @@
 """The executor's grammar state on the real default model's tokenizer: which rows a fill masks,
-what it allows, preemption replay, and a reasoning model's free thinking before its constraint."""
+what it allows, preemption replay, and a reasoning model's free thinking before its constraint;
+and in the runner, a grammar still compiling or failing to compile affects its own row only."""
+import threading
+import time
+
 import numpy as np
 import pytest
 
-from pagedserve.common.plan import NewRequest
+from pagedserve.common.grammar import GrammarCompiler
+from pagedserve.common.plan import INVALID_ARGUMENT, ContinuingRequest, NewRequest, StepPlan
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.executor_svc.structured_outputs import StructuredOutputs
+from tests.executor_svc.harness import make_worker, random_prompts
+from tests.gateway.fake_engine import build_tiny_tokenizer
 from tests.real_model import smollm2_path
+from tests.tiny_models import make_tiny_model
 
 VOCAB = 49152
 EOS = 2
@@ -19,7 +27,8 @@ def tokenizer():
 
 
 def outputs(model_path, requests: list[NewRequest]) -> StructuredOutputs:
-    state = StructuredOutputs(model_path, VOCAB, [EOS], max_seqs=4)
+    # Without deferring, a fill waits for the grammar, as with tensor parallelism.
+    state = StructuredOutputs(model_path, VOCAB, [EOS], max_seqs=4, defer=False)
     for r in requests:
         state.add(r)
     return state
@@ -73,3 +82,62 @@ def test_the_thinking_stays_free_until_its_end_tokens(tokenizer):
     state.accept(np.array([4]), np.array([end[-1]]))
     index, bitmask = state.fill(np.array([4]))
     assert index.tolist() == [0] and {"yes", "no"} & texts(tokenizer, allowed(bitmask[0]))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny model with a tiny tokenizer of its own (300 tokens in its 512-token vocabulary)."""
+    path = make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("tiny"))
+    build_tiny_tokenizer(path)
+    return path
+
+
+def test_a_slow_grammar_defers_its_row_without_holding_the_others(tiny):
+    worker = make_worker(tiny)
+    runner = worker.runner
+    gate = threading.Event()
+
+    def slow_tokenizer() -> Tokenizer:
+        # The grammar cannot compile before the gate opens; a step that waited for it would sit
+        # out the whole timeout here, then sample the row (so not defer it).
+        gate.wait(10)
+        return Tokenizer.load(tiny)
+
+    runner.structured._compiler = GrammarCompiler(slow_tokenizer, 512, [2])
+    prompt = random_prompts([6])[0]
+    digits = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+    first = worker.run(StepPlan(1, new_requests=[NewRequest(1, prompt, 0, 6, [1], SamplingParams(temperature=0)),
+                                                 NewRequest(2, prompt, 0, 6, [2], digits)]))
+    again = StepPlan(2, continuing=[ContinuingRequest(1, 1, []), ContinuingRequest(2, 1, [])])
+    second = worker.run(again)
+    assert not gate.is_set() and first.deferred == second.deferred == [2]
+    assert first.seq_ids == second.seq_ids == [1, 2] and not first.errors
+    gate.set()
+    runner.structured.matchers[2].result(timeout=30)
+    third = worker.run(StepPlan(3, continuing=again.continuing))
+    assert third.deferred == []
+    assert Tokenizer.load(tiny).decode([third.token_ids[1]]).isdigit()
+    assert runner.batch.num_tokens[runner.batch.rows[2]] == 7 and runner.batch.num_tokens[runner.batch.rows[1]] == 9
+
+
+def test_a_grammar_that_cannot_compile_fails_its_request_alone(tiny):
+    worker = make_worker(tiny)
+    runner = worker.runner
+    prompt = random_prompts([5])[0]
+    broken = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    plan = StepPlan(1, new_requests=[NewRequest(1, prompt, 0, 5, [1, 2], SamplingParams()),
+                                     NewRequest(2, prompt, 0, 5, [3, 4], broken)])
+    continuing = [ContinuingRequest(1, 1, []), ContinuingRequest(2, 1, [])]
+    for step_id in range(2, 10):
+        result = worker.run(plan)
+        assert result.seq_ids == [1, 2]
+        if result.errors:
+            break
+        # Still compiling (the tokenizer loads first, on a worker): the row waits, the other goes on.
+        assert result.deferred == [2]
+        time.sleep(0.1)
+        plan = StepPlan(step_id, continuing=continuing)
+    assert [(e.seq_id, e.code) for e in result.errors] == [(2, INVALID_ARGUMENT)]
+    assert "cannot be compiled" in result.errors[0].message and not runner.structured
+    result = worker.run(StepPlan(step_id, continuing=continuing[:1], dropped=[2]))
+    assert result.seq_ids == [1] and not result.errors

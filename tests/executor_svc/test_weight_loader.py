@@ -1,3 +1,4 @@
+import json
 import shutil
 
 import pytest
@@ -9,7 +10,7 @@ from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.models import build_model
-from pagedserve.executor_svc.weight_loader import checkpoint_targets, load_weights
+from pagedserve.executor_svc.weight_loader import checkpoint_files, checkpoint_targets, load_weights
 from tests.tiny_models import make_tiny_model
 
 
@@ -103,3 +104,14 @@ def test_calibrated_kv_cache_scales_load_into_their_layers(llama, tmp_path):
     layers = loaded(tmp_path).model.layers
     assert layers[0].self_attn.k_scale.item() == 0.5 and layers[1].self_attn.v_scale.item() == 0.25
     assert layers[0].self_attn.v_scale.item() == layers[1].self_attn.k_scale.item() == 1.0
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/hostname", "a/../../b.safetensors", "", 7])
+def test_an_index_naming_a_shard_outside_the_model_folder_is_refused(tmp_path, shard):
+    (tmp_path / "model").mkdir()
+    index = tmp_path / "model" / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-1.safetensors", "norm.weight": shard}}))
+    with pytest.raises(ValueError, match="weight_map names the shard"):
+        checkpoint_files(tmp_path / "model")
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "sub/model-1.safetensors"}}))
+    assert checkpoint_files(tmp_path / "model") == [tmp_path / "model" / "sub" / "model-1.safetensors"]

@@ -32,8 +32,23 @@ async def test_chat_non_stream(client, engine):
     assert reply.usage.completion_tokens == 10
     assert reply.usage.prompt_tokens == len(engine.requests[0].prompt_token_ids)
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + 10
+    # cached_tokens tells whether anyone sent the prefix lately: only with --enable-prompt-tokens-details.
+    assert reply.usage.prompt_tokens_details is None
+    assert engine.requests[0].params.max_tokens == 10 and engine.requests[0].cache_salt == ""
+
+
+async def test_cached_tokens_only_with_prompt_tokens_details_and_the_salt_reaches_the_engine(serve, engine):
+    base = await serve(prompt_tokens_details=True)
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    reply = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                                 extra_body={"cache_salt": "tenant-a"})
     assert reply.usage.prompt_tokens_details.cached_tokens == CACHED_TOKENS
-    assert engine.requests[0].params.max_tokens == 10
+    reply = await client.completions.create(model=MODEL, prompt="Once", max_tokens=2,
+                                            extra_body={"cache_salt": "tenant-b"})
+    assert [r.cache_salt for r in engine.requests] == ["tenant-a", "tenant-b"]
+    for salt in ("", "x" * 257):
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            await client.completions.create(model=MODEL, prompt="Once", max_tokens=2, extra_body={"cache_salt": salt})
 
 
 async def test_chat_stream_equals_non_stream(client):
@@ -88,7 +103,7 @@ async def test_raw_sse_framing_and_include_usage(http, base_url):
     usage = [c for c in chunks if c["usage"] is not None]
     assert len(usage) == 1 and usage[0] is chunks[-1] and usage[0]["choices"] == []
     assert usage[0]["usage"]["completion_tokens"] == 5
-    assert usage[0]["usage"]["prompt_tokens_details"] == {"cached_tokens": CACHED_TOKENS}
+    assert "prompt_tokens_details" not in usage[0]["usage"]
     assert all("usage" in c for c in chunks)
 
 

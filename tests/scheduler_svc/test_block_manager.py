@@ -1,11 +1,16 @@
+import hashlib
+import subprocess
+import sys
+from array import array
+
 import pytest
 
 from pagedserve.scheduler_svc.block_manager import NULL_BLOCK, BlockManager, hash_blocks
 
 
-def hashes_of(token_ids: list[int], block_size: int = 4) -> list[int]:
-    hashes: list[int] = []
-    hash_blocks(hashes, token_ids, block_size)
+def hashes_of(token_ids: list[int], block_size: int = 4, cache_salt: str = "") -> list[bytes]:
+    hashes: list[bytes] = []
+    hash_blocks(hashes, token_ids, block_size, cache_salt)
     return hashes
 
 
@@ -139,3 +144,28 @@ def test_disabled_prefix_caching_never_hits():
     a = computed(bm, tokens)
     assert bm.lookup(hashes_of(tokens), len(tokens)) == ([], 0)
     assert all(bm.blocks[i].hash is None for i in a)
+
+
+def test_each_block_hash_is_the_sha256_of_its_parent_and_its_ids():
+    """A hit reuses a block without comparing tokens: the key must be a hash no one can collide."""
+    tokens = [5, 2**31 - 1, 0, 7, 9, 9, 9, 9]
+    first, second = hashes_of(tokens)
+    assert second == hashlib.sha256(first + array("i", tokens[4:]).tobytes()).digest()
+    # Appending to a chain gives what hashing the whole sequence at once gives.
+    chain = hashes_of(tokens[:6])
+    hash_blocks(chain, tokens + [1, 2, 3, 4], 4)
+    assert chain == hashes_of(tokens + [1, 2, 3, 4])
+
+
+def test_the_chain_starts_from_a_seed_of_this_process():
+    code = ("from pagedserve.scheduler_svc.block_manager import hash_blocks; h = []; "
+            "hash_blocks(h, [1, 2, 3, 4], 4); print(h[0].hex())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert len(other) == 64 and other != hashes_of([1, 2, 3, 4])[0].hex()
+
+
+def test_a_cache_salt_changes_every_block_hash_and_the_same_salt_matches():
+    tokens = list(range(12))
+    plain, a, b = hashes_of(tokens), hashes_of(tokens, cache_salt="a"), hashes_of(tokens, cache_salt="b")
+    assert not set(plain) & set(a) and not set(a) & set(b)
+    assert hashes_of(tokens, cache_salt="a") == a

@@ -1,6 +1,6 @@
 import pytest
 
-from pagedserve.common.plan import StepLogprobs, StepPlan, StepResult
+from pagedserve.common.plan import INVALID_ARGUMENT, RequestError, StepLogprobs, StepPlan, StepResult
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
@@ -325,6 +325,38 @@ def test_token_of_a_request_aborted_in_flight_is_ignored():
     assert s.schedule().dropped == [1]
 
 
+def test_a_request_the_executor_fails_ends_alone():
+    s = make_scheduler()
+    add(s, 1, 3)
+    add(s, 2, 3)
+    plan = s.schedule()
+    result = StepResult(plan.step_id, [1, 2], [7, 7], errors=[RequestError(2, INVALID_ARGUMENT, "bad grammar")])
+    outputs = {o.seq_id: o for o in s.update(plan, result)}
+    assert outputs[2].finished and outputs[2].finish_reason == "error" and outputs[2].new_token_ids == []
+    assert (outputs[2].error_code, outputs[2].error) == (INVALID_ARGUMENT, "bad grammar")
+    assert outputs[1].new_token_ids == [7] and not outputs[1].finished
+    plan, outputs = step(s)
+    assert plan.dropped == [2] and scheduled(plan) == {1: 1} and outputs[0].seq_id == 1
+
+
+def test_a_deferred_token_is_void_and_its_position_planned_again():
+    """The executor could not sample seq 2 yet (its grammar compiles) and rolled it back one token."""
+    s = make_scheduler()
+    add(s, 1, 3)
+    add(s, 2, 3)
+    first = s.schedule()
+    # Planned before the first result: both decode the token the first step samples.
+    second = s.schedule()
+    outputs = s.update(first, StepResult(first.step_id, [1, 2], [7, 8], deferred=[2]))
+    assert [(o.seq_id, o.new_token_ids) for o in outputs] == [(1, [7])]
+    assert s.requests[2].num_computed_tokens == 3 and s.requests[2].token_ids == [1, 2, 3]
+    # The second step computed seq 2's last prompt position again and sampled it.
+    outputs = s.update(second, StepResult(second.step_id, [1, 2], [7, 9]))
+    assert [(o.seq_id, o.new_token_ids) for o in outputs] == [(1, [7]), (2, [9])]
+    plan, _ = step(s)
+    assert scheduled(plan) == {1: 1, 2: 1} and s.requests[2].num_computed_tokens == 4
+
+
 def test_mismatched_result_is_refused():
     s = make_scheduler()
     add(s, 1, 3)
@@ -342,6 +374,21 @@ def test_prefix_cache_hit_is_reported_and_counted():
     assert plan.new_requests[0].num_computed_tokens == 8
     assert outputs[0].num_cached_tokens == 8
     assert s.prefix_cache_queries == 21 and s.prefix_cache_hits == 8
+
+
+def test_requests_with_another_cache_salt_get_no_prefix_hit():
+    s = make_scheduler(block_size=4)
+    prompt = list(range(1, 11))
+    s.add(Request(1, "a", prompt, SamplingParams(max_tokens=1), cache_salt="tenant-a"))
+    step(s)
+    hits = []
+    for seq_id, salt in ((2, "tenant-b"), (3, ""), (4, "tenant-a")):
+        s.add(Request(seq_id, f"r{seq_id}", prompt, SamplingParams(max_tokens=1), cache_salt=salt))
+        _, outputs = step(s)
+        hits.append(outputs[0].num_cached_tokens)
+    assert hits == [0, 0, 8]
+    with pytest.raises(ValueError, match="cache_salt holds 257 characters"):
+        s.add(Request(5, "r5", prompt, SamplingParams(), cache_salt="x" * 257))
 
 
 def test_output_tokens_become_cacheable_once_computed():
