@@ -17,12 +17,17 @@ def shared_prefix_prompts(seed: int) -> list[list[int]]:
     return [prefix + [rng.randrange(3, 512) for _ in range(n)] for n in (1, 5, 12, 20, 7, 3, 16, 9)]
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def model(request, tmp_path_factory):
-    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+def equivalence_case(path) -> tuple[str, dict[str, list[list[int]]], dict[str, list[list[int]]]]:
+    """The `model` the five scenarios take: the tiny model's path, its prompts (mixed lengths,
+    and shared prefixes) and transformers' greedy continuations of them."""
     prompts = {"mixed": mixed_prompts(0), "shared": shared_prefix_prompts(1)}
     expected = {k: hf_greedy(path, v, NEW_TOKENS) for k, v in prompts.items()}
     return str(path), prompts, expected
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request, tmp_path_factory):
+    return equivalence_case(make_tiny_model(request.param, tmp_path_factory.mktemp(request.param)))
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
