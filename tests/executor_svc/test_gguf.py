@@ -20,7 +20,8 @@ from pagedserve.executor_svc.weight_loader import checkpoint_targets, load_weigh
 from tests.tiny_gguf import Q, write_gguf
 from tests.tiny_models import hf_greedy, llm_greedy, make_tiny_model, mixed_prompts
 
-ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Phi-3 with longrope, partial rotary and a window (tiny_models), its projections fused.
+ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 NEW_TOKENS = 24
 
 
@@ -104,7 +105,7 @@ def test_quantized_tensors_load_within_their_error(llama_dir, tmp_path, qtype, m
 def test_unsupported_architecture_is_named(llama_dir, tmp_path):
     path = write_gguf(llama_dir, tmp_path / "model.gguf", arch="gemma2")
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma2' in .*model.gguf: "
-                                         r"pagedserve runs llama, qwen2, qwen3"):
+                                         r"pagedserve runs llama, qwen2, qwen3, phi3"):
         load_model_config(path)
 
 
