@@ -179,5 +179,6 @@ class Tokenizer:
                      "eos_token": self.eos_token or ""}
         try:
             return compiled.render(**variables)
-        except TemplateError as e:
+        # A template that adds or iterates a field these messages lack (None) raises TypeError.
+        except (TemplateError, TypeError) as e:
             raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e
