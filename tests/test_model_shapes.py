@@ -2,6 +2,8 @@ import json
 
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.model_shapes import SHAPES, write_shape
+from pagedserve.executor_svc.model_config import model_config_from_dict, resolve_max_model_len
+from pagedserve.executor_svc.models.llama import layer_windows
 
 
 def test_shape_directory_with_a_tokenizer_decodes_every_id(tmp_path):
@@ -17,3 +19,10 @@ def test_shape_directory_with_a_tokenizer_decodes_every_id(tmp_path):
 def test_shape_directory_without_a_tokenizer(tmp_path):
     write_shape("llama-3.1-8b", tmp_path, tokenizer=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_phi_3_mini_shape_is_its_config_json():
+    config = model_config_from_dict(SHAPES["phi-3-mini"])
+    assert (config.architecture, config.head_dim, config.num_key_value_heads) == ("Phi3ForCausalLM", 96, 32)
+    assert (config.rope.scaling, config.rope.rotary_dim, resolve_max_model_len(config, None)) == (None, 96, 4096)
+    assert layer_windows(config) == [2047] * 32

@@ -14,6 +14,15 @@ SHAPES = {
         bos_token_id=128000, eos_token_id=128001,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192)),
+    # microsoft/Phi-3-mini-4k-instruct's config.json: fused qkv/gate_up checkpoints, head_dim 96,
+    # a 2047-token sliding window on every layer.
+    "phi-3-mini": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=32064, hidden_size=3072,
+        intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        max_position_embeddings=4096, original_max_position_embeddings=4096, rope_theta=10000.0,
+        rope_scaling=None, sliding_window=2047, rms_norm_eps=1e-5, hidden_act="silu",
+        tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=32000,
+        pad_token_id=32000),
 }
 
 
