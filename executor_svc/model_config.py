@@ -99,8 +99,8 @@ def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
     apply, and takes up to max_position_embeddings when asked."""
     longest, source = _longest_context(model)
     scaling = model.rope.scaling or {}
-    default = scaling["original_max_position_embeddings"] if scaling.get("rope_type") == "longrope" else longest
-    max_model_len = requested or default
+    longrope = scaling.get("rope_type") == "longrope"
+    max_model_len = requested or (scaling["original_max_position_embeddings"] if longrope else longest)
     if max_model_len > longest:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {source}; lower it")
     return max_model_len

@@ -133,13 +133,13 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTen
             continue
         # The "fp8" quant_method's name for the same multiplier (w = q * scale) as weight_scale.
         name = name.removesuffix("_inv") if name.endswith(SCALE_SUFFIX + "_inv") else name
-        for name, tensor in _unfuse(name, tensor, fused.get(name), targets):
-            if name not in targets:
-                unexpected.append(name)
+        for part_name, part in _unfuse(name, tensor, fused.get(name), targets):
+            if part_name not in targets:
+                unexpected.append(part_name)
                 continue
-            if (target := targets[name]) is not None:
-                _copy(name, tensor, target)
-            loaded.add(name)
+            if (target := targets[part_name]) is not None:
+                _copy(part_name, part, target)
+            loaded.add(part_name)
     missing = sorted(targets.keys() - loaded)
     if missing or unexpected:
         raise ValueError(f"checkpoint {source} does not match {type(model).__name__}: "
