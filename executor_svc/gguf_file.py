@@ -12,7 +12,8 @@ import torch
 from pagedserve.common.gguf_metadata import GGUFTensorInfo, read_gguf_header
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 # llama.cpp runs Mixtral as a llama model with experts.
 LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
 # convert_hf_to_gguf permutes q/k rows into llama.cpp's rope layout only for llama-arch models
@@ -43,8 +44,13 @@ LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Phi-3's converter keeps the checkpoint's fused projections: q/k/v in attn_qkv, gate/up in ffn_up.
+ARCH_LAYER_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # Llama 3.1's rope scaling, stored by the converter as per-frequency divisors instead of metadata.
 ROPE_FREQS = "rope_freqs.weight"
+# Phi-3 128K's longrope factors, stored by the converter as tensors.
+ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+ROPE_TENSORS = (ROPE_FREQS, *ROPE_FACTORS.values())
 FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: "float32", gguf.GGMLQuantizationType.BF16: "bfloat16"}
 
 
@@ -71,11 +77,8 @@ def read_gguf_config(path: Path) -> dict:
     tensors = {t.name: t for t in header.tensors}
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     head_dim = meta("attention.key_length", hidden // heads)
-    if meta("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{path} rotates {meta('rope.dimension_count')} of each head's {head_dim} "
-                         "dimensions; pagedserve implements full-head rope only")
     experts = _experts(meta, arch)
-    return {
+    config = {
         "architectures": [LLAMA_WITH_EXPERTS if arch == "llama" and experts else ARCHITECTURES[arch]],
         "vocab_size": tensors["token_embd.weight"].shape[0],
         "hidden_size": hidden,
@@ -86,13 +89,19 @@ def read_gguf_config(path: Path) -> dict:
         "head_dim": head_dim,
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
         "rope_parameters": {"rope_theta": meta("rope.freq_base", 10000.0),
-                            **_rope_scaling(meta, path, tensors.get(ROPE_FREQS))},
+                            **_rope_scaling(meta, path, tensors)},
+        "partial_rotary_factor": meta("rope.dimension_count", head_dim) / head_dim,
         "max_position_embeddings": meta("context_length"),
+        # 0 for none (Phi-4's converter writes it so).
+        "sliding_window": meta("attention.sliding_window") or None,
         "tie_word_embeddings": "output.weight" not in tensors,
         "dtype": _dtype(tensors.values()),
         "eos_token_id": _eos_token_ids(header.metadata),
         **experts,
     }
+    if (original := meta("rope.scaling.original_context_length")) is not None:
+        config["original_max_position_embeddings"] = original
+    return config
 
 
 def read_gguf_tensors(path: Path) -> Iterator[tuple[str, tuple[int, ...], Callable[..., torch.Tensor]]]:
@@ -108,9 +117,9 @@ def read_gguf_tensors(path: Path) -> Iterator[tuple[str, tuple[int, ...], Callab
         rope_heads = {"q_proj": heads,
                       "k_proj": _arch_field(header.metadata, arch, "attention.head_count_kv", heads)}
     for tensor in header.tensors:
-        if tensor.name == ROPE_FREQS:
+        if tensor.name in ROPE_TENSORS:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         module = name.rpartition(".")[0].rpartition(".")[2]
         yield name, tensor.shape, functools.partial(dequantize, data, tensor, rope_heads.get(module))
 
@@ -121,14 +130,16 @@ def map_gguf(path: Path) -> np.memmap:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def hf_name(name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names unchanged."""
+def hf_name(name: str, arch: str = "llama") -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (`arch`'s own names
+    first); unknown names unchanged."""
     base, _, param = name.rpartition(".")
     if base in MODEL_TENSORS:
         return f"{MODEL_TENSORS[base]}.{param}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{param}"
+    layer_tensors = {**LAYER_TENSORS, **ARCH_LAYER_TENSORS.get(arch, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{param}"
     return name
 
 
@@ -203,14 +214,21 @@ def _experts(meta: Callable[..., Any], arch: str) -> dict:
     return fields
 
 
-def _rope_scaling(meta: Callable[..., Any], path: Path, rope_freqs: GGUFTensorInfo | None) -> dict:
-    if rope_freqs is not None:
-        return {"rope_type": "llama3", "freq_factors": dequantize(map_gguf(path), rope_freqs).tolist()}
+def _rope_scaling(meta: Callable[..., Any], path: Path, tensors: dict[str, GGUFTensorInfo]) -> dict:
+    if ROPE_FREQS in tensors:
+        return {"rope_type": "llama3", "freq_factors": _values(path, tensors[ROPE_FREQS])}
+    if ROPE_FACTORS["long_factor"] in tensors:
+        return {"rope_type": "longrope", "attention_factor": meta("rope.scaling.attn_factor"),
+                **{key: _values(path, tensors[name]) for key, name in ROPE_FACTORS.items()}}
     rope_type = meta("rope.scaling.type", "none")
     if rope_type == "none":
         return {}
     return {"rope_type": rope_type, "factor": meta("rope.scaling.factor"),
             "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+
+
+def _values(path: Path, tensor: GGUFTensorInfo) -> list[float]:
+    return dequantize(map_gguf(path), tensor).tolist()
 
 
 def _dtype(tensors) -> str:

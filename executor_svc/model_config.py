@@ -5,6 +5,7 @@ from pathlib import Path
 
 from pagedserve.executor_svc.gguf_file import find_gguf, read_gguf_config
 from pagedserve.executor_svc.layers.activation import ACTIVATIONS
+from pagedserve.executor_svc.layers.rotary import Rope, rope_from_config
 
 
 @dataclass(slots=True)
@@ -19,8 +20,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     hidden_act: str
-    rope_theta: float
-    rope_scaling: dict | None
+    # The rotary embedding every layer uses (a family with a rope per layer type reads its own
+    # from hf_config with rope_from_config).
+    rope: Rope
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -61,7 +63,6 @@ def model_config_from_dict(config: dict, generation_config: dict | None = None) 
         raise ValueError(f"{architecture} with hidden_act={hidden_act!r} is not supported; pagedserve "
                          f"implements {', '.join(ACTIVATIONS)}")
     heads = config["num_attention_heads"]
-    rope_theta, rope_scaling = _rope(config)
     qwen2 = architecture == "Qwen2ForCausalLM"
     bias = bool(config.get("attention_bias", False))
     return ModelConfig(
@@ -75,8 +76,7 @@ def model_config_from_dict(config: dict, generation_config: dict | None = None) 
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         hidden_act=hidden_act,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
+        rope=rope_from_config(config),
         max_position_embeddings=config["max_position_embeddings"],
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=qwen2 or bias,
@@ -92,16 +92,35 @@ def model_config_from_dict(config: dict, generation_config: dict | None = None) 
 
 
 def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
-    """The context length to serve: `requested` (--max-model-len) or the model's maximum."""
-    max_model_len = requested or model.max_position_embeddings
-    if max_model_len > model.max_position_embeddings:
-        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
-                         f"max_position_embeddings ({model.max_position_embeddings}); lower it")
-    if model.sliding_window is not None and model.sliding_window < max_model_len:
-        raise ValueError(f"{model.architecture} uses sliding-window attention "
-                         f"(window {model.sliding_window}), which pagedserve does not implement; "
-                         f"pass --max-model-len {model.sliding_window} or less")
+    """The context length to serve: `requested` (--max-model-len) or the model's default, as
+    vLLM derives them. Rope scaling extends the model's maximum: linear and dynamic to
+    max_position_embeddings × factor, yarn to original_max_position_embeddings × factor; a
+    longrope model (Phi-3 128K) defaults to its original context, where its short factors
+    apply, and takes up to max_position_embeddings when asked."""
+    longest, source = _longest_context(model)
+    scaling = model.rope.scaling or {}
+    longrope = scaling.get("rope_type") == "longrope"
+    max_model_len = requested or (scaling["original_max_position_embeddings"] if longrope else longest)
+    if max_model_len > longest:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {source}; lower it")
     return max_model_len
+
+
+def _longest_context(model: ModelConfig) -> tuple[int, str]:
+    """The longest context the model's positions reach, and where that number comes from."""
+    max_positions = model.max_position_embeddings
+    scaling = model.rope.scaling or {}
+    rope_type, factor = scaling.get("rope_type"), scaling.get("factor")
+    extends = factor is not None and rope_type in ("linear", "dynamic", "yarn")
+    # Gemma 3's max_position_embeddings counts its linear scaling already (vLLM's exception).
+    if not extends or "gemma3" in model.hf_config.get("model_type", ""):
+        return max_positions, f"max_position_embeddings ({max_positions})"
+    if rope_type == "yarn":
+        original = scaling["original_max_position_embeddings"]
+        return int(original * factor), (f"max_position_embeddings as yarn scaling extends it "
+                                        f"({original} original positions × factor {factor})")
+    return int(max_positions * factor), (f"max_position_embeddings as {rope_type} rope scaling "
+                                         f"extends it ({max_positions} × factor {factor})")
 
 
 def _architecture(config: dict) -> str:
@@ -111,17 +130,6 @@ def _architecture(config: dict) -> str:
     if len(architectures) != 1 or architectures[0] not in MODELS:
         raise ValueError(f"unsupported architecture {architectures}: pagedserve runs {', '.join(MODELS)}")
     return architectures[0]
-
-
-def _rope(config: dict) -> tuple[float, dict | None]:
-    # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
-    legacy_type = params.pop("type", None)
-    rope_type = params.pop("rope_type", None) or legacy_type or "default"
-    if rope_type == "default":
-        return theta, None
-    return theta, {"rope_type": rope_type, **params}
 
 
 def _eos_token_ids(config: dict, generation_config: dict | None) -> list[int]:

@@ -1,6 +1,8 @@
 """Loads a checkpoint (Hugging Face safetensors or GGUF) into the model, or fills it with dummy
 weights. Under tensor parallelism each rank reads only its slice of each tensor."""
+import itertools
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,11 +130,12 @@ def dummy_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Checkpoint
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTensor]],
                     source: str | Path) -> None:
-    """Copies each (Hugging Face name, tensor) into the parameter slice the name maps to, reading
-    one tensor (this rank's slice of it) at a time; every parameter must be filled and every
-    tensor used. A model's `checkpoint_renames` {old: new} rename parts of the checkpoint's names
-    to its own; stacked expert tensors are read per expert (STACKED_EXPERTS)."""
-    targets = checkpoint_targets(model)
+    """Copies each (Hugging Face name, tensor) into the parameter slice the name maps to (a fused
+    tensor such as Phi-3's qkv_proj into each of the shards it stacks), reading one tensor (this
+    rank's slice of it) at a time; every parameter must be filled and every tensor used. A model's
+    `checkpoint_renames` {old: new} rename parts of the checkpoint's names to its own; stacked
+    expert tensors are read per expert (STACKED_EXPERTS)."""
+    targets, fused = checkpoint_targets(model), fused_tensors(model)
     renames = getattr(model, "checkpoint_renames", {})
     # A tied model has no lm_head, yet some tied checkpoints still store a copy of the embeddings.
     tied = "lm_head.weight" not in targets
@@ -145,12 +148,13 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTen
             continue
         # The "fp8" quant_method's name for the same multiplier (w = q * scale) as weight_scale.
         name = name.removesuffix("_inv") if name.endswith(SCALE_SUFFIX + "_inv") else name
-        if name not in targets:
-            unexpected.append(name)
-            continue
-        if (target := targets[name]) is not None:
-            _copy(name, tensor, target)
-        loaded.add(name)
+        for part_name, part in _unfuse(name, tensor, fused.get(name), targets):
+            if part_name not in targets:
+                unexpected.append(part_name)
+                continue
+            if (target := targets[part_name]) is not None:
+                _copy(part_name, part, target)
+            loaded.add(part_name)
     missing = sorted(targets.keys() - loaded)
     if missing or unexpected:
         raise ValueError(f"checkpoint {source} does not match {type(model).__name__}: "
@@ -177,11 +181,8 @@ def _per_expert(tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tup
 
 def _expert_rows(tensor: CheckpointTensor, expert: int, start: int, rows: int) -> CheckpointTensor:
     """Rows [start, start + rows) of one expert's matrix in a stacked [E, N, K] tensor."""
-    def read(index: Index) -> torch.Tensor:
-        row_slice, *rest = index or (slice(None),)
-        first, stop, _ = row_slice.indices(rows)
-        return tensor.read((expert, slice(start + first, start + stop), *rest))
-    return CheckpointTensor((rows, tensor.shape[2]), read)
+    return CheckpointTensor((rows, tensor.shape[2]),
+                            lambda index: tensor.read((expert, *_rows(index, start, rows))))
 
 
 def _renamed(tensors: Iterable[tuple[str, CheckpointTensor]],
@@ -251,6 +252,49 @@ def _expert_targets(module_name: str, module: nn.Module, rank: int, parts: int) 
                 targets[_join(module_name, str(expert), shard, suffix)] = Target(
                     param, start, size, dim, rank, parts, expert)
     return targets
+
+
+def fused_tensors(model: nn.Module) -> dict[str, list[str]]:
+    """The checkpoint name of each fused projection's own tensor (Phi-3's
+    `self_attn.qkv_proj.weight`, `mlp.gate_up_proj.weight`) -> the shard names it stacks, in
+    the order it stacks them."""
+    fused = {}
+    for module_name, module in model.named_modules():
+        if (shards := getattr(module, "shards", None)) is None:
+            continue
+        parent = module_name.rpartition(".")[0]
+        for param_name, _ in module.named_parameters(recurse=False):
+            fused[_join(module_name, param_name)] = [_join(parent, shard, param_name) for shard in shards]
+    return fused
+
+
+def _unfuse(name: str, tensor: CheckpointTensor, shard_names: list[str] | None,
+            targets: dict[str, Target | None]) -> Iterator[tuple[str, CheckpointTensor]]:
+    """A fused checkpoint tensor as the shard tensors it stacks along dim 0 (each a view that
+    reads its own rows: a rank's slice of a fused qkv is its q rows, its k rows and its v rows);
+    any other tensor as it is. A per-tensor weight scale applies to every shard."""
+    if shard_names is None:
+        yield name, tensor
+        return
+    if name.endswith(SCALE_SUFFIX) and math.prod(tensor.shape) == 1:
+        yield from ((shard, tensor) for shard in shard_names)
+        return
+    sizes = [targets[shard].size * targets[shard].parts for shard in shard_names]
+    if tensor.shape[:1] != (sum(sizes),):
+        raise ValueError(f"checkpoint tensor {name} has shape {tensor.shape} but the model expects "
+                         f"{sum(sizes)} rows ({' + '.join(map(str, sizes))}); does the model's "
+                         "config match its weights?")
+    for shard, begin, size in zip(shard_names, itertools.accumulate(sizes, initial=0), sizes):
+        yield shard, CheckpointTensor((size, *tensor.shape[1:]),
+                                      lambda index, begin=begin, size=size: tensor.read(_rows(index, begin, size)))
+
+
+def _rows(index: Index, begin: int, size: int) -> tuple[slice, ...]:
+    """`index` into rows [begin, begin + size) of a tensor, as an index into the whole tensor."""
+    if index is None:
+        return (slice(begin, begin + size),)
+    start, stop, _ = index[0].indices(size)
+    return (slice(begin + start, begin + stop), *index[1:])
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

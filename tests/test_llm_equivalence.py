@@ -17,10 +17,11 @@ def shared_prefix_prompts(seed: int) -> list[list[int]]:
     return [prefix + [rng.randrange(3, 512) for _ in range(n)] for n in (1, 5, 12, 20, 7, 3, 16, 9)]
 
 
-def tiny_model_case(arch: str, tmp_path_factory) -> tuple[str, dict, dict]:
-    """A tiny model of `arch`, the prompts of the scenarios below, and transformers' greedy
-    tokens for them: what the `model` fixture of a file running these scenarios returns."""
-    path = make_tiny_model(arch, tmp_path_factory.mktemp(arch))
+def tiny_model_case(arch: str, tmp_path_factory, **overrides) -> tuple[str, dict, dict]:
+    """A tiny model of `arch` (config.json `overrides` on top of tiny_models'), the prompts of the
+    scenarios below (mixed lengths, and shared prefixes), and transformers' greedy tokens for
+    them: what the `model` fixture of a file running these scenarios returns."""
+    path = make_tiny_model(arch, tmp_path_factory.mktemp(arch), **overrides)
     prompts = {"mixed": mixed_prompts(0), "shared": shared_prefix_prompts(1)}
     expected = {k: hf_greedy(path, v, NEW_TOKENS) for k, v in prompts.items()}
     return str(path), prompts, expected

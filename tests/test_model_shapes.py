@@ -3,7 +3,8 @@ import json
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.model_shapes import SHAPES, write_shape
 from pagedserve.executor_svc.layers.moe import moe_shape
-from pagedserve.executor_svc.model_config import load_model_config
+from pagedserve.executor_svc.model_config import load_model_config, model_config_from_dict, resolve_max_model_len
+from pagedserve.executor_svc.models.llama import layer_windows
 from pagedserve.executor_svc.models.moe import sparse_layer
 
 
@@ -30,3 +31,10 @@ def test_qwen3_30b_a3b_builds_its_experts(tmp_path):
     assert (shape.num_experts, shape.top_k, shape.intermediate_size) == (128, 8, 768)
     assert shape.shared_intermediate_size == 0
     assert all(sparse_layer(config.hf_config, i) for i in range(48))
+
+
+def test_phi_3_mini_shape_is_its_config_json():
+    config = model_config_from_dict(SHAPES["phi-3-mini"])
+    assert (config.architecture, config.head_dim, config.num_key_value_heads) == ("Phi3ForCausalLM", 96, 32)
+    assert (config.rope.scaling, config.rope.rotary_dim, resolve_max_model_len(config, None)) == (None, 96, 4096)
+    assert layer_windows(config) == [2047] * 32

@@ -1,6 +1,7 @@
 """Writes a tiny Hugging Face checkpoint as GGUF the way llama.cpp's convert_hf_to_gguf.py does:
 gguf's own tensor-name map, 1-D tensors in F32, q/k rows of llama-arch models permuted for
-llama.cpp's rope, Llama 3.1 rope scaling as a `rope_freqs` tensor."""
+llama.cpp's rope, Llama 3.1 rope scaling as a `rope_freqs` tensor, Phi-3's fused projections as
+they are (attn_qkv, ffn_up) and its longrope factors as `rope_factors_long` / `_short` tensors."""
 import json
 import math
 import re
@@ -13,7 +14,7 @@ from safetensors.numpy import load_file
 Q = gguf.GGMLQuantizationType
 GGUF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
               "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
-              "MixtralForCausalLM": "llama"}
+              "MixtralForCausalLM": "llama", "Phi3ForCausalLM": "phi3"}
 # An expert's tensor in a Hugging Face checkpoint: `<block>.experts.<e>.<projection>.weight`.
 EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight")
 
@@ -36,6 +37,8 @@ def write_gguf(hf_dir: Path, path: Path, outtype: Q = Q.F32, quantize: dict[str,
         add_tensor(writer, name, (retype or {}).get(name, data), (quantize or {}).get(name, qtype))
     if (rope := config.get("rope_parameters") or {}).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, rope))
+    if rope.get("rope_type") == "longrope":
+        write_longrope(writer, config, rope)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -52,8 +55,11 @@ def write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    if arch == "phi3":
+        write_phi3_metadata(writer, config)
+    else:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
     if arch == "llama":
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(config["head_dim"])
@@ -80,6 +86,25 @@ def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     for name, by_expert in experts.items():
         out[name] = np.stack([by_expert[e] for e in range(len(by_expert))])
     return out
+
+
+def write_phi3_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
+    """Phi3MiniModel.set_gguf_parameters: no key length (hidden / heads), the rotated dims, the
+    original context, and the window (0 for none)."""
+    partial = config["rope_parameters"].get("partial_rotary_factor", 1.0)
+    writer.add_rope_dimension_count(int(partial * config["hidden_size"]) // config["num_attention_heads"])
+    writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+
+
+def write_longrope(writer: gguf.GGUFWriter, config: dict, rope: dict) -> None:
+    """Phi3MiniModel.generate_extra_tensors: the attention factor as metadata, the factors as
+    tensors."""
+    original = config["original_max_position_embeddings"]
+    scale = config["max_position_embeddings"] / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -> None:

@@ -23,7 +23,8 @@ ARCH_CONFIGS = {
     "LlamaForCausalLM": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                            "original_max_position_embeddings": 64}),
-    "MistralForCausalLM": dict(sliding_window=None, rope_theta=1e6),
+    # A window shorter than most prompts, so it cuts across blocks and prefill chunks.
+    "MistralForCausalLM": dict(sliding_window=12, rope_theta=1e6),
     "Qwen2ForCausalLM": dict(tie_word_embeddings=True),
     "Qwen3ForCausalLM": dict(),
     # Top 2 of 8 or 4 experts (fewer experts, fewer steps of the CPU references' expert loops).
@@ -35,6 +36,15 @@ ARCH_CONFIGS = {
                                 shared_expert_intermediate_size=64, mlp_only_layers=[1]),
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
                                sliding_window=None, rope_theta=1e6),
+    # Phi-3 128K's longrope and Phi-4-mini's partial rotary (12 of 16 dims rotate: 6 factors).
+    # transformers switches to the long factors once a sequence passes 256 positions, pagedserve
+    # once max_model_len does (vLLM's rule); the tests stay under 256 on both sides, where both
+    # use the short factors. The window is Phi-3-mini-4k's kind (2047), shortened.
+    "Phi3ForCausalLM": dict(partial_rotary_factor=0.75, original_max_position_embeddings=256,
+                            sliding_window=16, pad_token_id=0,
+                            rope_scaling={"rope_type": "longrope",
+                                          "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                          "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]}),
 }
 
 

@@ -85,16 +85,9 @@ def cos_sin_cache(rope: Rope, max_positions: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """The table of cos/sin by position that the decoder stack hands its attention layers."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+    def __init__(self, rope: Rope, max_positions: int) -> None:
         super().__init__()
-        self.register_buffer("cos_sin_cache", build_cos_sin_cache(head_dim, max_positions, theta, scaling),
-                             persistent=False)
-
-
-def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
-                        scaling: dict | None) -> torch.Tensor:
-    """`cos_sin_cache` of a full-rotary rope given as ModelConfig holds it (Llama's call)."""
-    return cos_sin_cache(Rope(head_dim, theta, scaling), max_positions)
+        self.register_buffer("cos_sin_cache", cos_sin_cache(rope, max_positions), persistent=False)
 
 
 def rope_inv_freq(rope: Rope, max_positions: int) -> tuple[torch.Tensor, float]:

@@ -13,6 +13,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,

@@ -1,6 +1,7 @@
 """The Llama family: Llama 2/3/3.1, Mistral, TinyLlama, SmolLM, Qwen2 (qkv bias), Qwen3 (q/k
-norm); the config's flags (model_config) pick the biases and the q/k norms. Every layer alike:
-attention and a gated MLP behind RMSNorms, one rotary table."""
+norm), Phi-3/3.5/4 (checkpoints with q/k/v and gate/up fused, longrope, partial rotary); the
+config's flags (model_config) pick the biases and the q/k norms. Every layer alike but for its
+sliding window: attention and a gated MLP behind RMSNorms, one rotary table."""
 from functools import partial
 
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
@@ -16,9 +17,24 @@ from pagedserve.executor_svc.parallel import TensorParallel
 class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, backend: TorchAttentionBackend, max_positions: int,
                  tp: TensorParallel | None = None) -> None:
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        rotary = RotaryEmbedding(config.rope, max_positions)
         norm = partial(RMSNorm, eps=config.rms_norm_eps, backend=backend)
+        windows = layer_windows(config)
 
         def layer(index: int) -> DecoderLayer:
-            return DecoderLayer(config, Attention(config, backend, tp, norm), GatedMLP(config, backend, tp), norm)
+            attention = Attention(config, backend, tp, norm, sliding_window=windows[index])
+            return DecoderLayer(config, attention, GatedMLP(config, backend, tp), norm)
         super().__init__(config, tp, layer, norm, rotary)
+
+
+def layer_windows(config: ModelConfig) -> list[int | None]:
+    """Each layer's sliding window, as transformers applies them: Mistral's and Phi-3's to every
+    layer; Qwen's to the layers its `layer_types` marks sliding, by default those from
+    `max_window_layers` on (config.sliding_window is None unless `use_sliding_window`)."""
+    layers, window = config.num_hidden_layers, config.sliding_window
+    if window is None or not config.architecture.startswith("Qwen"):
+        return [window] * layers
+    hf = config.hf_config
+    types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
+                                      else "full_attention" for i in range(layers)]
+    return [window if kind == "sliding_attention" else None for kind in types]

@@ -71,7 +71,9 @@ def _flag_specs() -> dict[str, dict]:
                                        "reported); defaults to the model path"),
         "max_model_len": dict(type=arg_types.size, default=d.max_model_len,
                               help="context length, e.g. 8192 or 8k; defaults to the model's "
-                                   "max_position_embeddings, and may not exceed it"),
+                                   "max_position_embeddings (times the factor of yarn, linear or "
+                                   "dynamic rope scaling; a longrope model's original context), "
+                                   "and may not exceed it (longrope: max_position_embeddings)"),
         "max_num_seqs": dict(type=arg_types.positive_int, default=d.max_num_seqs,
                              help="requests running at once" + by_device + "1024 on GPUs of 70 GiB "
                                   "or more (A100s excepted), else 256; 128 (server) or 256 (offline) "

@@ -23,6 +23,15 @@ SHAPES = {
         hidden_act="silu", bos_token_id=151643, eos_token_id=151645, num_experts=128,
         num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[], max_window_layers=48, sliding_window=None, use_sliding_window=False),
+    # microsoft/Phi-3-mini-4k-instruct's config.json: fused qkv/gate_up checkpoints, head_dim 96,
+    # a 2047-token sliding window on every layer.
+    "phi-3-mini": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=32064, hidden_size=3072,
+        intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        max_position_embeddings=4096, original_max_position_embeddings=4096, rope_theta=10000.0,
+        rope_scaling=None, sliding_window=2047, rms_norm_eps=1e-5, hidden_act="silu",
+        tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=32000,
+        pad_token_id=32000),
 }
 
 

@@ -9,7 +9,7 @@ from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAt
 from pagedserve.executor_svc.device import default_dtype
 from pagedserve.executor_svc.kv_cache import allocate_kv_cache
 from pagedserve.executor_svc.layers.decoder import CausalLM
-from pagedserve.executor_svc.model_config import load_model_config
+from pagedserve.executor_svc.model_config import load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.models import build_model
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.executor_svc.worker import Worker
@@ -127,7 +127,7 @@ def paged_prefill_logits(path, prompts: list[list[int]], backend=None,
     config = load_model_config(path)
     backend = backend or TorchAttentionBackend()
     with torch.device(device), default_dtype(dtype):
-        model = build_model(config, backend, config.max_position_embeddings)
+        model = build_model(config, backend, resolve_max_model_len(config, None))
     fp8 = fp8 or config.quantization is not None
     load_weights(model, path, load_format, quantize=backend.per_token_quant_fp8 if fp8 else None)
     num_blocks = [-(-len(p) // BLOCK_SIZE) for p in prompts]

@@ -22,7 +22,9 @@ from tests.executor_svc.harness import paged_prefill_logits
 from tests.tiny_models import llm_greedy, make_tiny_model, mixed_prompts
 
 quant = per_token_quant_fp8_ref
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoints keep q/k/v and gate/up fused.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+               "gate_up_proj")
 MIN_COSINE = 0.99
 
 
@@ -172,6 +174,20 @@ def test_per_tensor_checkpoints_fuse_shard_scales_exactly(qwen2, tmp_path, quant
     full = torch.cat(paged_prefill_logits(qwen2, prompts))
     fp8 = torch.cat(paged_prefill_logits(tmp_path, prompts))
     assert nn.functional.cosine_similarity(full, fp8, dim=-1).mean() >= MIN_COSINE
+
+
+@pytest.mark.parametrize("quant_config, quantize_weight", [
+    (compressed_tensors("tensor"), per_tensor), (compressed_tensors("channel"), per_channel),
+], ids=["per_tensor", "per_channel"])
+def test_fused_checkpoint_tensors_keep_their_scales(tmp_path, quant_config, quantize_weight):
+    phi3 = make_tiny_model("Phi3ForCausalLM", tmp_path / "phi3")
+    (tmp_path / "fp8").mkdir()
+    write_fp8_checkpoint(phi3, tmp_path / "fp8", quant_config, quantize_weight)
+    layer = loaded(tmp_path / "fp8").model.layers[1]
+    source = load_file(phi3 / "model.safetensors")
+    for linear, name in ((layer.self_attn.qkv_proj, "self_attn.qkv_proj"), (layer.mlp.gate_up_proj, "mlp.gate_up_proj")):
+        fp8 = quantize_weight(source[f"model.layers.1.{name}.weight"])
+        assert torch.equal(linear.weight.float() * linear.weight_scale, fp8["weight"].float() * fp8["weight_scale"])
 
 
 def test_fp8_checkpoint_with_full_precision_weights_is_refused(qwen2, tmp_path):

@@ -15,12 +15,13 @@ from pagedserve.executor_svc.gguf_file import find_gguf
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.models import build_model
-from pagedserve.executor_svc.layers.rotary import build_cos_sin_cache
+from pagedserve.executor_svc.layers.rotary import cos_sin_cache
 from pagedserve.executor_svc.weight_loader import checkpoint_targets, load_weights
 from tests.tiny_gguf import Q, write_gguf
 from tests.tiny_models import hf_greedy, llm_greedy, make_tiny_model, mixed_prompts
 
-ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Phi-3 with longrope, partial rotary and a window (tiny_models), its projections fused.
+ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 NEW_TOKENS = 24
 
 
@@ -44,18 +45,16 @@ def test_config_from_metadata_equals_config_json(hf_dir, tmp_path):
     expected = load_model_config(hf_dir)
     config = load_model_config(write_gguf(hf_dir, tmp_path / "model.gguf"))
     # The raw configs differ (a GGUF file has no config.json of its own); the fields read from them agree.
-    assert (replace(config, rope_scaling=None, hf_config={}) ==
-            replace(expected, rope_scaling=None, hf_config={}))
+    assert replace(config, rope=None, hf_config={}) == replace(expected, rope=None, hf_config={})
     # Llama 3.1 scaling arrives as llama.cpp's per-frequency divisors: the same rope table.
-    cos_sin, expected_cos_sin = (build_cos_sin_cache(c.head_dim, 64, c.rope_theta, c.rope_scaling)
-                                 for c in (config, expected))
+    cos_sin, expected_cos_sin = (cos_sin_cache(c.rope, 64) for c in (config, expected))
     torch.testing.assert_close(cos_sin, expected_cos_sin, rtol=0, atol=1e-6)
 
 
 def test_llama_rope_scaling_survives_conversion(llama_dir, tmp_path):
     config = load_model_config(write_gguf(llama_dir, tmp_path / "model.gguf"))
-    assert config.rope_scaling["rope_type"] == "llama3"
-    assert config.rope_scaling["freq_factors"][0] == 1.0 and config.rope_scaling["freq_factors"][-1] == 8.0
+    assert config.rope.scaling["rope_type"] == "llama3"
+    assert config.rope.scaling["freq_factors"][0] == 1.0 and config.rope.scaling["freq_factors"][-1] == 8.0
 
 
 @pytest.mark.parametrize("outtype", [Q.F32, Q.F16], ids=["F32", "F16"])
@@ -108,7 +107,7 @@ def test_quantized_tensors_load_within_their_error(llama_dir, tmp_path, qtype, m
 def test_unsupported_architecture_is_named(llama_dir, tmp_path):
     path = write_gguf(llama_dir, tmp_path / "model.gguf", arch="gemma2")
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma2' in .*model.gguf: "
-                                         r"pagedserve runs llama, qwen2, qwen3"):
+                                         r"pagedserve runs llama, qwen2, qwen3, phi3"):
         load_model_config(path)
 
 

@@ -8,8 +8,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-from pagedserve.executor_svc.layers.rotary import (Rope, build_cos_sin_cache, cos_sin_cache,
-                                                 rope_from_config, rope_inv_freq)
+from pagedserve.executor_svc.layers.rotary import (Rope, cos_sin_cache, rope_from_config,
+                                                 rope_inv_freq)
 
 LLAMA = {"hidden_size": 256, "num_attention_heads": 4, "max_position_embeddings": 4096}
 # Phi-3.5-mini's shape (head_dim 96) with LongRoPE factors of its length, and Phi-4-mini's
@@ -100,10 +100,6 @@ def test_config_forms() -> None:
                                                                   "factor": 8.0}
 
 
-def test_llama_call_keeps_working() -> None:
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
-    assert torch.equal(build_cos_sin_cache(64, 50, 5e5, scaling),
-                       cos_sin_cache(Rope(64, 5e5, scaling), 50))
+def test_a_rope_without_max_positions_says_what_it_needs() -> None:
     with pytest.raises(ValueError, match="needs the model's max_position_embeddings"):
-        build_cos_sin_cache(64, 50, 5e5, {"rope_type": "dynamic", "factor": 2.0})
+        cos_sin_cache(Rope(64, 5e5, {"rope_type": "dynamic", "factor": 2.0}), 50)

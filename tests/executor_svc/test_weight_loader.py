@@ -10,13 +10,20 @@ from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.models import build_model
+from pagedserve.executor_svc.parallel import TensorParallel, shard_config
 from pagedserve.executor_svc.weight_loader import checkpoint_files, checkpoint_targets, load_weights
+from tests.tiny_gguf import Q, write_gguf
 from tests.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    return make_tiny_model("Phi3ForCausalLM", tmp_path_factory.mktemp("phi3"))
 
 
 def loaded(path, load_format: str = "auto", seed: int = 0) -> CausalLM:
@@ -39,6 +46,40 @@ def test_every_checkpoint_tensor_lands_in_its_fused_slice(llama):
     assert tensors.keys() == targets.keys()
     for name, tensor in tensors.items():
         assert torch.equal(targets[name].view, tensor), name
+
+
+# Phi-3's fused tensors: 4 query heads, then 2 key and 2 value heads, of 16 rows each; gate, then up.
+FUSED = {"self_attn.qkv_proj": (64, 32, 32), "mlp.gate_up_proj": (128, 128)}
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf-f32", "gguf-q8_0"])
+def test_a_rank_of_a_fused_tensor_holds_its_rows_of_each_shard(phi3, tmp_path, source):
+    """-tp 2's rank r holds, of a fused qkv_proj, its half of the query rows, its half of the key
+    rows and its half of the value rows: three slices, not one run of rows."""
+    qtype = Q.Q8_0 if source.endswith("q8_0") else Q.F32
+    path = phi3 if source == "safetensors" else write_gguf(phi3, tmp_path / "phi3.gguf", qtype)
+    whole = dict(loaded(path).named_parameters())
+    checkpoint = load_file(phi3 / "model.safetensors")
+    for rank in (0, 1):
+        config = shard_config(load_model_config(path), 2)
+        model = build_model(config, TorchAttentionBackend(), 64, TensorParallel(rank, 2))
+        load_weights(model, path, "auto")
+        held = dict(model.named_parameters())
+        for module, sizes in FUSED.items():
+            name = f"model.layers.1.{module}.weight"
+            expected = torch.cat([shard.chunk(2)[rank] for shard in whole[name].split(sizes)])
+            assert torch.equal(held[name], expected), (rank, name)
+            assert not torch.equal(held[name], whole[name].chunk(2)[rank]), (rank, name)
+            if source == "safetensors":
+                assert torch.equal(whole[name], checkpoint[name]), name
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_named(phi3, tmp_path):
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    rewrite_checkpoint(phi3, tmp_path, lambda t: t.update({name: t[name][:-16]}))
+    with pytest.raises(ValueError, match=rf"checkpoint tensor {name} has shape \(112, 64\) but the "
+                                         r"model expects 128 rows \(64 \+ 32 \+ 32\)"):
+        loaded(tmp_path)
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(llama, tmp_path):
