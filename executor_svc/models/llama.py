@@ -28,13 +28,22 @@ class LlamaForCausalLM(CausalLM):
 
 
 def layer_windows(config: ModelConfig) -> list[int | None]:
-    """Each layer's sliding window, as transformers applies them: Mistral's and Phi-3's to every
-    layer; Qwen's to the layers its `layer_types` marks sliding, by default those from
-    `max_window_layers` on (config.sliding_window is None unless `use_sliding_window`)."""
-    layers, window = config.num_hidden_layers, config.sliding_window
-    if window is None or not config.architecture.startswith("Qwen"):
+    """Each layer's sliding window, as transformers applies them: to the layers `layer_types`
+    marks sliding in the families whose attention reads it (QWEN_SLIDING_LAYERS gives transformers'
+    default), to every layer in the others (Mistral, Phi-3, Mixtral, Qwen3-MoE).
+    config.sliding_window is None unless a Qwen config sets `use_sliding_window`."""
+    layers, window, hf = config.num_hidden_layers, config.sliding_window, config.hf_config
+    sliding = QWEN_SLIDING_LAYERS.get(config.architecture)
+    if window is None or sliding is None:
         return [window] * layers
-    hf = config.hf_config
-    types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
+    types = hf.get("layer_types") or ["sliding_attention" if sliding(i, hf.get("max_window_layers", 28))
                                       else "full_attention" for i in range(layers)]
     return [window if kind == "sliding_attention" else None for kind in types]
+
+
+# transformers' sliding layers (index, max_window_layers) of the Qwen families whose config.json
+# has no `layer_types`: Qwen2's and Qwen3's from max_window_layers on, Qwen2-MoE's the even-indexed
+# ones below it.
+QWEN_SLIDING_LAYERS = {"Qwen2ForCausalLM": lambda i, limit: i >= limit,
+                       "Qwen3ForCausalLM": lambda i, limit: i >= limit,
+                       "Qwen2MoeForCausalLM": lambda i, limit: i % 2 == 0 and i < limit}

@@ -13,6 +13,7 @@ from pagedserve.executor_svc.layers.moe import SparseMoeBlock, moe_shape
 from pagedserve.executor_svc.layers.norm import RMSNorm
 from pagedserve.executor_svc.layers.rotary import RotaryEmbedding
 from pagedserve.executor_svc.model_config import ModelConfig
+from pagedserve.executor_svc.models.llama import layer_windows
 from pagedserve.executor_svc.parallel import TensorParallel
 
 
@@ -23,15 +24,16 @@ class MoeForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, backend: TorchAttentionBackend, max_positions: int,
                  tp: TensorParallel | None = None) -> None:
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        rotary = RotaryEmbedding(config.rope, max_positions)
         norm = partial(RMSNorm, eps=config.rms_norm_eps, backend=backend)
         attention = attention_config(config)
         shape = moe_shape(config, tp, self.renormalize)
+        windows = layer_windows(config)
 
         def layer(index: int) -> DecoderLayer:
             mlp = (SparseMoeBlock(config, shape, backend, tp) if sparse_layer(config.hf_config, index)
                    else GatedMLP(config, backend, tp))
-            return DecoderLayer(config, Attention(attention, backend, tp, norm), mlp, norm)
+            return DecoderLayer(config, Attention(attention, backend, tp, norm, windows[index]), mlp, norm)
         super().__init__(config, tp, layer, norm, rotary)
 
 

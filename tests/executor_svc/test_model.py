@@ -39,28 +39,44 @@ def test_tied_embeddings_have_no_lm_head(tmp_path):
     assert "model.layers.0.self_attn.o_proj.bias" not in names
 
 
-@pytest.mark.parametrize("config", [
-    transformers.Qwen2Config(use_sliding_window=True, sliding_window=12, max_window_layers=2, num_hidden_layers=4),
-    transformers.Qwen2Config(use_sliding_window=False, sliding_window=12, num_hidden_layers=4),
-    transformers.Qwen2Config(use_sliding_window=True, sliding_window=12, num_hidden_layers=4,
-                             layer_types=["sliding_attention", "full_attention"] * 2),
-    transformers.Qwen3Config(use_sliding_window=True, sliding_window=8, max_window_layers=3, num_hidden_layers=4),
-    transformers.MistralConfig(sliding_window=12, num_hidden_layers=4),
-    transformers.Phi3Config(sliding_window=2047, num_hidden_layers=4),
-], ids=["qwen2-max-window-layers", "qwen2-off", "qwen2-layer-types", "qwen3", "mistral", "phi3"])
-def test_layer_windows_are_transformers(config):
-    """Each layer's window is the one transformers' attention of that layer uses."""
-    ours = layer_windows(model_config_from_dict({**config.to_dict(), "architectures": [_ARCH[config.model_type]]}))
-    model = transformers.AutoModelForCausalLM.from_config(config.__class__(**{
-        **config.to_dict(), "hidden_size": 16, "intermediate_size": 16, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 8, "pad_token_id": 0, "eos_token_id": 0}))
-    assert ours == [_window(layer.self_attn, config) for layer in model.model.layers]
+@pytest.mark.parametrize("config_class, fields", [
+    (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=12, max_window_layers=2)),
+    (transformers.Qwen2Config, dict(use_sliding_window=False, sliding_window=12)),
+    (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=12,
+                                    layer_types=["sliding_attention", "full_attention"] * 2)),
+    (transformers.Qwen3Config, dict(use_sliding_window=True, sliding_window=8, max_window_layers=3)),
+    (transformers.MistralConfig, dict(sliding_window=12)),
+    (transformers.Phi3Config, dict(sliding_window=2047)),
+    (transformers.Qwen2MoeConfig, dict(use_sliding_window=True, sliding_window=12, max_window_layers=3)),
+    (transformers.Qwen3MoeConfig, dict(use_sliding_window=True, sliding_window=12, max_window_layers=3)),
+    (transformers.MixtralConfig, dict(sliding_window=12)),
+], ids=["qwen2-max-window-layers", "qwen2-off", "qwen2-layer-types", "qwen3", "mistral", "phi3", "qwen2-moe",
+        "qwen3-moe", "mixtral"])
+def test_layer_windows_are_transformers(config_class, fields):
+    """Each layer's window is the one transformers' attention of that layer uses, from a
+    config.json with the `layer_types` transformers 5 writes and from one without them."""
+    config = config_class(**fields, **TINY_LAYERS)
+    written = {**config.to_dict(), "architectures": [_ARCH[config.model_type]]}
+    without_types = {k: v for k, v in written.items() if k != "layer_types" or k in fields}
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    theirs = [_window(layer.self_attn, config) for layer in model.model.layers]
+    assert layer_windows(model_config_from_dict(written)) == theirs
+    assert layer_windows(model_config_from_dict(without_types)) == theirs
 
 
+# Four layers of the smallest shapes; two experts where the family has them.
+TINY_LAYERS = dict(num_hidden_layers=4, hidden_size=16, intermediate_size=16, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=8, vocab_size=8, pad_token_id=0, eos_token_id=0,
+                   num_experts=2, num_local_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+                   shared_expert_intermediate_size=8)
 _ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-         "phi3": "Phi3ForCausalLM"}
+         "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+         "mixtral": "MixtralForCausalLM"}
 
 
 def _window(attention, config) -> int | None:
-    # Qwen's attention holds its own window; Mistral's and Phi-3's read the config's in forward.
-    return getattr(attention, "sliding_window", getattr(config, "sliding_window", None))
+    # Qwen's attention holds its own window (Qwen2-MoE's none on a full layer, and 0 for none);
+    # Mistral's, Phi-3's and Mixtral's read the config's in forward.
+    if config.model_type.startswith("qwen"):
+        return getattr(attention, "sliding_window", None) or None
+    return getattr(config, "sliding_window", None)
