@@ -14,10 +14,12 @@ from pagedserve.executor_svc.parallel import TensorParallel
 
 class Attention(nn.Module):
     """`config` holds this rank's heads; `norm` builds the q/k norms when the config has them
-    (Qwen3). q and k rotate by the table the decoder stack passes in (layers.rotary)."""
+    (Qwen3). q and k rotate by the table the decoder stack passes in (layers.rotary).
+    `sliding_window` (this layer's window, None: full attention) and `softcap` (its attention
+    logit cap, None: none) go to the backend as they are."""
 
     def __init__(self, config: ModelConfig, backend: TorchAttentionBackend, tp: TensorParallel | None,
-                 norm: Norm) -> None:
+                 norm: Norm, sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -31,6 +33,7 @@ class Attention(nn.Module):
             self.k_norm = norm(self.head_dim)
         self.qk_norm = config.qk_norm
         self.scale = self.head_dim ** -0.5
+        self.sliding_window, self.softcap = sliding_window, softcap
         # The fp8 KV cache's per-layer scales (vLLM's k_scale, v_scale): 1.0 unless the
         # checkpoint has calibrated ones (weight_loader.KV_SCALE_SUFFIXES).
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
@@ -48,7 +51,8 @@ class Attention(nn.Module):
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
         out = self.backend.forward(positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1],
-                                   meta, self.scale, (self.k_scale, self.v_scale))
+                                   meta, self.scale, (self.k_scale, self.v_scale),
+                                   sliding_window=self.sliding_window, softcap=self.softcap)
         out = self.o_proj(out.view(-1, self.num_heads * self.head_dim))
         # NCCL's all-reduce is captured in the decode CUDA graphs like the kernels around it.
         return out if self.tp is None else self.tp.all_reduce(out)
