@@ -11,7 +11,8 @@ import torch
 
 from pagedserve.common.gguf_metadata import GGUFTensorInfo, read_gguf_header
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # convert_hf_to_gguf permutes q/k rows into llama.cpp's rope layout only for llama-arch models
 # (LlamaModel.undo_permute); Qwen's converters write them as they are.
 PERMUTED_ARCHITECTURES = ("llama",)
@@ -30,6 +31,17 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's norms: one after attention and one on each side of the MLP, where Llama's ffn_norm is
+# the MLP's input norm.
+GEMMA_LAYER_TENSORS = {**LAYER_TENSORS, "post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# llama.cpp hard-codes what Gemma's converter does not write: one global layer in every 2 (Gemma 2)
+# or 6 (Gemma 3), the sliding layers' RoPE base (Gemma 3), and the query scale, 1/sqrt(head_dim)
+# except for the 27B models, which it tells by their layer count: 1/sqrt(hidden / heads).
+GEMMA_SLIDING_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Llama 3.1's rope scaling, stored by the converter as per-frequency divisors instead of metadata.
 ROPE_FREQS = "rope_freqs.weight"
 FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: "float32", gguf.GGMLQuantizationType.BF16: "bfloat16"}
@@ -61,7 +73,7 @@ def read_gguf_config(path: Path) -> dict:
     if meta("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path} rotates {meta('rope.dimension_count')} of each head's {head_dim} "
                          "dimensions; pagedserve implements full-head rope only")
-    return {
+    config = {
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": tensors["token_embd.weight"].shape[0],
         "hidden_size": hidden,
@@ -78,6 +90,9 @@ def read_gguf_config(path: Path) -> dict:
         "dtype": _dtype(tensors.values()),
         "eos_token_id": _eos_token_ids(header.metadata),
     }
+    if arch in GEMMA_ARCHITECTURES:
+        config.update(_gemma_config(meta, arch, config))
+    return config
 
 
 def read_gguf_tensors(path: Path) -> Iterator[tuple[str, tuple[int, ...], Callable[..., torch.Tensor]]]:
@@ -92,12 +107,16 @@ def read_gguf_tensors(path: Path) -> Iterator[tuple[str, tuple[int, ...], Callab
         heads = _arch_field(header.metadata, arch, "attention.head_count")
         rope_heads = {"q_proj": heads,
                       "k_proj": _arch_field(header.metadata, arch, "attention.head_count_kv", heads)}
+    layer_tensors = GEMMA_LAYER_TENSORS if arch in GEMMA_ARCHITECTURES else LAYER_TENSORS
     for tensor in header.tensors:
         if tensor.name == ROPE_FREQS:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, layer_tensors)
         module = name.rpartition(".")[0].rpartition(".")[2]
-        yield name, tensor.shape, functools.partial(dequantize, data, tensor, rope_heads.get(module))
+        read = functools.partial(dequantize, data, tensor, rope_heads.get(module))
+        if arch in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            read = functools.partial(_unshift_norm, read)
+        yield name, tensor.shape, read
 
 
 def map_gguf(path: Path) -> np.memmap:
@@ -106,14 +125,14 @@ def map_gguf(path: Path) -> np.memmap:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, layer_tensors: dict[str, str] = LAYER_TENSORS) -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names unchanged."""
     base, _, param = name.rpartition(".")
     if base in MODEL_TENSORS:
         return f"{MODEL_TENSORS[base]}.{param}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{param}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{param}"
     return name
 
 
@@ -168,6 +187,29 @@ def _architecture(metadata: dict, path: Path) -> str:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}: pagedserve runs "
                          f"{', '.join(ARCHITECTURES)}")
     return arch
+
+
+def _gemma_config(meta: Callable[..., Any], arch: str, config: dict) -> dict:
+    """What Gemma's config.json holds beyond Llama's, as llama.cpp reads the file."""
+    layers, head_dim = config["num_hidden_layers"], config["head_dim"]
+    pattern = GEMMA_SLIDING_WINDOW_PATTERN[arch]
+    query_scalar = head_dim
+    if layers == GEMMA_27B_LAYERS[arch]:
+        query_scalar = config["hidden_size"] // config["num_attention_heads"]
+    gemma = {"sliding_window": meta("attention.sliding_window"), "query_pre_attn_scalar": query_scalar,
+             "final_logit_softcapping": meta("final_logit_softcapping"),
+             "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]}
+    if arch == "gemma2":
+        return {**gemma, "attn_logit_softcapping": meta("attn_logit_softcapping")}
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA},
+            "full_attention": {"rope_type": "default", **config["rope_parameters"]}}
+    return {**gemma, "rope_parameters": rope}
+
+
+def _unshift_norm(read: Callable[..., torch.Tensor], index: tuple[slice, ...] | None = None) -> torch.Tensor:
+    # Gemma's converter stores its norms' 1 + weight: the checkpoint's weight is that minus 1
+    # (exact for the stored values >= 0.5, Sterbenz's lemma; within an ulp of 1 below them).
+    return read(index=index) - 1
 
 
 def _rope_scaling(meta: Callable[..., Any], path: Path, rope_freqs: GGUFTensorInfo | None) -> dict:

@@ -56,6 +56,7 @@ def load_model_config(model: str | Path) -> ModelConfig:
 def model_config_from_dict(config: dict, generation_config: dict | None = None) -> ModelConfig:
     """Builds a ModelConfig from config.json's contents (e.g. a named shape for dummy weights)."""
     architecture = _architecture(config)
+    config = _model_class(architecture).read_hf_config(config)
     hidden_act = config.get("hidden_act", "silu")
     if hidden_act not in ACTIVATIONS:
         raise ValueError(f"{architecture} with hidden_act={hidden_act!r} is not supported; pagedserve "
@@ -113,6 +114,11 @@ def _architecture(config: dict) -> str:
     return architectures[0]
 
 
+def _model_class(architecture: str) -> type:
+    from pagedserve.executor_svc.models import MODELS  # imported here, as in _architecture
+    return MODELS[architecture]
+
+
 def _rope(config: dict) -> tuple[float, dict | None]:
     # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
@@ -136,6 +142,9 @@ def _eos_token_ids(config: dict, generation_config: dict | None) -> list[int]:
 def _sliding_window(config: dict, architecture: str) -> int | None:
     # Qwen configs carry a window they only use when use_sliding_window is set.
     if architecture.startswith("Qwen") and not config.get("use_sliding_window", False):
+        return None
+    # Gemma's window is on its sliding layers only, which models/gemma.py gives theirs.
+    if architecture.startswith("Gemma"):
         return None
     return config.get("sliding_window")
 

@@ -123,7 +123,7 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTen
     # A tied model has no lm_head, yet some tied checkpoints still store a copy of the embeddings.
     tied = "lm_head.weight" not in targets
     loaded, unexpected = set(), []
-    for name, tensor in tensors:
+    for name, tensor in model.checkpoint_tensors(tensors):
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         if (kv_scale := _kv_scale_buffer(model, name)) is not None:
