@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 
 from pagedserve import LLM
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
-from pagedserve.executor_svc.gguf_file import find_gguf
+from pagedserve.executor_svc.gguf_file import ARCHITECTURES, find_gguf
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.models import build_model
@@ -43,7 +43,8 @@ def loaded(path) -> CausalLM:
 def test_config_from_metadata_equals_config_json(hf_dir, tmp_path):
     expected = load_model_config(hf_dir)
     config = load_model_config(write_gguf(hf_dir, tmp_path / "model.gguf"))
-    assert replace(config, rope_scaling=None) == replace(expected, rope_scaling=None)
+    # hf_config holds each source as read: config.json, or the GGUF metadata turned into one.
+    assert replace(config, rope_scaling=None, hf_config={}) == replace(expected, rope_scaling=None, hf_config={})
     # Llama 3.1 scaling arrives as llama.cpp's per-frequency divisors: the same rope table.
     cos_sin, expected_cos_sin = (build_cos_sin_cache(c.head_dim, 64, c.rope_theta, c.rope_scaling)
                                  for c in (config, expected))
@@ -103,9 +104,9 @@ def test_quantized_tensors_load_within_their_error(llama_dir, tmp_path, qtype, m
 
 
 def test_unsupported_architecture_is_named(llama_dir, tmp_path):
-    path = write_gguf(llama_dir, tmp_path / "model.gguf", arch="gemma2")
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma2' in .*model.gguf: "
-                                         r"pagedserve runs llama, qwen2, qwen3"):
+    path = write_gguf(llama_dir, tmp_path / "model.gguf", arch="mamba")
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'mamba' in .*model.gguf: "
+                                         rf"pagedserve runs {', '.join(ARCHITECTURES)}$"):
         load_model_config(path)
 
 
