@@ -116,9 +116,9 @@ def dummy_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Checkpoint
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTensor]],
                     source: str | Path) -> None:
-    """Copies each (Hugging Face name, tensor) into the parameter slice the name maps to, reading
-    one tensor (this rank's slice of it) at a time; every parameter must be filled and every
-    tensor used."""
+    """Copies each (Hugging Face name, tensor), as the model's checkpoint_tensors names and
+    converts it, into the parameter slice the name maps to, reading one tensor (this rank's slice
+    of it) at a time; every parameter must be filled and every tensor used."""
     targets = checkpoint_targets(model)
     # A tied model has no lm_head, yet some tied checkpoints still store a copy of the embeddings.
     tied = "lm_head.weight" not in targets
