@@ -74,7 +74,7 @@ def test_hub_configs_read_as_transformers_reads_them(config_json, config_class):
 
 def test_an_embedding_gemma_is_refused():
     config = {**GEMMA3_4B["text_config"], "architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}
-    with pytest.raises(ValueError, match="sets use_bidirectional_attention .* pagedserve serves causal text generation"):
+    with pytest.raises(ValueError, match="sets use_bidirectional_attention .* serves causal text generation"):
         model_config_from_dict(config)
 
 
