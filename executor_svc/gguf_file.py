@@ -13,7 +13,7 @@ from pagedserve.common.gguf_metadata import GGUFTensorInfo, read_gguf_header
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp runs Mixtral as a llama model with experts.
 LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
 # convert_hf_to_gguf permutes q/k rows into llama.cpp's rope layout only for llama-arch models
@@ -44,8 +44,21 @@ LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# Phi-3's converter keeps the checkpoint's fused projections: q/k/v in attn_qkv, gate/up in ffn_up.
-ARCH_LAYER_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Gemma's norms: one after attention and one on each side of the MLP, where Llama's ffn_norm is
+# the MLP's input norm.
+GEMMA_LAYER_TENSORS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
+# Each architecture's own names over LAYER_TENSORS. Phi-3's converter keeps the checkpoint's fused
+# projections: q/k/v in attn_qkv, gate/up in ffn_up.
+ARCH_LAYER_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                      "gemma2": GEMMA_LAYER_TENSORS, "gemma3": GEMMA_LAYER_TENSORS}
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# llama.cpp hard-codes what Gemma's converter does not write: one global layer in every 2 (Gemma 2)
+# or 6 (Gemma 3), transformers' defaults too (models/gemma.py fills `layer_types` with them), the
+# sliding layers' RoPE base (Gemma 3), and the query scale, 1/sqrt(head_dim) except for the 27B
+# models, which it tells by their layer count: 1/sqrt(hidden / heads).
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Llama 3.1's rope scaling, stored by the converter as per-frequency divisors instead of metadata.
 ROPE_FREQS = "rope_freqs.weight"
 # Phi-3 128K's longrope factors, stored by the converter as tensors.
@@ -101,6 +114,8 @@ def read_gguf_config(path: Path) -> dict:
     }
     if (original := meta("rope.scaling.original_context_length")) is not None:
         config["original_max_position_embeddings"] = original
+    if arch in GEMMA_ARCHITECTURES:
+        config.update(_gemma_config(meta, arch, config))
     return config
 
 
@@ -116,12 +131,16 @@ def read_gguf_tensors(path: Path) -> Iterator[tuple[str, tuple[int, ...], Callab
         heads = _arch_field(header.metadata, arch, "attention.head_count")
         rope_heads = {"q_proj": heads,
                       "k_proj": _arch_field(header.metadata, arch, "attention.head_count_kv", heads)}
+    layer_tensors = {**LAYER_TENSORS, **ARCH_LAYER_TENSORS.get(arch, {})}
     for tensor in header.tensors:
         if tensor.name in ROPE_TENSORS:
             continue
-        name = hf_name(tensor.name, arch)
+        name = hf_name(tensor.name, layer_tensors)
         module = name.rpartition(".")[0].rpartition(".")[2]
-        yield name, tensor.shape, functools.partial(dequantize, data, tensor, rope_heads.get(module))
+        read = functools.partial(dequantize, data, tensor, rope_heads.get(module))
+        if arch in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            read = functools.partial(_unshift_norm, read)
+        yield name, tensor.shape, read
 
 
 def map_gguf(path: Path) -> np.memmap:
@@ -130,14 +149,13 @@ def map_gguf(path: Path) -> np.memmap:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def hf_name(name: str, arch: str = "llama") -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (`arch`'s own names
-    first); unknown names unchanged."""
+def hf_name(name: str, layer_tensors: dict[str, str] = LAYER_TENSORS) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (`layer_tensors`: an
+    architecture's names of a layer's tensors); unknown names unchanged."""
     base, _, param = name.rpartition(".")
     if base in MODEL_TENSORS:
         return f"{MODEL_TENSORS[base]}.{param}"
     parts = base.split(".")
-    layer_tensors = {**LAYER_TENSORS, **ARCH_LAYER_TENSORS.get(arch, {})}
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
         return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{param}"
     return name
@@ -212,6 +230,26 @@ def _experts(meta: Callable[..., Any], arch: str) -> dict:
         if meta(key) is not None:
             fields[field] = meta(key)
     return fields
+
+
+def _gemma_config(meta: Callable[..., Any], arch: str, config: dict) -> dict:
+    """What Gemma's config.json holds beyond Llama's, as llama.cpp reads the file."""
+    layers, head_dim = config["num_hidden_layers"], config["head_dim"]
+    query_scalar = head_dim
+    if layers == GEMMA_27B_LAYERS[arch]:
+        query_scalar = config["hidden_size"] // config["num_attention_heads"]
+    gemma = {"query_pre_attn_scalar": query_scalar, "final_logit_softcapping": meta("final_logit_softcapping")}
+    if arch == "gemma2":
+        return {**gemma, "attn_logit_softcapping": meta("attn_logit_softcapping")}
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA},
+            "full_attention": {"rope_type": "default", **config["rope_parameters"]}}
+    return {**gemma, "rope_parameters": rope}
+
+
+def _unshift_norm(read: Callable[..., torch.Tensor], index: tuple[slice, ...] | None = None) -> torch.Tensor:
+    # Gemma's converter stores its norms' 1 + weight: the checkpoint's weight is that minus 1
+    # (exact for the stored values >= 0.5, Sterbenz's lemma; within an ulp of 1 below them).
+    return read(index=index) - 1
 
 
 def _rope_scaling(meta: Callable[..., Any], path: Path, tensors: dict[str, GGUFTensorInfo]) -> dict:

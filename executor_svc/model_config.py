@@ -58,6 +58,7 @@ def load_model_config(model: str | Path) -> ModelConfig:
 def model_config_from_dict(config: dict, generation_config: dict | None = None) -> ModelConfig:
     """Builds a ModelConfig from config.json's contents (e.g. a named shape for dummy weights)."""
     architecture = _architecture(config)
+    config = _model_class(architecture).read_hf_config(config)
     hidden_act = config.get("hidden_act", "silu")
     if hidden_act not in ACTIVATIONS:
         raise ValueError(f"{architecture} with hidden_act={hidden_act!r} is not supported; pagedserve "
@@ -132,6 +133,11 @@ def _architecture(config: dict) -> str:
     return architectures[0]
 
 
+def _model_class(architecture: str) -> type:
+    from pagedserve.executor_svc.models import MODELS  # imported here, as in _architecture
+    return MODELS[architecture]
+
+
 def _eos_token_ids(config: dict, generation_config: dict | None) -> list[int]:
     eos = (generation_config or {}).get("eos_token_id")
     if eos is None:
@@ -144,6 +150,9 @@ def _eos_token_ids(config: dict, generation_config: dict | None) -> list[int]:
 def _sliding_window(config: dict, architecture: str) -> int | None:
     # Qwen configs carry a window they only use when use_sliding_window is set.
     if architecture.startswith("Qwen") and not config.get("use_sliding_window", False):
+        return None
+    # Gemma's window is on its sliding layers only, which models/gemma.py gives theirs.
+    if architecture.startswith("Gemma"):
         return None
     return config.get("sliding_window")
 

@@ -130,17 +130,16 @@ def dummy_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Checkpoint
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTensor]],
                     source: str | Path) -> None:
-    """Copies each (Hugging Face name, tensor) into the parameter slice the name maps to (a fused
-    tensor such as Phi-3's qkv_proj into each of the shards it stacks), reading one tensor (this
-    rank's slice of it) at a time; every parameter must be filled and every tensor used. A model's
-    `checkpoint_renames` {old: new} rename parts of the checkpoint's names to its own; stacked
-    expert tensors are read per expert (STACKED_EXPERTS)."""
+    """Copies each (Hugging Face name, tensor), as the model's checkpoint_tensors names and
+    converts it, into the parameter slice the name maps to (a fused tensor such as Phi-3's
+    qkv_proj into each of the shards it stacks; a stacked experts tensor per expert,
+    STACKED_EXPERTS), reading one tensor (this rank's slice of it) at a time; every parameter
+    must be filled and every tensor used."""
     targets, fused = checkpoint_targets(model), fused_tensors(model)
-    renames = getattr(model, "checkpoint_renames", {})
     # A tied model has no lm_head, yet some tied checkpoints still store a copy of the embeddings.
     tied = "lm_head.weight" not in targets
     loaded, unexpected = set(), []
-    for name, tensor in _per_expert(_renamed(tensors, renames)):
+    for name, tensor in _per_expert(model.checkpoint_tensors(tensors)):
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         if (kv_scale := _kv_scale_buffer(model, name)) is not None:
@@ -183,15 +182,6 @@ def _expert_rows(tensor: CheckpointTensor, expert: int, start: int, rows: int) -
     """Rows [start, start + rows) of one expert's matrix in a stacked [E, N, K] tensor."""
     return CheckpointTensor((rows, tensor.shape[2]),
                             lambda index: tensor.read((expert, *_rows(index, start, rows))))
-
-
-def _renamed(tensors: Iterable[tuple[str, CheckpointTensor]],
-             renames: dict[str, str]) -> Iterator[tuple[str, CheckpointTensor]]:
-    """The tensors under the model's own names: each `old` part of a name replaced by `new`."""
-    for name, tensor in tensors:
-        for old, new in renames.items():
-            name = name.replace(old, new)
-        yield name, tensor
 
 
 def _kv_scale_buffer(model: nn.Module, name: str) -> torch.Tensor | None:

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.model_shapes import SHAPES, write_shape
 from pagedserve.executor_svc.layers.moe import moe_shape
@@ -38,3 +40,10 @@ def test_phi_3_mini_shape_is_its_config_json():
     assert (config.architecture, config.head_dim, config.num_key_value_heads) == ("Phi3ForCausalLM", 96, 32)
     assert (config.rope.scaling, config.rope.rotary_dim, resolve_max_model_len(config, None)) == (None, 96, 4096)
     assert layer_windows(config) == [2047] * 32
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_every_shape_is_a_config_pagedserve_runs(name):
+    config = model_config_from_dict(SHAPES[name])
+    assert config.architecture == SHAPES[name]["architectures"][0]
+    assert config.vocab_size == SHAPES[name]["vocab_size"]

@@ -1,7 +1,8 @@
 """Writes a tiny Hugging Face checkpoint as GGUF the way llama.cpp's convert_hf_to_gguf.py does:
 gguf's own tensor-name map, 1-D tensors in F32, q/k rows of llama-arch models permuted for
 llama.cpp's rope, Llama 3.1 rope scaling as a `rope_freqs` tensor, Phi-3's fused projections as
-they are (attn_qkv, ffn_up) and its longrope factors as `rope_factors_long` / `_short` tensors."""
+they are (attn_qkv, ffn_up) and its longrope factors as `rope_factors_long` / `_short` tensors,
+MoE experts stacked, Gemma's norms as 1 + weight and no lm_head."""
 import json
 import math
 import re
@@ -14,7 +15,9 @@ from safetensors.numpy import load_file
 Q = gguf.GGMLQuantizationType
 GGUF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
               "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
-              "MixtralForCausalLM": "llama", "Phi3ForCausalLM": "phi3"}
+              "MixtralForCausalLM": "llama", "Phi3ForCausalLM": "phi3",
+              "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+GEMMA = ("gemma2", "gemma3")
 # An expert's tensor in a Hugging Face checkpoint: `<block>.experts.<e>.<projection>.weight`.
 EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight")
 
@@ -27,9 +30,14 @@ def write_gguf(hf_dir: Path, path: Path, outtype: Q = Q.F32, quantize: dict[str,
     config = json.loads((hf_dir / "config.json").read_text())
     hf_arch = GGUF_ARCHS[config["architectures"][0]]
     writer = gguf.GGUFWriter(path, arch or hf_arch)
-    write_metadata(writer, config, hf_arch)
+    (write_gemma_metadata if hf_arch in GEMMA else write_metadata)(writer, config, hf_arch)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[hf_arch.upper()], config["num_hidden_layers"])
     for hf_name, data in stack_experts(load_file(hf_dir / "model.safetensors")).items():
+        if hf_arch in GEMMA:
+            if hf_name == "lm_head.weight":
+                continue
+            # Gemma's converter stores its norms' 1 + weight, which llama.cpp multiplies by.
+            data = data + 1 if hf_name.endswith("norm.weight") else data
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         data = permute_for_rope(hf_name, data, config) if hf_arch == "llama" else data
         # The converter keeps routers (ffn_gate_inp, ffn_gate_inp_shexp) in F32.
@@ -105,6 +113,32 @@ def write_longrope(writer: gguf.GGUFWriter, config: dict, rope: dict) -> None:
     writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
     writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
     writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
+def write_gemma_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
+    """convert_hf_to_gguf's Gemma2Model / Gemma3Model.set_gguf_parameters: no RoPE base for Gemma 2
+    (llama.cpp assumes 10000), the global layers' base and linear scaling for Gemma 3."""
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_sliding_window(config["sliding_window"])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+    else:
+        rope = config["rope_parameters"]["full_attention"]
+        writer.add_rope_freq_base(rope["rope_theta"])
+        if rope["rope_type"] == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_eos_token_id(config["eos_token_id"])
 
 
 def add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -> None:

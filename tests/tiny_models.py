@@ -19,6 +19,11 @@ COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_
               # Wider than transformers' 0.02 so logits are spread out: fewer near-ties in argmax.
               initializer_range=0.1)
 
+# A sliding layer and a global one, each with its own RoPE (linear scaling on the global one).
+GEMMA3 = dict(sliding_window=10, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+
 ARCH_CONFIGS = {
     "LlamaForCausalLM": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -45,13 +50,23 @@ ARCH_CONFIGS = {
                             rope_scaling={"rope_type": "longrope",
                                           "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                           "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]}),
+    # Windows shorter than the prompts, soft-caps that bind, and a query scale other than head_dim.
+    "Gemma2ForCausalLM": dict(sliding_window=12, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                              final_logit_softcapping=6.0),
+    "Gemma3ForCausalLM": GEMMA3,
+    "Gemma3ForConditionalGeneration": GEMMA3,
 }
+# Architectures whose config class is not named after them.
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+# The smallest SigLIP tower a Gemma 3 vision-language checkpoint can carry: one 2x2 grid of
+# patches pooled into one image token.
+TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                   image_size=28, patch_size=14)
 
 
 def make_tiny_model(arch: str, path: str | Path, **config_overrides) -> Path:
     """Saves a seeded, float32, 2-layer GQA model of `arch` as safetensors in `path`; returns it."""
-    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config = config_class(**{**COMMON, **ARCH_CONFIGS[arch], **config_overrides})
+    config = tiny_config(arch, {**COMMON, **ARCH_CONFIGS[arch], **config_overrides})
     torch.manual_seed(0)
     model = getattr(transformers, arch)(config).to(torch.float32)
     # transformers initialises norm weights to 1 and biases to 0, which would hide a swapped or
@@ -64,6 +79,13 @@ def make_tiny_model(arch: str, path: str | Path, **config_overrides) -> Path:
                 param.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return Path(path)
+
+
+def tiny_config(arch: str, fields: dict) -> transformers.PretrainedConfig:
+    if arch == "Gemma3ForConditionalGeneration":
+        # The text model's fields in its text_config, beside a tiny vision tower.
+        return transformers.Gemma3Config(text_config=fields, vision_config=TINY_VISION, mm_tokens_per_image=1)
+    return getattr(transformers, CONFIG_CLASSES.get(arch, arch.replace("ForCausalLM", "Config")))(**fields)
 
 
 def mixed_prompts(seed: int) -> list[list[int]]:

@@ -4,7 +4,8 @@ behind a norm with the residual add fused in, between the embedding and the LM h
 Tokens arrive flattened ([T], sequences packed one after another). Under tensor parallelism
 (`tp`) the config holds one rank's shapes (parallel.shard_config); the embedding and LM head are
 vocab parallel, and each rank's logits slice is all-gathered."""
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -17,6 +18,8 @@ from pagedserve.executor_svc.layers.norm import Norm
 from pagedserve.executor_svc.layers.rotary import RotaryEmbedding
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
+
+T = TypeVar("T")
 
 
 class DecoderLayer(nn.Module):
@@ -36,6 +39,14 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
                 quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.attend(positions, x, residual, kv_cache, meta, cos_sin_cache, quantize)
+        x, residual = self.post_attention_layernorm(x, residual, quantize and self.quantize_mlp_input)
+        return self.mlp(x, quantize), residual
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+               kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
+               quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention's output, x + residual): the input norm, then attention."""
         # The residual add is fused into the next norm: each norm returns (normed, x + residual).
         # With `quantize` (FP8 projections that quantize their input) the norms and the
         # activation quantize their own output, which saves a pass over it.
@@ -44,9 +55,7 @@ class DecoderLayer(nn.Module):
             x, _ = self.input_layernorm(x, quantize=quantize)
         else:
             x, residual = self.input_layernorm(x, residual, quantize)
-        x = self.self_attn(positions, x, kv_cache, meta, cos_sin_cache)
-        x, residual = self.post_attention_layernorm(x, residual, quantize and self.quantize_mlp_input)
-        return self.mlp(x, quantize), residual
+        return self.self_attn(positions, x, kv_cache, meta, cos_sin_cache), residual
 
 
 class DecoderModel(nn.Module):
@@ -65,10 +74,16 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        cos_sin_caches = [self.rotary_emb.cos_sin_cache] * len(self.layers)
+        return self.decode(self.embed_tokens(input_ids), positions, kv_caches, meta, cos_sin_caches)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+               meta: AttentionMetadata, cos_sin_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The layers and the final norm over the embedded tokens `x`; layer i rotates q and k
+        by cos_sin_caches[i]."""
+        residual = None
         quantize = isinstance(self.layers[0].self_attn.o_proj, Fp8Linear) and takes_quantized(x)
-        cos_sin_cache = self.rotary_emb.cos_sin_cache
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache, cos_sin_cache in zip(self.layers, kv_caches, cos_sin_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin_cache, quantize)
         return self.norm(x, residual)[0]
 
@@ -81,14 +96,15 @@ class CausalLM(nn.Module):
 
     A family subclasses it with __init__(config, backend, max_positions, tp), the signature
     models.build_model calls, and passes up how to build its layers and norms, and its rotary
-    table."""
+    table; `decoder_model` is the class of its stack."""
+    decoder_model: type[DecoderModel] = DecoderModel
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None, make_layer: Callable[[int], nn.Module],
                  norm: Norm, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = DecoderModel(config, tp, make_layer, norm, rotary)
+        self.model = self.decoder_model(config, tp, make_layer, norm, rotary)
         if not config.tie_word_embeddings:
             self.lm_head = shard(nn.Linear(config.hidden_size, config.vocab_size, bias=False), tp, 0)
 
@@ -103,3 +119,14 @@ class CausalLM(nn.Module):
         head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         logits = nn.functional.linear(hidden, head.weight)
         return (logits if self.tp is None else self.tp.all_gather(logits)).float()
+
+    @staticmethod
+    def read_hf_config(config: dict) -> dict:
+        """config.json as this family's transformers class reads it (its defaults filled in, its
+        own key names), from which model_config builds the ModelConfig."""
+        return config
+
+    def checkpoint_tensors(self, tensors: Iterable[tuple[str, T]]) -> Iterable[tuple[str, T]]:
+        """The checkpoint's (name, tensor) pairs as this model's parameters take them: a family
+        whose checkpoints name or store a weight otherwise renames or converts it here."""
+        return tensors

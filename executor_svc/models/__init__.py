@@ -4,6 +4,7 @@ it: model_config refuses any architecture it does not name."""
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.model_config import ModelConfig
+from pagedserve.executor_svc.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedserve.executor_svc.models.llama import LlamaForCausalLM
 from pagedserve.executor_svc.models.moe import MixtralForCausalLM, MoeForCausalLM
 from pagedserve.executor_svc.parallel import TensorParallel
@@ -17,6 +18,9 @@ MODELS: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
 }
 
 

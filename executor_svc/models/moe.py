@@ -2,12 +2,13 @@
 expert) and Mixtral (Mistral's attention). Llama's decoder with a sparse MoE block
 (layers.moe) in place of the MLP, on every layer or, for Qwen, on those config.json's
 `mlp_only_layers` and `decoder_sparse_step` make sparse."""
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from functools import partial
 
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.layers.attention import Attention
-from pagedserve.executor_svc.layers.decoder import CausalLM, DecoderLayer
+from pagedserve.executor_svc.layers.decoder import CausalLM, DecoderLayer, T
 from pagedserve.executor_svc.layers.mlp import GatedMLP
 from pagedserve.executor_svc.layers.moe import SparseMoeBlock, moe_shape
 from pagedserve.executor_svc.layers.norm import RMSNorm
@@ -39,10 +40,18 @@ class MoeForCausalLM(CausalLM):
 
 class MixtralForCausalLM(MoeForCausalLM):
     renormalize = True
-    # Mixtral's checkpoints name the MoE block and its experts' gate, down and up projections
-    # otherwise; transformers renames them to these names too.
-    checkpoint_renames = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.",
-                          ".w3.": ".up_proj."}
+
+    def checkpoint_tensors(self, tensors: Iterable[tuple[str, T]]) -> Iterator[tuple[str, T]]:
+        """The tensors under this model's names: each MIXTRAL_RENAMES part of a name replaced."""
+        for name, tensor in tensors:
+            for old, new in MIXTRAL_RENAMES.items():
+                name = name.replace(old, new)
+            yield name, tensor
+
+
+# Mixtral's checkpoints name the MoE block and its experts' gate, down and up projections
+# otherwise; transformers renames them to these names too.
+MIXTRAL_RENAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.", ".w3.": ".up_proj."}
 
 
 def sparse_layer(config: dict, index: int) -> bool:

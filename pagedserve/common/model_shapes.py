@@ -32,6 +32,15 @@ SHAPES = {
         rope_scaling=None, sliding_window=2047, rms_norm_eps=1e-5, hidden_act="silu",
         tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=32000,
         pad_token_id=32000),
+    # google/gemma-2-9b-it's config.json (tie_word_embeddings is transformers' default there).
+    "gemma-2-9b": dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=256000, hidden_size=3584,
+        intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, max_position_embeddings=8192, rope_theta=10000.0,
+        hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+        attention_bias=False, tie_word_embeddings=True, torch_dtype="bfloat16", bos_token_id=2,
+        eos_token_id=1, pad_token_id=0),
 }
 
 
