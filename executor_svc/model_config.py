@@ -151,9 +151,6 @@ def _sliding_window(config: dict, architecture: str) -> int | None:
     # Qwen configs carry a window they only use when use_sliding_window is set.
     if architecture.startswith("Qwen") and not config.get("use_sliding_window", False):
         return None
-    # Gemma's window is on its sliding layers only, which models/gemma.py gives theirs.
-    if architecture.startswith("Gemma"):
-        return None
     return config.get("sliding_window")
 
 

@@ -6,7 +6,7 @@ from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.model_shapes import SHAPES, write_shape
 from pagedserve.executor_svc.layers.moe import moe_shape
 from pagedserve.executor_svc.model_config import load_model_config, model_config_from_dict, resolve_max_model_len
-from pagedserve.executor_svc.models.llama import layer_windows
+from pagedserve.executor_svc.layers.attention import layer_windows
 from pagedserve.executor_svc.models.moe import sparse_layer
 
 

@@ -1,5 +1,8 @@
 """Self-attention over the paged KV cache: fused q/k/v (column parallel), optional q/k norms,
-rotary embedding, the backend's paged attention, and o_proj (row parallel, all-reduced here)."""
+rotary embedding, the backend's paged attention, and o_proj (row parallel, all-reduced here); and
+each layer's sliding window."""
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -10,6 +13,9 @@ from pagedserve.executor_svc.layers.linear import column_linear, row_linear
 from pagedserve.executor_svc.layers.norm import Norm
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
+
+# config.json's `layer_types`: a layer with a sliding window, or one that attends to every key.
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class Attention(nn.Module):
@@ -56,3 +62,22 @@ class Attention(nn.Module):
         out = self.o_proj(out.view(-1, self.num_heads * self.head_dim))
         # NCCL's all-reduce is captured in the decode CUDA graphs like the kernels around it.
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def layer_windows(config: ModelConfig) -> list[int | None]:
+    """Each layer's sliding window, config.sliding_window (None: none): on the layers config.json's
+    `layer_types` marks sliding, or on every layer without them (Mistral, Phi-3, Mixtral,
+    Qwen3-MoE). A family whose transformers class defaults them spells them out in its
+    read_hf_config (with_layer_types)."""
+    types = config.hf_config.get("layer_types")
+    if types is None:
+        return [config.sliding_window] * config.num_hidden_layers
+    return [config.sliding_window if kind == SLIDING else None for kind in types]
+
+
+def with_layer_types(config: dict, sliding: Callable[[int], bool]) -> dict:
+    """config.json with its own `layer_types`, or else those of a transformers class that defaults
+    them: layer i slides where sliding(i)."""
+    if config.get("layer_types"):
+        return config
+    return {**config, "layer_types": [SLIDING if sliding(i) else FULL for i in range(config["num_hidden_layers"])]}

@@ -17,7 +17,7 @@ from torch import nn
 from pagedserve.common.log import get_logger
 from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
 from pagedserve.executor_svc.kv_cache import KVCache
-from pagedserve.executor_svc.layers.attention import Attention
+from pagedserve.executor_svc.layers.attention import FULL, SLIDING, Attention, layer_windows, with_layer_types
 from pagedserve.executor_svc.layers.decoder import CausalLM, DecoderLayer, DecoderModel
 from pagedserve.executor_svc.layers.mlp import GatedMLP
 from pagedserve.executor_svc.layers.norm import Norm, RMSNorm
@@ -28,7 +28,6 @@ from pagedserve.executor_svc.weight_loader import CheckpointTensor
 
 log = get_logger(__name__)
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma2Config and Gemma3TextConfig defaults for the fields a Hub config.json may
 # leave out (Gemma 3's text_config often holds only a few).
 GEMMA2_DEFAULTS = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
@@ -120,10 +119,10 @@ class Gemma2ForCausalLM(CausalLM):
         norm = partial(GemmaRMSNorm, eps=config.rms_norm_eps, backend=backend)
         attention_config = replace(config, qk_norm=self.qk_norm)
         softcap = hf["attn_logit_softcapping"] if self.attention_softcap else None
+        windows = layer_windows(config)
 
         def layer(index: int) -> GemmaDecoderLayer:
-            window = hf["sliding_window"] if hf["layer_types"][index] == SLIDING else None
-            attention = Attention(attention_config, backend, tp, norm, window, softcap)
+            attention = Attention(attention_config, backend, tp, norm, windows[index], softcap)
             attention.scale = hf["query_pre_attn_scalar"] ** -0.5
             return GemmaDecoderLayer(config, attention, GatedMLP(config, backend, tp), norm)
         super().__init__(config, tp, layer, norm, LayerTypeRotary(hf, max_positions))
@@ -145,9 +144,7 @@ class Gemma2ForCausalLM(CausalLM):
         config = {**cls.defaults, **config}
         config["hidden_act"] = config["hidden_activation"]
         pattern = cls.sliding_window_pattern(config)
-        config["layer_types"] = config.get("layer_types") or [
-            SLIDING if (i + 1) % pattern else FULL for i in range(config["num_hidden_layers"])]
-        return config
+        return with_layer_types(config, lambda i: (i + 1) % pattern != 0)
 
     @staticmethod
     def sliding_window_pattern(config: dict) -> int:

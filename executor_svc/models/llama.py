@@ -5,7 +5,7 @@ sliding window: attention and a gated MLP behind RMSNorms, one rotary table."""
 from functools import partial
 
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
-from pagedserve.executor_svc.layers.attention import Attention
+from pagedserve.executor_svc.layers.attention import Attention, layer_windows, with_layer_types
 from pagedserve.executor_svc.layers.decoder import CausalLM, DecoderLayer
 from pagedserve.executor_svc.layers.mlp import GatedMLP
 from pagedserve.executor_svc.layers.norm import RMSNorm
@@ -26,24 +26,11 @@ class LlamaForCausalLM(CausalLM):
             return DecoderLayer(config, attention, GatedMLP(config, backend, tp), norm)
         super().__init__(config, tp, layer, norm, rotary)
 
-
-def layer_windows(config: ModelConfig) -> list[int | None]:
-    """Each layer's sliding window, as transformers applies them: to the layers `layer_types`
-    marks sliding in the families whose attention reads it (QWEN_SLIDING_LAYERS gives transformers'
-    default), to every layer in the others (Mistral, Phi-3, Mixtral, Qwen3-MoE).
-    config.sliding_window is None unless a Qwen config sets `use_sliding_window`."""
-    layers, window, hf = config.num_hidden_layers, config.sliding_window, config.hf_config
-    sliding = QWEN_SLIDING_LAYERS.get(config.architecture)
-    if window is None or sliding is None:
-        return [window] * layers
-    types = hf.get("layer_types") or ["sliding_attention" if sliding(i, hf.get("max_window_layers", 28))
-                                      else "full_attention" for i in range(layers)]
-    return [window if kind == "sliding_attention" else None for kind in types]
-
-
-# transformers' sliding layers (index, max_window_layers) of the Qwen families whose config.json
-# has no `layer_types`: Qwen2's and Qwen3's from max_window_layers on, Qwen2-MoE's the even-indexed
-# ones below it.
-QWEN_SLIDING_LAYERS = {"Qwen2ForCausalLM": lambda i, limit: i >= limit,
-                       "Qwen3ForCausalLM": lambda i, limit: i >= limit,
-                       "Qwen2MoeForCausalLM": lambda i, limit: i % 2 == 0 and i < limit}
+    @staticmethod
+    def read_hf_config(config: dict) -> dict:
+        """config.json with Qwen2's and Qwen3's `layer_types` spelled out: transformers slides the
+        layers from max_window_layers on (when use_sliding_window; model_config reads that)."""
+        if config["architectures"][0] not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            return config
+        limit = config.get("max_window_layers", 28)
+        return with_layer_types(config, lambda i: i >= limit)

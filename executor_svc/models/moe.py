@@ -7,14 +7,13 @@ from dataclasses import replace
 from functools import partial
 
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
-from pagedserve.executor_svc.layers.attention import Attention
+from pagedserve.executor_svc.layers.attention import Attention, layer_windows, with_layer_types
 from pagedserve.executor_svc.layers.decoder import CausalLM, DecoderLayer, T
 from pagedserve.executor_svc.layers.mlp import GatedMLP
 from pagedserve.executor_svc.layers.moe import SparseMoeBlock, moe_shape
 from pagedserve.executor_svc.layers.norm import RMSNorm
 from pagedserve.executor_svc.layers.rotary import RotaryEmbedding
 from pagedserve.executor_svc.model_config import ModelConfig
-from pagedserve.executor_svc.models.llama import layer_windows
 from pagedserve.executor_svc.parallel import TensorParallel
 
 
@@ -36,6 +35,15 @@ class MoeForCausalLM(CausalLM):
                    else GatedMLP(config, backend, tp))
             return DecoderLayer(config, Attention(attention, backend, tp, norm, windows[index]), mlp, norm)
         super().__init__(config, tp, layer, norm, rotary)
+
+    @staticmethod
+    def read_hf_config(config: dict) -> dict:
+        """config.json with Qwen2-MoE's `layer_types` spelled out: transformers slides the even
+        layers below max_window_layers (when use_sliding_window; model_config reads that)."""
+        if config["architectures"][0] != "Qwen2MoeForCausalLM":
+            return config
+        limit = config.get("max_window_layers", 28)
+        return with_layer_types(config, lambda i: i % 2 == 0 and i < limit)
 
 
 class MixtralForCausalLM(MoeForCausalLM):

@@ -13,6 +13,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 from pagedserve import LLM, SamplingParams
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.device import default_dtype
+from pagedserve.executor_svc.layers.attention import layer_windows
 from pagedserve.executor_svc.layers.rotary import cos_sin_cache, rope_from_config
 from pagedserve.executor_svc.model_config import load_model_config, model_config_from_dict
 from pagedserve.executor_svc.models import build_model
@@ -66,7 +67,8 @@ def test_hub_configs_read_as_transformers_reads_them(config_json, config_class):
     assert {f: config.hf_config[f] for f in GEMMA_FIELDS} == {f: getattr(text, f) for f in GEMMA_FIELDS}
     assert config.hidden_act == text.hidden_activation == "gelu_pytorch_tanh"
     assert config.eos_token_ids == ([1, 106] if "text_config" in config_json else [1])
-    assert config.sliding_window is None, "the window is the sliding layers' alone"
+    assert layer_windows(config) == [text.sliding_window if kind == "sliding_attention" else None
+                                     for kind in text.layer_types], "the window is the sliding layers' alone"
     for layer_type in ("sliding_attention", "full_attention"):
         ours = cos_sin_cache(rope_from_config(config.hf_config, layer_type), 64)
         torch.testing.assert_close(ours, transformers_table(text, layer_type, 64), rtol=0, atol=1e-6)

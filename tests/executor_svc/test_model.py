@@ -7,7 +7,7 @@ import transformers
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.model_config import load_model_config, model_config_from_dict
 from pagedserve.executor_svc.models import build_model
-from pagedserve.executor_svc.models.llama import layer_windows
+from pagedserve.executor_svc.layers.attention import layer_windows
 from tests.executor_svc.harness import paged_prefill_logits
 from tests.tiny_models import ARCHITECTURES, make_tiny_model
 
@@ -50,8 +50,10 @@ def test_tied_embeddings_have_no_lm_head(tmp_path):
     (transformers.Qwen2MoeConfig, dict(use_sliding_window=True, sliding_window=12, max_window_layers=3)),
     (transformers.Qwen3MoeConfig, dict(use_sliding_window=True, sliding_window=12, max_window_layers=3)),
     (transformers.MixtralConfig, dict(sliding_window=12)),
+    (transformers.Gemma2Config, dict(sliding_window=12)),
+    (transformers.Gemma3TextConfig, dict(sliding_window=12, sliding_window_pattern=3)),
 ], ids=["qwen2-max-window-layers", "qwen2-off", "qwen2-layer-types", "qwen3", "mistral", "phi3", "qwen2-moe",
-        "qwen3-moe", "mixtral"])
+        "qwen3-moe", "mixtral", "gemma2", "gemma3"])
 def test_layer_windows_are_transformers(config_class, fields):
     """Each layer's window is the one transformers' attention of that layer uses, from a
     config.json with the `layer_types` transformers 5 writes and from one without them."""
@@ -71,12 +73,12 @@ TINY_LAYERS = dict(num_hidden_layers=4, hidden_size=16, intermediate_size=16, nu
                    shared_expert_intermediate_size=8)
 _ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
          "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-         "mixtral": "MixtralForCausalLM"}
+         "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def _window(attention, config) -> int | None:
-    # Qwen's attention holds its own window (Qwen2-MoE's none on a full layer, and 0 for none);
-    # Mistral's, Phi-3's and Mixtral's read the config's in forward.
-    if config.model_type.startswith("qwen"):
+    # Qwen's and Gemma's attention holds its own window (Qwen2-MoE's none on a full layer, and 0
+    # for none); Mistral's, Phi-3's and Mixtral's read the config's in forward.
+    if config.model_type.startswith(("qwen", "gemma")):
         return getattr(attention, "sliding_window", None) or None
     return getattr(config, "sliding_window", None)
