@@ -7,11 +7,11 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
-from tests.test_llm_equivalence import (NEW_TOKENS, shared_prefix_prompts, test_ample_cache,  # noqa: F401
+from tests.test_llm_equivalence import (test_ample_cache,  # noqa: F401
                                         test_chunked_prefill_under_a_small_token_budget,
                                         test_forced_preemption_with_block_size_4,
                                         test_preemption_and_prefix_caching_together,
-                                        test_prefix_caching_with_shared_prefixes)
+                                        test_prefix_caching_with_shared_prefixes, tiny_model_case)
 from tests.tiny_models import hf_greedy, llm_greedy, make_tiny_model, mixed_prompts
 
 ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -19,11 +19,7 @@ ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 @pytest.fixture(scope="module", params=ARCHS)
 def model(request, tmp_path_factory):
-    """What the imported scenarios run on: the path, their prompts, transformers' tokens."""
-    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
-    prompts = {"mixed": mixed_prompts(0), "shared": shared_prefix_prompts(1)}
-    expected = {k: hf_greedy(path, v, NEW_TOKENS) for k, v in prompts.items()}
-    return str(path), prompts, expected
+    return tiny_model_case(request.param, tmp_path_factory)
 
 
 def test_vision_language_checkpoint_serves_its_text_model(tmp_path, capfd):
