@@ -54,15 +54,20 @@ def write_gguf(hf_dir: Path, path: Path, outtype: Q = Q.F32, quantize: dict[str,
     return path
 
 
-def write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
+def write_dims(writer: gguf.GGUFWriter, config: dict) -> None:
+    """What every converter writes: the context, the widths, the layers, the heads, the norm's eps."""
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
+def write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
+    write_dims(writer, config)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     if arch == "phi3":
         write_phi3_metadata(writer, config)
     else:
@@ -118,13 +123,7 @@ def write_longrope(writer: gguf.GGUFWriter, config: dict, rope: dict) -> None:
 def write_gemma_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
     """convert_hf_to_gguf's Gemma2Model / Gemma3Model.set_gguf_parameters: no RoPE base for Gemma 2
     (llama.cpp assumes 10000), the global layers' base and linear scaling for Gemma 3."""
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    write_dims(writer, config)
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
     writer.add_sliding_window(config["sliding_window"])
