@@ -123,10 +123,15 @@ def moe_config(num_tokens: int, num_experts: int, hidden: int, intermediate: int
     tuned = (TUNED if table is None else table).get(
         (num_experts, hidden, intermediate, top_k, dtype_name(weight_dtype)))
     if tuned:
-        return tuned[max((m for m in tuned if m <= num_tokens), default=min(tuned))]
+        return tuned_entry(tuned, num_tokens)
     if num_tokens <= GEMV_MAX_TOKENS:
         return default_gemv_config(hidden, intermediate, weight_dtype)
     return default_config(num_tokens, num_experts, hidden, intermediate, top_k, weight_dtype, act_dtype)
+
+
+def tuned_entry(entries: dict[int, AnyMoeConfig], num_tokens: int) -> AnyMoeConfig:
+    """The entry of the largest M at or below num_tokens (the smallest M, below them all)."""
+    return entries[max((m for m in entries if m <= num_tokens), default=min(entries))]
 
 
 def default_gemv_config(hidden: int, intermediate: int, weight_dtype: torch.dtype) -> SmallBatchMoeConfig:
