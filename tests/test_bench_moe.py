@@ -1,10 +1,14 @@
 """`python -m pagedserve.bench.moe --tiny`: the MoE sweep's whole path at a toy shape (on a CPU
-under the Triton interpreter), and the TUNED entries it prints are a table moe_config reads."""
+under the Triton interpreter), the TUNED entries it prints are a table moe_config reads, and
+they replace their shape's in kernels/moe_config.py."""
 import json
+from pathlib import Path
 
 import torch
 
-from pagedserve.bench.moe import TINY, main, merged_entries, small_batch_threshold, tuned_literal
+from pagedserve.bench.moe import (TINY, Shape, main, merged_entries, paste_tuned, small_batch_threshold,
+                                  tuned_literal)
+from pagedserve.kernels import moe_config as moe_config_module
 from pagedserve.kernels.moe_config import (MoeConfig, MoeGemmConfig, MoeGemvConfig, SmallBatchMoeConfig,
                                            moe_config)
 
@@ -72,3 +76,19 @@ def test_small_batch_entries_up_to_the_first_m_it_loses() -> None:
     assert eval("{" + tuned_literal(TINY, "bf16", entries) + "}", NAMES) == {key: entries}
     # Lost at 1: the table as it was.
     assert merged_entries(table, swept({1: False, 2: True})) == table
+
+
+def test_pasted_entries_replace_their_shape_in_moe_config() -> None:
+    source = Path(moe_config_module.__file__).read_text()
+    entries = {1: gemv(4), 16: grouped(16)}
+    qwen, fp8 = (128, 2048, 768, 8, "bfloat16"), (128, 2048, 768, 8, "float8_e4m3fn")
+    tiny = (TINY.experts, TINY.hidden, TINY.inter, TINY.top_k, "bfloat16")
+    literal = tuned_literal(Shape(*qwen[:4]), "bf16", entries) + "\n" + tuned_literal(TINY, "bf16", entries)
+    namespace: dict = {}
+    exec(compile(paste_tuned(source, literal), "moe_config.py", "exec"), namespace)
+    # The module's own classes: compared by repr.
+    tuned = namespace["TUNED"]
+    assert repr(tuned[qwen]) == repr(tuned[tiny]) == repr(entries)
+    # The other shapes' entries, and the rest of the module, as they were.
+    assert repr(tuned[fp8]) == repr(moe_config_module.TUNED[fp8])
+    assert namespace["default_config"].__doc__ == moe_config_module.default_config.__doc__

@@ -30,6 +30,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ import torch
 import triton
 import triton.testing
 
+from pagedserve.kernels import moe_config
 from pagedserve.kernels.fused_moe import expert_gemm, fused_moe
 from pagedserve.kernels.moe_config import (GEMV_MAX_TOKENS, TUNED, AnyMoeConfig, MoeConfig, MoeGemmConfig,
                                            MoeGemvConfig, SmallBatchMoeConfig, default_config,
@@ -530,6 +532,18 @@ def tuned_literal(shape: Shape, kind: str, entries: dict[int, AnyMoeConfig]) -> 
     return "\n".join(lines + ["    },"])
 
 
+def paste_tuned(source: str, literal: str) -> str:
+    """moe_config.py's source with each shape's block of `literal` in place of that shape's
+    block of TUNED, or first in TUNED if the shape has none."""
+    for block in re.findall(r"^    \(.*?\): \{\n.*?^    \},\n", literal + "\n", re.M | re.S):
+        head = block.split("\n", 1)[0]
+        old = re.compile("^" + re.escape(head) + r"\n.*?^    \},\n", re.M | re.S)
+        source, found = old.subn(lambda _: block, source, count=1)
+        if not found:
+            source = re.sub(r"^(TUNED: .*= \{\n)", lambda m: m.group(1) + block, source, count=1, flags=re.M)
+    return source
+
+
 def small_batch_threshold(rows: list[dict]) -> int:
     """The largest M up to which the small-batch path beat the grouped GEMMs at every M swept
     (0 if it lost at the first)."""
@@ -578,7 +592,8 @@ def gemv_line(kind: str, row: dict) -> str:
     us = {k: v * 1e3 for k, v in row.items() if k.endswith("_ms") and isinstance(v, float)}
     small, grouped = us["small_batch_layer_ms"], us["grouped_layer_ms"]
     return (f"{kind:4s} M={row['tokens']:3d} {row['touched_experts']:3d} experts: "
-            f"small-batch {small:6.1f} us (gate/up {us['gate_up_ms']:5.1f} + down {us['down_ms']:5.1f} alone), "
+            f"small-batch {small:6.1f} us (gate/up {us['gate_up_ms']:5.1f} + down "
+            f"{us['down_ms']:5.1f} alone), "
             f"grouped {grouped:6.1f} us -> {'small-batch' if small < grouped else 'grouped    '}; "
             f"roofline {us['roofline_ms']:6.1f} us "
             f"= {100 * us['roofline_ms'] / min(small, grouped):3.0f}%")
@@ -622,7 +637,7 @@ def report_tuned(plan: Plan, kind: str, gemv_rows: list[dict], entries: dict | N
     return tuned_literal(plan.shape, kind, entries)
 
 
-def run(plan: Plan, kinds: list[str], out_dir: Path, workers: int) -> int:
+def run(plan: Plan, kinds: list[str], out_dir: Path, workers: int, write_tuned: bool = False) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     checks = check(plan, {kind: make_experts(plan.shape, kind, device) for kind in kinds}, device)
@@ -643,6 +658,10 @@ def run(plan: Plan, kinds: list[str], out_dir: Path, workers: int) -> int:
         print(f"\nTUNED entries for kernels/moe_config.py, to replace those of this shape (measured on "
               f"{report['gpu']}):\n{literal}")
     (out_dir / "moe_tuned.txt").write_text(literal + "\n")
+    if write_tuned and literal:
+        path = Path(moe_config.__file__)
+        path.write_text(paste_tuned(path.read_text(), literal))
+        print(f"wrote them into {path}")
     report["sweep"] = {kind: without_configs(rows) for kind, (rows, _, _) in results.items()}
     report["small_batch"] = {kind: without_configs(gemv_rows) for kind, (_, gemv_rows, _) in results.items()}
     (out_dir / "moe_sweep.json").write_text(json.dumps(report))
@@ -662,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+",
                         help=f"token counts M (default {TOKENS}; the small-batch path at those up to "
                              f"{GEMV_SWEEP_MAX}, by default {GEMV_TOKENS})")
+    parser.add_argument("--write-tuned", action="store_true",
+                        help="also replace the shape's TUNED entries in kernels/moe_config.py")
     parser.add_argument("--experts", type=int, default=QWEN3_30B_A3B.experts)
     parser.add_argument("--hidden", type=int, default=QWEN3_30B_A3B.hidden)
     parser.add_argument("--intermediate", type=int, default=QWEN3_30B_A3B.inter,
@@ -673,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("the MoE sweep needs a CUDA GPU (or --tiny); none is visible to torch")
     args.out.mkdir(parents=True, exist_ok=True)
-    return run(make_plan(args), args.kinds, args.out, args.workers)
+    return run(make_plan(args), args.kinds, args.out, args.workers, args.write_tuned)
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
