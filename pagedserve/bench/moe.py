@@ -273,6 +273,14 @@ def gemv_jobs(plan: Plan, kind: str) -> list[tuple[int, bool, MoeGemvConfig]]:
     return list(dict.fromkeys(out))
 
 
+def tuned_jobs(plan: Plan, kind: str) -> set[tuple[int, bool, MoeGemmConfig]]:
+    """(block_m, gated, tiling) of the grouped GEMM launches of TUNED's configs, which
+    --small-batch times the small-batch path against."""
+    grouped = tuned_grouped(plan.shape, kind)
+    configs = {tuned_entry(grouped, m) for m in plan.gemv_tokens} if grouped else set()
+    return {(c.block_m, gated, t) for c in configs for gated, t in ((True, c.gate_up), (False, c.down))}
+
+
 def modes(kind: str, num_tokens: int) -> list[bool]:
     """The w8a8 settings tried: FP8 experts also in W8A16 at small M."""
     if kind != "fp8":
@@ -324,8 +332,9 @@ def _compile(shape: Shape, kind: str, jobs: list[tuple[int, bool, MoeGemmConfig 
 
 def precompile(plan: Plan, kinds: list[str], workers: int) -> None:
     jobs = {(kind, job) for kind in kinds for m in plan.tokens for job in jobs_of(plan, kind, m)}
-    if plan.gemv_tokens:
-        jobs |= {(kind, job) for kind in kinds for job in gemv_jobs(plan, kind)}
+    jobs |= {(kind, job) for kind in kinds if plan.gemv_tokens for job in gemv_jobs(plan, kind)}
+    if not plan.tokens:
+        jobs |= {(kind, job) for kind in kinds for job in tuned_jobs(plan, kind)}
     jobs = sorted(jobs, key=repr)
     start = time.perf_counter()
     chunks = [jobs[i::workers] for i in range(workers)]
