@@ -10,8 +10,8 @@ slots. Here (layouts in fused_moe.py) there is no alignment and no sum:
   routing weights applied in registers.
 Both read weights contiguously in [block_n, block_k] tiles (FP8 experts widened to float32, the
 activations kept in their dtype: W8A16) and reduce in float32 without tensor cores. The programs
-of one tile column run next to each other, so slots (tokens) whose experts coincide read the
-shared rows from L2. Nothing is read back to the host: a CUDA graph can capture it.
+of one column tile run next to each other (the slot or token varies fastest), so slots whose
+experts coincide read the shared rows from L2. Nothing is read back to the host: a CUDA graph can capture it.
 """
 import torch
 import triton
@@ -83,9 +83,10 @@ def _down_kernel(inter, w2, w2_scale, topk_weights, topk_ids, out, num_tokens, N
     rk = tl.arange(0, BLOCK_K)
     # Padding lanes (TOP_K not a power of 2) repeat the last slot with weight 0: no masked loads.
     slots = token * TOP_K + tl.minimum(rj, TOP_K - 1)
-    # The routing wrote ids and weights before the gate/up kernel, the one before this, got past
-    # its own wait, so they (and the weights they point to) are read before this kernel's wait:
-    # the first weight tile streams while the gate/up kernel finishes.
+    # The ids and weights were written before the gate/up kernel (launched just before this one)
+    # got past its own wait, which this kernel's early start follows (pdl.py); the experts no
+    # kernel writes. So all three are read before this kernel's wait: the first weight tile
+    # streams in while the gate/up kernel finishes.
     experts = tl.load(topk_ids + slots).to(tl.int64)
     rows = w2 + experts[:, None, None] * stride_we + rn[None, :, None] * K + rk[None, None, :]
     rk3 = rk[None, None, :]
