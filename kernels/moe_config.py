@@ -73,12 +73,16 @@ AnyMoeConfig = MoeConfig | SmallBatchMoeConfig
 # -tp 2: `--intermediate 384`).
 TUNED: dict[tuple[int, int, int, int, str], dict[int, AnyMoeConfig]] = {
     # Qwen3-30B-A3B, swept on an H200 (torch 2.11, triton 3.6) by `python -m pagedserve.bench.moe`
-    # on 2026-12-02 (BENCHMARKS.md).
+    # on 2026-12-02 (BENCHMARKS.md); the small-batch path up to M=12 in bf16 and M=8 in FP8 by
+    # `--small-batch` (M=1: 24.0 us against the grouped GEMMs' 38.9, FP8 18.2 against 36.9).
     (128, 2048, 768, 8, "bfloat16"): {
-        1: MoeConfig(16, MoeGemmConfig(32, 64, 1, 4, 4), MoeGemmConfig(32, 128, 1, 4, 3)),
-        2: MoeConfig(16, MoeGemmConfig(32, 128, 1, 4, 4), MoeGemmConfig(64, 64, 1, 4, 3)),
-        4: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 3)),
-        8: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 2)),
+        1: SmallBatchMoeConfig(MoeGemvConfig(2, 1024, 4, 3), MoeGemvConfig(2, 256, 4, 2)),
+        2: SmallBatchMoeConfig(MoeGemvConfig(2, 1024, 4, 3), MoeGemvConfig(2, 256, 4, 2)),
+        3: SmallBatchMoeConfig(MoeGemvConfig(2, 1024, 4, 2), MoeGemvConfig(2, 256, 4, 2)),
+        4: SmallBatchMoeConfig(MoeGemvConfig(4, 512, 4, 3), MoeGemvConfig(2, 256, 4, 3)),
+        6: SmallBatchMoeConfig(MoeGemvConfig(4, 512, 4, 3), MoeGemvConfig(2, 256, 4, 3)),
+        8: SmallBatchMoeConfig(MoeGemvConfig(4, 512, 4, 2), MoeGemvConfig(2, 256, 4, 2)),
+        12: SmallBatchMoeConfig(MoeGemvConfig(4, 512, 4, 3), MoeGemvConfig(2, 256, 4, 3)),
         16: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(128, 128, 1, 4, 3)),
         32: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 2), MoeGemmConfig(128, 128, 1, 4, 3)),
         64: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 256, 1, 4, 2)),
@@ -91,10 +95,13 @@ TUNED: dict[tuple[int, int, int, int, str], dict[int, AnyMoeConfig]] = {
         8192: MoeConfig(128, MoeGemmConfig(128, 64, 8, 8, 3), MoeGemmConfig(256, 64, 8, 8, 3)),
     },
     (128, 2048, 768, 8, "float8_e4m3fn"): {
-        1: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3, w8a8=False), MoeGemmConfig(32, 256, 1, 4, 3, w8a8=False)),
-        2: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3, w8a8=False), MoeGemmConfig(32, 128, 1, 4, 3, w8a8=False)),
-        4: MoeConfig(16, MoeGemmConfig(32, 128, 1, 4, 3), MoeGemmConfig(32, 128, 1, 4, 3, w8a8=False)),
-        8: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 4)),
+        1: SmallBatchMoeConfig(MoeGemvConfig(16, 256, 8, 3), MoeGemvConfig(4, 256, 8, 2)),
+        2: SmallBatchMoeConfig(MoeGemvConfig(8, 512, 4, 3), MoeGemvConfig(4, 256, 4, 2)),
+        3: SmallBatchMoeConfig(MoeGemvConfig(8, 512, 4, 2), MoeGemvConfig(16, 256, 4, 3)),
+        4: SmallBatchMoeConfig(MoeGemvConfig(16, 256, 4, 3), MoeGemvConfig(4, 256, 4, 2)),
+        6: SmallBatchMoeConfig(MoeGemvConfig(8, 512, 4, 2), MoeGemvConfig(4, 256, 4, 2)),
+        8: SmallBatchMoeConfig(MoeGemvConfig(16, 256, 4, 3), MoeGemvConfig(4, 256, 4, 3)),
+        12: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 4)),
         16: MoeConfig(16, MoeGemmConfig(64, 256, 1, 4, 2), MoeGemmConfig(64, 128, 1, 4, 3)),
         32: MoeConfig(16, MoeGemmConfig(32, 256, 1, 4, 3), MoeGemmConfig(64, 128, 1, 4, 4)),
         64: MoeConfig(16, MoeGemmConfig(64, 256, 1, 4, 2), MoeGemmConfig(128, 128, 1, 4, 3)),
