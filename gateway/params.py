@@ -8,7 +8,7 @@ import msgspec
 from pagedserve.gateway.errors import bad_request, model_not_found
 from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
 from pagedserve.common.tokenizer import RESERVED_VARIABLES, Tokenizer
-from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.common.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams, StructuredOutputsParams
 
 # Text of one request (its prompts, or everything its chat template renders); past a million
 # characters no context window of a served model is near, and tokenizing it alone takes seconds of CPU.
@@ -17,10 +17,6 @@ MAX_PROMPT_CHARS = 1_000_000
 # compiling one takes about 15 ms per KB here (64 KiB: 1 s, in the template worker, within its deadline).
 MAX_REQUEST_TEMPLATE_CHARS = 65_536
 _json = msgspec.json.Encoder()
-# Entries of a request's logit_bias (vLLM sets none; a body of 4 MiB holds 150k): enough to ban or favour
-# a list of words in their spellings, while the map, copied to each engine request and applied at every
-# step, stays small: 64 prompts x n=16 at the cap fan out in about 2 ms of gateway CPU.
-MAX_LOGIT_BIAS_ENTRIES = 1024
 # Characters of one stop string (vLLM sets no limit); the longest in common use is a few words. Each
 # streamed choice keeps up to this much text back while it could still begin a stop.
 MAX_STOP_CHARS = 1024
@@ -206,13 +202,13 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 
 def logit_bias(raw: msgspec.Raw, vocab_size: int) -> dict[int, float] | None:
-    """A request's logit_bias (raw JSON) as token id -> bias; a 400 past MAX_LOGIT_BIAS_ENTRIES, which
+    """A request's logit_bias (raw JSON) as token id -> bias; a 400 past MAX_LOGIT_BIAS_TOKENS, which
     are counted before decoding (keys and values hold no colon), or for a key that is not a token id."""
     text = bytes(raw)
     if not text or text == b"null":
         return None
-    if text.count(b":") > MAX_LOGIT_BIAS_ENTRIES:
-        raise bad_request(f"`logit_bias` has {text.count(b':')} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}. To "
+    if text.count(b":") > MAX_LOGIT_BIAS_TOKENS:
+        raise bad_request(f"`logit_bias` has {text.count(b':')} entries; the limit is {MAX_LOGIT_BIAS_TOKENS}. To "
                           "allow only a few tokens, use structured outputs (`structured_outputs.choice` or a "
                           "regex).", param="logit_bias")
     try:

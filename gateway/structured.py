@@ -2,13 +2,9 @@
 guided_* fields, as one StructuredOutputsParams, checked so that what is too large or cannot compile
 is a 400."""
 from pagedserve.common.grammar import GrammarError, check
-from pagedserve.common.sampling_params import STRUCTURED_KINDS, StructuredOutputsParams
+from pagedserve.common.sampling_params import MAX_CONSTRAINT_CHARS, STRUCTURED_KINDS, StructuredOutputsParams
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.schemas import ChatCompletionRequest, ResponseFormat, SamplingFields
-
-# Characters of a constraint (regex, grammar, JSON schema, choices); vLLM sets no limit. Validating
-# one is superlinear: a 62 KB JSON schema took 0.26 s here, a 250 KB one 3.7 s (a 64 KiB regex 0.05 s).
-MAX_CONSTRAINT_CHARS = 65_536
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

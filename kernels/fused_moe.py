@@ -21,13 +21,16 @@ for each slot ([T * k, I]); the down GEMM scales each slot's row by its routing 
 expert's weight tiles once for up to block_m slots; an expert that no token chose costs nothing.
 Nothing is read back to the host and every buffer's size follows from T: a CUDA graph captured at
 a batch size replays it (the config, picked from T on the host, is fixed at capture).
+
+At small T the config may name the small-batch path instead (moe_gemv.py: no alignment, no sum).
 """
 import torch
 import triton
 import triton.language as tl
 
 from pagedserve.kernels import pdl
-from pagedserve.kernels.moe_config import MoeConfig, MoeGemmConfig, moe_config
+from pagedserve.kernels.moe_config import AnyMoeConfig, MoeGemmConfig, SmallBatchMoeConfig, moe_config
+from pagedserve.kernels.moe_gemv import fused_moe_gemv
 from pagedserve.kernels.moe_routing import MoeAlignment, moe_align
 from pagedserve.kernels.quant import INTERPRETED, per_token_quant_fp8
 from pagedserve.kernels.reference import FP8_DTYPE
@@ -155,10 +158,10 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, config: AnyMoeConfig | None = None) -> torch.Tensor:
     """The mixture of experts of x [T, H] over the experts topk_ids chose, weighted by
     topk_weights -> [T, H] in x's dtype (layouts in the module docstring). `config` overrides
-    the tiling `moe_config` picks for T."""
+    the path and tiling `moe_config` picks for T."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -168,6 +171,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if num_tokens == 0:
         return torch.empty_like(x)
     cfg = config or moe_config(num_tokens, num_experts, hidden, two_i // 2, top_k, w13.dtype, x.dtype)
+    if isinstance(cfg, SmallBatchMoeConfig):
+        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, cfg)
     alignment = moe_align(topk_ids, num_experts, cfg.block_m)
     inter = expert_gemm(x, w13, w13_scale, alignment, cfg.gate_up, a_rows_per_slot=top_k, gated=True)
     slots = expert_gemm(inter, w2, w2_scale, alignment, cfg.down, a_rows_per_slot=1, gated=False,

@@ -11,7 +11,17 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 
+from pagedserve.common.service import TOKEN_ENV
 from pagedserve.gateway.server import add_gateway_args, api_key
+
+
+@pytest.fixture(autouse=True)
+def no_grpc_token_left_behind(monkeypatch):
+    # `serve` gives its children a gRPC token through this process's environment: the tests that run
+    # its argument handling in this process must not leave one to the tests after them. Set first, so
+    # that monkeypatch records (and restores) the variable's state before the test, absent or not.
+    monkeypatch.setenv(TOKEN_ENV, os.environ.get(TOKEN_ENV, ""))
+    monkeypatch.delenv(TOKEN_ENV)
 
 
 def test_flags_and_defaults():

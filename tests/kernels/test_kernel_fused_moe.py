@@ -6,8 +6,10 @@ import triton
 
 from tests.kernels.kernel_testing import DEVICE, assert_close, poison_next_alloc, rel_err
 from pagedserve.kernels.fused_moe import fused_moe, quantize_experts_fp8
-from pagedserve.kernels.moe_config import (SMEM_BUDGET, MoeConfig, MoeGemmConfig, default_config,
-                                           min_block_k, moe_config, stage_bytes)
+from pagedserve.kernels.moe_config import (GEMV_MAX_TOKENS, SMEM_BUDGET, AnyMoeConfig, MoeConfig,
+                                           MoeGemmConfig, MoeGemvConfig, SmallBatchMoeConfig,
+                                           default_config, default_gemv_config, min_block_k,
+                                           moe_config, stage_bytes)
 from pagedserve.kernels.moe_routing import SINGLE_PROGRAM_SLOTS, MoeAlignment, moe_align, route
 from pagedserve.kernels.reference import fused_moe_ref, quantize_experts_fp8_ref, route_ref
 
@@ -105,13 +107,23 @@ def test_moe_align_of_a_skewed_batch() -> None:
     check_alignment(moe_align(ids, 8, 16), ids, 8, 16)
 
 
+def grouped(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype) -> MoeConfig:
+    """The grouped GEMMs' heuristic tiling, which `moe_config` replaces by the small-batch path
+    at small M."""
+    return default_config(num_tokens, num_experts, HIDDEN, INTER, top_k, dtype, dtype)
+
+
 def run_and_compare(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, config: MoeConfig | None = None, **scales: torch.Tensor) -> None:
+                    ids: torch.Tensor, config: AnyMoeConfig, **scales: torch.Tensor) -> None:
     num_tokens, top_k = ids.shape
-    poison_next_alloc((num_tokens * top_k, x.shape[1]), x.dtype)
-    poison_next_alloc((num_tokens, x.shape[1]), x.dtype)
+    inter = w2.shape[2]
+    # Every buffer the paths allocate: slot rows of both widths, the output.
+    for shape in ((num_tokens * top_k, x.shape[1]), (num_tokens * top_k, inter), (num_tokens, x.shape[1])):
+        poison_next_alloc(shape, x.dtype)
     out = fused_moe(x, w13, w2, weights, ids, config=config, **scales)
-    w8a8 = (config.gate_up.w8a8, config.down.w8a8) if config else (True, True)
+    # The small-batch path reads FP8 experts W8A16.
+    small = isinstance(config, SmallBatchMoeConfig)
+    w8a8 = (False, False) if small else (config.gate_up.w8a8, config.down.w8a8)
     ref = fused_moe_ref(x, w13, w2, weights, ids, scales.get("w13_scale"), scales.get("w2_scale"), *w8a8)
     # Gate/up then down: two products (float32 on an H200 measured 2.08e-3 against one's 2e-3).
     assert_close(out, ref, products=2)
@@ -124,7 +136,52 @@ def test_fused_moe_matches_reference(num_tokens: int, num_experts: int, top_k: i
                                      dtype: torch.dtype) -> None:
     x = torch.randn(num_tokens, HIDDEN, device=DEVICE).to(dtype)
     w13, w2 = random_experts(num_experts, dtype)
-    run_and_compare(x, w13, w2, *routed(num_tokens, num_experts, top_k))
+    run_and_compare(x, w13, w2, *routed(num_tokens, num_experts, top_k),
+                    grouped(num_tokens, num_experts, top_k, dtype))
+
+
+# I = 24 in 16-column tiles (the second partial), H = 48 in 32-row tiles (likewise), 16-deep steps;
+# 64-deep steps past H and I (masked), 2 and 4 rows a program. Top-k 3 pads the down GEMV's expert
+# lanes to 4.
+SMALL_TILINGS = [SmallBatchMoeConfig(MoeGemvConfig(16, 16), MoeGemvConfig(32, 16)),
+                 SmallBatchMoeConfig(MoeGemvConfig(2, 64, 2), MoeGemvConfig(4, 64, 2))]
+
+
+@pytest.mark.parametrize("config", SMALL_TILINGS)
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden",
+                         [(1, 128, 8, HIDDEN), (2, 8, 1, HIDDEN), (3, 16, 2, 48), (4, 8, 3, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_batch_path_matches_reference(num_tokens: int, num_experts: int, top_k: int, hidden: int,
+                                            dtype: torch.dtype, config: SmallBatchMoeConfig) -> None:
+    x = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)
+    w13, w2 = random_experts(num_experts, dtype, hidden)
+    run_and_compare(x, w13, w2, *routed(num_tokens, num_experts, top_k), config)
+
+
+@pytest.mark.parametrize("config", SMALL_TILINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_batch_path_fp8_experts(dtype: torch.dtype, config: SmallBatchMoeConfig) -> None:
+    num_tokens, num_experts, top_k = 2, 128, 8
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE).to(dtype)
+    w13, w2 = random_experts(num_experts, torch.float32)
+    (w13, w13_scale), (w2, w2_scale) = quantize_experts_fp8_ref(w13), quantize_experts_fp8_ref(w2)
+    run_and_compare(x, w13, w2, *routed(num_tokens, num_experts, top_k), config,
+                    w13_scale=w13_scale, w2_scale=w2_scale)
+
+
+@pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_TOKENS])
+def test_fused_moe_takes_the_small_batch_path_at_small_m(num_tokens: int) -> None:
+    num_experts, top_k, dtype = 16, 2, torch.bfloat16
+    picked = moe_config(num_tokens, num_experts, HIDDEN, INTER, top_k, dtype, dtype)
+    assert picked == default_gemv_config(HIDDEN, INTER, dtype)
+    assert isinstance(moe_config(num_tokens + GEMV_MAX_TOKENS, num_experts, HIDDEN, INTER, top_k,
+                                 dtype, dtype), MoeConfig)
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE).to(dtype)
+    w13, w2 = random_experts(num_experts, dtype)
+    weights, ids = routed(num_tokens, num_experts, top_k)
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert_close(out, fused_moe(x, w13, w2, weights, ids, config=grouped(num_tokens, num_experts,
+                                                                         top_k, dtype)), products=2)
 
 
 def test_fused_moe_with_tiles_off_the_shape() -> None:
@@ -163,14 +220,17 @@ def test_no_tokens_gives_an_empty_output() -> None:
 
 
 def test_tuned_entry_of_the_largest_measured_m_at_or_below() -> None:
+    gemv = SmallBatchMoeConfig(MoeGemvConfig(8, 512), MoeGemvConfig(4, 256))
     small = MoeConfig(16, MoeGemmConfig(32, 64), MoeGemmConfig(64, 64))
     large = MoeConfig(64, MoeGemmConfig(64, 64), MoeGemmConfig(128, 64))
-    table = {(8, HIDDEN, INTER, 2, "bfloat16"): {4: small, 64: large}}
+    table = {(8, HIDDEN, INTER, 2, "bfloat16"): {2: gemv, 4: small, 64: large}}
     shape = (8, HIDDEN, INTER, 2, torch.bfloat16, torch.bfloat16)
-    assert [moe_config(m, *shape, table=table) for m in (1, 4, 63, 64, 5000)] == [small, small, small,
-                                                                                    large, large]
-    assert moe_config(1, 8, HIDDEN, INTER, 4, torch.bfloat16, torch.bfloat16, table=table) == \
-        default_config(1, 8, HIDDEN, INTER, 4, torch.bfloat16, torch.bfloat16)
+    assert [moe_config(m, *shape, table=table) for m in (1, 3, 4, 63, 64, 5000)] == [
+        gemv, gemv, small, small, large, large]
+    # A shape not in the table: the heuristics.
+    untuned = (8, HIDDEN, INTER, 4, torch.bfloat16, torch.bfloat16)
+    above = GEMV_MAX_TOKENS + 1
+    assert moe_config(above, *untuned, table=table) == default_config(above, *untuned)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64, 512, 8192])
@@ -186,3 +246,12 @@ def test_default_config_fits_the_shape_and_shared_memory(num_tokens: int, weight
             assert floor_k <= tiling.block_k <= max(floor_k, triton.next_power_of_2(k))
             smem = stage_bytes(tiling, cfg.block_m, a_bytes, weight_dtype.itemsize, gated)
             assert tiling.num_stages * smem <= SMEM_BUDGET
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_default_gemv_config_fits_the_shape(weight_dtype: torch.dtype) -> None:
+    for hidden, inter in ((2048, 768), (4096, 14336), (HIDDEN, INTER)):
+        cfg = default_gemv_config(hidden, inter, weight_dtype)
+        for tiling, n, k in ((cfg.gate_up, inter, hidden), (cfg.down, hidden, inter)):
+            assert tiling.block_n <= triton.next_power_of_2(n) and tiling.block_k <= triton.next_power_of_2(k)
+            assert tiling.block_k * weight_dtype.itemsize <= 1024
