@@ -2,7 +2,12 @@
 and without CUDA graphs, against transformers') on tiny Gemma 2 and Gemma 3, whose windows (12 and
 10 tokens) the prompts of up to 130 tokens outgrow: the Triton kernels' sliding windows,
 soft-capping and GeGLU. On the CPU, bf16 runs of these models came within 1.2e-2 of
-transformers' bf16 logits (Llama's within 1.0e-2), under the test's 2e-2."""
+transformers' bf16 logits (Llama's within 1.0e-2), under the test's 2e-2.
+
+Open: on an H200 (2026-12-02, f085088) these checks failed for Gemma 2 (first-step logits 5.38e-2
+off transformers' on a 3-token prompt, and the greedy agreement), for Gemma 3's first-step logits
+and for the head-dim-256 model, while the Llama, windowed and MoE checks passed. The cause is not
+found: the Triton path run in float32 under the interpreter matches the references to 4e-7."""
 import pytest
 import torch
 
