@@ -11,7 +11,7 @@ from pagedserve.executor_svc.fp8 import Fp8Linear
 from pagedserve.kernels.reference import FP8_DTYPE, quantize_experts_fp8_ref
 from tests.executor_svc.harness import paged_prefill_logits
 from tests.executor_svc.test_fp8 import (  # noqa: F401 (collected here, on this file's `qwen2`)
-    loaded, test_per_channel_compressed_tensors_checkpoint_equals_quantization_at_load)
+    assert_fp8_keeps_logits, loaded, test_per_channel_compressed_tensors_checkpoint_equals_quantization_at_load)
 from tests.tiny_models import llm_greedy, make_tiny_model, mixed_prompts
 
 # Below the dense models' 0.99 (test_fp8): FP8's error moves a token near a tie between experts
@@ -32,12 +32,7 @@ def qwen2(tmp_path_factory):
 
 
 def test_tiny_models_with_fp8_experts_keep_their_logits(tiny):
-    prompts = mixed_prompts(0)
-    full = torch.cat(paged_prefill_logits(tiny, prompts))
-    fp8 = torch.cat(paged_prefill_logits(tiny, prompts, fp8=True))
-    cosine = nn.functional.cosine_similarity(full, fp8, dim=-1)
-    assert cosine.mean() >= MIN_COSINE, f"mean cosine {cosine.mean():.4f}"
-    assert not torch.equal(full, fp8)
+    assert_fp8_keeps_logits(tiny, MIN_COSINE)
 
 
 def test_experts_are_quantized_per_expert_and_channel_and_routers_are_not(qwen2):
