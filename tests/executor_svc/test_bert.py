@@ -156,3 +156,12 @@ def test_xlm_roberta_serves_its_positions_past_the_padding_id(tmp_path):
     config = load_model_config(path)
     assert config.max_position_embeddings == 128
     assert ENCODERS["XLMRobertaModel"](config).embeddings.position_embeddings.num_embeddings == 130
+
+
+@pytest.mark.parametrize("arch", ["BertModel", "XLMRobertaModel"])
+def test_tiny_tokenizers_encode_alike_in_transformers_and_pagedserve(arch, tmp_path):
+    from pagedserve.common.tokenizer import Tokenizer
+    path = make_tiny_encoder(arch, tmp_path)
+    ours, theirs = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+    for text in ["What is the capital of France?", "paris, the city on the river", "x"]:
+        assert ours.encode(text) == theirs(text)["input_ids"]
