@@ -45,12 +45,14 @@ class Pooling:
         self._interrupted = asyncio.get_running_loop().create_future()
         calls = [asyncio.ensure_future(self._call(i, x)) for i, x in enumerate(self.inputs)]
         gathered = asyncio.gather(*calls)
+        gathered.add_done_callback(_retrieve)
         try:
             await asyncio.wait((gathered, self._interrupted), return_when=asyncio.FIRST_COMPLETED)
             if self._interrupted.done():
                 return self._interrupted.result()
             return gathered.result()
         finally:
+            gathered.cancel()
             for call in calls:
                 call.cancel()
 
@@ -65,3 +67,10 @@ class Pooling:
             raise
         finally:
             self._engines.ended(engine)
+
+
+def _retrieve(gathered: asyncio.Future) -> None:
+    # A gathering cancelled while its calls run ends with a CancelledError as its exception, which
+    # asyncio would log as never retrieved.
+    if not gathered.cancelled():
+        gathered.exception()

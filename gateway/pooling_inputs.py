@@ -62,6 +62,12 @@ def check_count(count: int, limit: int, param: str) -> None:
                           "(--max-client-batch-size). Split it into smaller requests.", param=param)
 
 
+def check_top_n(top_n: int | None) -> None:
+    if top_n is not None and top_n < 0:
+        raise bad_request(f"`top_n` is {top_n}; send a positive number, or 0 or none for every document.",
+                          param="top_n")
+
+
 def truncation(value: int | None, max_model_len: int) -> int | None:
     """How many tokens of each input to keep (the last ones), None for all: vLLM's truncate_prompt_tokens."""
     if value is None:
@@ -111,7 +117,8 @@ def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[
     first = [text_1] if isinstance(text_1, str) else text_1
     second = [text_2] if isinstance(text_2, str) else text_2
     if not first or not second:
-        raise bad_request("`text_1` and `text_2` each need at least one text.", param="text_1" if not first else "text_2")
+        raise bad_request("`text_1` and `text_2` each need at least one text.",
+                          param="text_1" if not first else "text_2")
     if len(first) == 1:
         return [(first[0], t) for t in second]
     if len(first) != len(second):

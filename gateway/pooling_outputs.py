@@ -4,7 +4,6 @@ import math
 import struct
 from operator import mul
 
-from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.pooling_schemas import RerankDocument, RerankResult
 
 
@@ -26,9 +25,6 @@ def ranked(scores: list[float], documents: list[str], top_n: int | None,
            return_documents: bool) -> list[RerankResult]:
     """The documents by relevance_score, highest first (ties in their order), the top_n of them
     (None or 0: all), each with its index and, if asked, its text."""
-    if top_n is not None and top_n < 0:
-        raise bad_request(f"`top_n` is {top_n}; send a positive number, or 0 or none for every document.",
-                          param="top_n")
     results = [RerankResult(i, score, RerankDocument(documents[i]) if return_documents else None)
                for i, score in enumerate(scores)]
     results.sort(key=lambda r: r.relevance_score, reverse=True)

@@ -11,9 +11,9 @@ from pagedserve.gateway import params
 from pagedserve.gateway.admission import admitted, check_runner, counts_rejections
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.pooling import Pooling, PoolInput
-from pagedserve.gateway.pooling_inputs import (check_count, check_lengths, check_task, check_token_input, embed_params,
-                                               encode_texts, pair_inputs, score_pairs, split_inputs, text_inputs,
-                                               truncation)
+from pagedserve.gateway.pooling_inputs import (check_count, check_lengths, check_task, check_token_input, check_top_n,
+                                               embed_params, encode_texts, pair_inputs, score_pairs, split_inputs,
+                                               text_inputs, truncation)
 from pagedserve.gateway.pooling_outputs import cosine, encode_embedding, ranked
 from pagedserve.gateway.pooling_schemas import (BilledUnits, Embedding, EmbeddingRequest, EmbeddingResponse,
                                                 EmbeddingUsage, MetaTokens, RerankMeta, RerankRequest,
@@ -89,6 +89,7 @@ async def _rerank(request: web.Request,
     if not req.documents:
         raise bad_request("`documents` is empty; send at least one document to rank.", param="documents")
     check_count(len(req.documents), gateway.max_client_batch_size, "documents")
+    check_top_n(req.top_n)
     documents = [d if isinstance(d, str) else d.text for d in req.documents]
     pairs = [(req.query, d) for d in documents]
     scores, tokens = await _scores(request, served, "rerank", pairs, "documents", req.use_activation)

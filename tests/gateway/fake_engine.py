@@ -95,6 +95,16 @@ def fake_pooled(request: pb.PoolRequest, embedding_size: int) -> list[float]:
     return [x / norm for x in vector]
 
 
+def embedded(ids: list[int], size: int = 8, **params) -> list[float]:
+    """fake_pooled's embedding of `ids`; `params` are PoolingParams fields."""
+    return fake_pooled(pb.PoolRequest(prompt_token_ids=ids, params=pb.PoolingParams(task="embed", **params)), size)
+
+
+def classified(ids: list[int]) -> float:
+    """fake_pooled's score of `ids` as a one-label classifier."""
+    return fake_pooled(pb.PoolRequest(prompt_token_ids=ids, params=pb.PoolingParams(task="classify")), 0)[0]
+
+
 class Refused(Exception):
     """Ends a fake request with a gRPC status, as the scheduler would."""
 

@@ -1,47 +1,20 @@
-"""The pooling routes over the fake engine's Pool: what each route sends per input, and how it turns
-the pooled data into OpenAI's, Jina's, Cohere's and vLLM's bodies, with real clients; the limits,
-checks and metrics every engine route has."""
+"""/v1/embeddings over the fake engine's Pool, with the openai SDK and LangChain: what it sends the
+engine per input, how it returns the vectors, and what it refuses."""
 import asyncio
 import base64
 import json
 import struct
 
-import cohere
 import openai
 import pytest
 import tiktoken
 from langchain_openai import OpenAIEmbeddings
 from langchain_openai.embeddings import base as langchain_embeddings
 
-from pagedserve.gateway.pooling_outputs import cosine
-from pagedserve.v1 import engine_pb2 as pb
-from tests.gateway.fake_engine import LEAK, MODEL, fake_pooled
-from tests.gateway.test_metrics import scrape, value
+from tests.gateway.fake_engine import LEAK, MODEL, embedded
 
 TEXTS = ["The quick brown fox", "Hello world! Hello there", "Grüße aus München 🎉"]
 QUERY = "Which fox is quick?"
-
-
-def embedded(ids: list[int], size: int = 8, **params) -> list[float]:
-    return fake_pooled(pb.PoolRequest(prompt_token_ids=ids, params=pb.PoolingParams(task="embed", **params)), size)
-
-
-def classified(ids: list[int]) -> float:
-    return fake_pooled(pb.PoolRequest(prompt_token_ids=ids, params=pb.PoolingParams(task="classify")), 0)[0]
-
-
-@pytest.fixture
-def embedder(engine):
-    engine.runner = "pooling"
-    engine.pooling = dict(pooling_tasks=["embed"], embedding_size=8, matryoshka_dimensions=[2, 4])
-    return engine
-
-
-@pytest.fixture
-def reranker(engine):
-    engine.runner = "pooling"
-    engine.pooling = dict(pooling_tasks=["classify"], embedding_size=8, num_labels=1)
-    return engine
 
 
 def sdk(url: str) -> openai.AsyncOpenAI:
