@@ -46,7 +46,7 @@ class Scheduler:
         self.vocab_size = info.vocab_size
         self.eos_token_ids = frozenset(info.eos_token_ids)
         # "pooling": every request is a pooling one (scheduler_svc/pooling.py), else none is.
-        self.runner = info.runner
+        self.runner, self.pooling = info.runner, info.pooling
         self.block_manager = BlockManager(info.num_blocks, info.block_size, config.enable_prefix_caching)
         self.kv_capacity = self.block_manager.num_usable_blocks * self.block_size
         # A sequence of n tokens needs KV for its first n - 1 only, so a pool smaller than the
@@ -98,7 +98,8 @@ class Scheduler:
         n = len(request.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty: send at least one token")
-        check_pooling(request, self.runner, self.max_model_len, self.max_num_batched_tokens, self.kv_capacity)
+        check_pooling(request, self.runner, self.pooling, self.max_model_len,
+                      min(self.max_num_batched_tokens, self.kv_capacity))
         if request.pooling is None:
             self._check_generation_length(n)
         check_request(request.prompt_token_ids, request.sampling, self.vocab_size)

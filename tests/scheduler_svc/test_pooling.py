@@ -1,7 +1,7 @@
 import pytest
 
 from pagedserve.common.config import EngineConfig
-from pagedserve.common.plan import ExecutorInfo, StepResult
+from pagedserve.common.plan import ExecutorInfo, PoolingInfo, StepResult
 from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler_svc.request import Request
@@ -12,7 +12,8 @@ def pooling_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_batched
                       max_num_seqs: int = 8, runner: str = "pooling") -> Scheduler:
     info = ExecutorInfo(num_blocks=num_blocks, block_size=block_size, dtype="none", device="none",
                         vocab_size=1000, max_model_len=16, eos_token_ids=[0], max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, runner=runner)
+                        max_num_batched_tokens=max_num_batched_tokens, runner=runner,
+                        pooling=PoolingInfo(["embed"], 8, [4, 2], True))
     return Scheduler(EngineConfig(), info)
 
 
@@ -75,3 +76,18 @@ def test_a_prompt_past_the_step_budget_or_of_the_wrong_kind_is_refused():
     with pytest.raises(ValueError, match="start the engine with --runner pooling"):
         add_pooling(pooling_scheduler(runner="generate"), 1, 3)
 
+
+
+def test_tasks_and_dimensions_the_model_does_not_serve_are_refused():
+    s = pooling_scheduler()
+    with pytest.raises(ValueError, match="does not support the 'classify' task; it serves embed"):
+        s.add(Request(1, "p1", [1, 2], SamplingParams(), pooling=PoolingParams("classify")))
+    with pytest.raises(ValueError, match=r"only supports \[4, 2\] for matryoshka representation, got dimensions=3"):
+        s.add(Request(1, "p1", [1, 2], SamplingParams(), pooling=PoolingParams(dimensions=3)))
+    s.pooling = PoolingInfo(["embed"], 8)
+    with pytest.raises(ValueError, match="does not support matryoshka"):
+        s.add(Request(1, "p1", [1, 2], SamplingParams(), pooling=PoolingParams(dimensions=4)))
+    s.pooling = PoolingInfo(["embed"], 8, is_matryoshka=True)
+    with pytest.raises(ValueError, match="exceeds the model's embedding size 8"):
+        s.add(Request(1, "p1", [1, 2], SamplingParams(), pooling=PoolingParams(dimensions=9)))
+    s.add(Request(1, "p1", [1, 2], SamplingParams(), pooling=PoolingParams(dimensions=5)))
