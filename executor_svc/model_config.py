@@ -69,11 +69,14 @@ def apply_hf_overrides(config: dict, overrides: dict | None) -> dict:
 def model_config_from_dict(config: dict, generation_config: dict | None = None) -> ModelConfig:
     """Builds a ModelConfig from config.json's contents (e.g. a named shape for dummy weights)."""
     architecture = _architecture(config)
-    config = _model_class(architecture).read_hf_config(config)
+    model_class = _model_class(architecture)
+    config = model_class.read_hf_config(config)
     hidden_act = config.get("hidden_act", "silu")
-    if hidden_act not in ACTIVATIONS:
+    # An encoder's MLP is not gated: its class names the activations it implements.
+    activations = getattr(model_class, "hidden_acts", ACTIVATIONS)
+    if hidden_act not in activations:
         raise ValueError(f"{architecture} with hidden_act={hidden_act!r} is not supported; pagedserve "
-                         f"implements {', '.join(ACTIVATIONS)}")
+                         f"implements {', '.join(activations)}")
     heads = config["num_attention_heads"]
     qwen2 = architecture == "Qwen2ForCausalLM"
     bias = bool(config.get("attention_bias", False))
@@ -137,16 +140,17 @@ def _longest_context(model: ModelConfig) -> tuple[int, str]:
 
 def _architecture(config: dict) -> str:
     # Imported here, not at the top: the model files import this module for ModelConfig.
-    from pagedserve.executor_svc.models import MODELS
+    from pagedserve.executor_svc.models import ENCODERS, MODELS
     architectures = config.get("architectures") or []
-    if len(architectures) != 1 or architectures[0] not in MODELS:
-        raise ValueError(f"unsupported architecture {architectures}: pagedserve runs {', '.join(MODELS)}")
+    if len(architectures) != 1 or (architectures[0] not in MODELS and architectures[0] not in ENCODERS):
+        raise ValueError(f"unsupported architecture {architectures}: pagedserve runs "
+                         f"{', '.join([*MODELS, *ENCODERS])}")
     return architectures[0]
 
 
 def _model_class(architecture: str) -> type:
-    from pagedserve.executor_svc.models import MODELS  # imported here, as in _architecture
-    return MODELS[architecture]
+    from pagedserve.executor_svc.models import ENCODERS, MODELS  # imported here, as in _architecture
+    return MODELS.get(architecture) or ENCODERS[architecture]
 
 
 def _eos_token_ids(config: dict, generation_config: dict | None) -> list[int]:
