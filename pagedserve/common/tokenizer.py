@@ -127,6 +127,13 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    def token_id(self, token: str) -> int:
+        """The id of a vocabulary entry (transformers' convert_tokens_to_ids, of one token)."""
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{token!r} is not a token of this tokenizer's vocabulary")
+        return token_id
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) < LONG_TEXT:
             ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
