@@ -30,7 +30,8 @@ def embed_params(req: EmbeddingRequest, served: ServedModel) -> pb.PoolingParams
 
 def check_dimensions(dimensions: int | None, served: ServedModel) -> int:
     """The embedding size asked for, 0 for the full size; a 400 unless the model is Matryoshka and
-    allows that size."""
+    allows that size: one of its matryoshka_dimensions where it lists them (as vLLM checks), else
+    any up to the full size."""
     if dimensions is None:
         return 0
     spec = served.spec
@@ -38,10 +39,9 @@ def check_dimensions(dimensions: int | None, served: ServedModel) -> int:
         raise bad_request(f"The model `{served.name}` does not declare Matryoshka support (matryoshka_dimensions in "
                           "its config), so its embeddings cannot be shortened; remove `dimensions`.",
                           param="dimensions")
-    allowed = range(1, spec.embedding_size + 1) if spec.is_matryoshka else spec.matryoshka_dimensions
-    if dimensions not in allowed:
-        sizes = (f"1 to {spec.embedding_size}" if spec.is_matryoshka
-                 else ", ".join(map(str, spec.matryoshka_dimensions)))
+    listed = spec.matryoshka_dimensions
+    if dimensions not in (listed or range(1, spec.embedding_size + 1)):
+        sizes = ", ".join(map(str, listed)) if listed else f"1 to {spec.embedding_size}"
         raise bad_request(f"`dimensions` {dimensions} is not a size the model `{served.name}` allows; send one of "
                           f"{sizes}, or none for the full size.", param="dimensions")
     return dimensions
