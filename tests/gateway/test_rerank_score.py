@@ -216,3 +216,30 @@ async def test_admission_and_shutdown_cover_pooling(reranker, tokenizer, http):
         reply.release()
     finally:
         await runner.cleanup()
+
+
+async def test_cors_request_ids_and_the_body_limit_cover_the_pooling_routes(embedder, serve, http):
+    origin = "https://app.example.com"
+    url = await serve(api_key="k", allowed_origins=[origin])
+    auth = {"Authorization": "Bearer k", "Origin": origin, "X-Request-Id": "rag-1"}
+    for path, body in (("/v1/embeddings", {"input": "hi"}), ("/v2/rerank", {"query": "q", "documents": ["a"]}),
+                       ("/v1/score", {"text_1": "a", "text_2": "b"})):
+        async with http.options(url + path, headers={"Origin": origin, "Access-Control-Request-Method": "POST"}) as r:
+            assert r.status == 204
+        async with http.post(url + path, json=body, headers=auth) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == origin
+            assert r.headers["X-Request-Id"] == "rag-1"
+        async with http.post(url + path, json=body) as r:
+            assert r.status == 401
+    assert {m["x-request-id"] for m in embedder.metadata} == {"rag-1"}
+    async with http.post(url + "/v1/embeddings", json={"input": "x" * (5 << 20)}, headers=auth) as r:
+        assert r.status == 413 and (await r.json())["error"]["type"] == "invalid_request_error"
+
+
+async def test_log_requests_logs_each_pooling_request(reranker, serve, http, capsys):
+    url = await serve(log_requests=True)
+    async with http.post(url + "/rerank", json={"query": "q", "documents": ["a", "b"]}) as r:
+        assert r.status == 200
+    captured = capsys.readouterr()
+    line, = [line for line in (captured.out + captured.err).splitlines() if "request_finished" in line]
+    assert "endpoint=rerank" in line and "inputs=2" in line and "prompt_tokens=" in line
