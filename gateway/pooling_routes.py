@@ -14,7 +14,7 @@ from pagedserve.gateway.pooling import Pooling, PoolInput
 from pagedserve.gateway.pooling_inputs import (check_count, check_lengths, check_task, check_token_input, check_top_n,
                                                embed_params, encode_texts, pair_inputs, score_pairs, split_inputs,
                                                text_inputs, truncation)
-from pagedserve.gateway.pooling_outputs import cosine, encode_embedding, ranked
+from pagedserve.gateway.pooling_outputs import cosines, encode_embedding, ranked
 from pagedserve.gateway.pooling_schemas import (BilledUnits, Embedding, EmbeddingRequest, EmbeddingResponse,
                                                 EmbeddingUsage, MetaTokens, RerankMeta, RerankRequest,
                                                 RerankResponse, RerankResult, RerankUsage, RerankV2Response,
@@ -135,8 +135,9 @@ async def _scores(request: web.Request, served: ServedModel, endpoint: str, pair
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     inputs = await gateway.offload(size, text_inputs, gateway.tokenizer, texts, spec, param)
     vectors, tokens = await _pool(request, served, endpoint, inputs, pb.PoolingParams(task="embed"))
-    by_text = dict(zip(texts, vectors))
-    return [cosine(by_text[q], by_text[d]) for q, d in pairs], tokens
+    # A thousand documents of a large model are a million products: off the event loop.
+    scores = await gateway.offload(len(pairs) * len(vectors[0]), cosines, pairs, dict(zip(texts, vectors)))
+    return scores, tokens
 
 
 async def _pool(request: web.Request, served: ServedModel, endpoint: str, inputs: list[PoolInput],
