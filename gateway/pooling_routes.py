@@ -53,11 +53,13 @@ async def _embedding_inputs(request: web.Request, served: ServedModel, req: Embe
     given = split_inputs(req.input, gateway.max_client_batch_size)
     keep = truncation(req.truncate_prompt_tokens, spec.max_model_len)
     token_input = not isinstance(given[0], str)
+    # Characters or token ids: either takes long enough past OFFLOAD_SIZE to hold other requests up.
+    size = sum(map(len, given))
     if token_input:
-        prompts = check_token_input(given, spec.vocab_size, keep)
+        prompts = await gateway.offload(size, check_token_input, given, spec.vocab_size, keep)
     else:
-        prompts = await gateway.offload(sum(map(len, given)), encode_texts, gateway.tokenizer, given,
-                                        spec.default_prompt, req.add_special_tokens, keep)
+        prompts = await gateway.offload(size, encode_texts, gateway.tokenizer, given, spec.default_prompt,
+                                        req.add_special_tokens, keep)
     check_lengths(prompts, spec.max_model_len, token_input)
     return [PoolInput(p) for p in prompts]
 
