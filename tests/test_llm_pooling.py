@@ -185,3 +185,20 @@ def test_smollm2_embeddings_are_its_normalised_last_hidden_states():
     expected = torch.nn.functional.normalize(torch.stack(hidden), dim=-1).numpy()
     assert_close([o.outputs.embedding for o in outs], expected)
     assert all_blocks_free(llm)
+
+
+def test_task_and_flag_values_pick_the_runner_or_are_refused(tmp_path):
+    path = make_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    llm = LLM(str(path), task="embed")
+    assert llm.worker.runner_kind == "pooling" and llm.pooling.tasks == ["embed"]
+    with pytest.raises(ValueError, match="does not support the 'classify' task; it serves embed"):
+        llm.classify([{"prompt_token_ids": [5, 6]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="pooler_config='MEAN': must be a JSON object"):
+        LLM(str(path), pooler_config="MEAN")
+    with pytest.raises(ValueError, match="runner='embed': choose from auto, generate, pooling"):
+        LLM(str(path), runner="embed")
+    seq_cls = {"architectures": ["LlamaForSequenceClassification"]}
+    with pytest.raises(ValueError, match="unsupported architecture .'LlamaForSequenceClassification'."):
+        LLM(str(path), hf_overrides=seq_cls)
+    with pytest.raises(ValueError, match="has no classifier: a decoder classifies with"):
+        LLM(str(path), hf_overrides={**seq_cls, "classifier_from_token": ["yes"]})
