@@ -39,12 +39,12 @@ class ModelConfig:
     hf_config: dict = field(default_factory=dict)
 
 
-def load_model_config(model: str | Path) -> ModelConfig:
+def load_model_config(model: str | Path, hf_overrides: dict | None = None) -> ModelConfig:
     """Reads a GGUF file's metadata, or a Hugging Face model directory's `config.json` (and
-    `generation_config.json` when present)."""
+    `generation_config.json` when present), updated by `hf_overrides` (--hf-overrides)."""
     gguf_path = find_gguf(model)
     if gguf_path is not None:
-        return model_config_from_dict(read_gguf_config(gguf_path))
+        return model_config_from_dict(apply_hf_overrides(read_gguf_config(gguf_path), hf_overrides))
     model_dir = Path(model)
     path = model_dir / "config.json"
     if not path.is_file():
@@ -52,7 +52,18 @@ def load_model_config(model: str | Path) -> ModelConfig:
                                 "holding config.json, or a .gguf file")
     generation_path = model_dir / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
-    return model_config_from_dict(json.loads(path.read_text()), generation)
+    return model_config_from_dict(apply_hf_overrides(json.loads(path.read_text()), hf_overrides), generation)
+
+
+def apply_hf_overrides(config: dict, overrides: dict | None) -> dict:
+    """config.json updated by --hf-overrides. A decoder made a yes/no-token reranker (vLLM's
+    classifier_from_token, with a *ForSequenceClassification architecture) runs as its causal LM,
+    whose lm_head rows the pooler's classifier is built from (executor_svc/pooler.py)."""
+    config = {**config, **(overrides or {})}
+    if config.get("classifier_from_token"):
+        config["architectures"] = [name.replace("ForSequenceClassification", "ForCausalLM")
+                                   for name in config.get("architectures") or []]
+    return config
 
 
 def model_config_from_dict(config: dict, generation_config: dict | None = None) -> ModelConfig:

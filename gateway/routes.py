@@ -1,23 +1,22 @@
 """HTTP handlers of the OpenAI routes: /v1/models, /v1/completions and /v1/chat/completions."""
 import asyncio
 import dataclasses
-import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, suppress
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import msgspec
 from aiohttp import web
 
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.gateway import params, reasoning
+from pagedserve.gateway.admission import admitted, check_runner, counts_rejections
 from pagedserve.gateway.chat_output import ChatOutputOptions
 from pagedserve.gateway.chat_prompt import chat_prompt
-from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found, overloaded, request_timeout
+from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found, request_timeout
 from pagedserve.gateway.generation import Choice, ChoiceEvent, Generation, fan_out
 from pagedserve.gateway.logprobs import TokenLogprob
-from pagedserve.gateway.metrics import rejection_reason
 from pagedserve.gateway.request_id import current_request_id
 from pagedserve.gateway.responses import ChatResponses, CompletionResponses, PromptLogprobs, ResponseBuilder
 from pagedserve.gateway.schemas import (ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields,
@@ -31,7 +30,6 @@ from pagedserve.common.tokenizer import Tokenizer
 
 log = get_logger(__name__)
 _encoder = msgspec.json.Encoder()
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def json_response(body: msgspec.Struct) -> web.Response:
@@ -68,46 +66,14 @@ async def get_model(request: web.Request) -> web.Response:
     return json_response(_card(gateway, served))
 
 
-def _counts_rejections(handler: Handler) -> Handler:
-    """Counts what a generation route refuses before generating, as request_rejected{reason}."""
-    @functools.wraps(handler)
-    async def counted(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except (APIError, web.HTTPException) as e:
-            reason = rejection_reason(e.status, e.info.code if isinstance(e, APIError) else None)
-            if reason is not None:
-                # Until the scheduler has answered once, the model name (the label) is unknown.
-                with suppress(APIError):
-                    (await request.app[GATEWAY].model()).metrics.request_rejected[reason].inc()
-            raise
-    return counted
-
-
-def _admitted(handler: Handler) -> Handler:
-    """Answers 503 server_overloaded while --max-concurrent-requests generation requests are in flight."""
-    @functools.wraps(handler)
-    async def admitted(request: web.Request) -> web.StreamResponse:
-        gateway = request.app[GATEWAY]
-        limit = gateway.max_concurrent_requests
-        if limit is not None and gateway.generating >= limit:
-            raise overloaded(f"This server already serves {limit} requests, its limit "
-                             "(--max-concurrent-requests); retry shortly.")
-        gateway.generating += 1
-        try:
-            return await handler(request)
-        finally:
-            gateway.generating -= 1
-    return admitted
-
-
-@_counts_rejections
-@_admitted
+@counts_rejections
+@admitted
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, ChatCompletionRequest)
     gateway = request.app[GATEWAY]
     served = await gateway.model()
     model = params.resolve_model(served.resolve(req.model), served.name)
+    check_runner(served, "generate", "/v1/chat/completions")
     params.check_chat_options(req)
     params.check_fan_out(1, req.n, gateway.max_client_batch_size)
     options = ChatOutputOptions(reasoning=gateway.reasoning_parser is not None)
@@ -163,13 +129,14 @@ async def _checked(gateway: Gateway,
     return await gateway.in_pool(checked, constraint, param)
 
 
-@_counts_rejections
-@_admitted
+@counts_rejections
+@admitted
 async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, CompletionRequest)
     gateway = request.app[GATEWAY]
     served = await gateway.model()
     model = params.resolve_model(served.resolve(req.model), served.name)
+    check_runner(served, "generate", "/v1/completions")
     params.check_completion_options(req)
     given = params.split_prompts(req.prompt)
     params.check_fan_out(len(given), req.n, gateway.max_client_batch_size)
