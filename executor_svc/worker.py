@@ -104,7 +104,8 @@ class Worker:
         self.pooling = pooling_info(self.model_config, pooler_config)
         encoder = self.model_config.architecture in ENCODERS
         pooler = build_pooler(self.model, self.model_config, pooler_config, config.model)
-        self.runner = PoolingRunner(self.model, pooler, self.block_size, self.device, encoder)
+        self.runner = PoolingRunner(self.model, pooler, self.block_size, self.device, encoder,
+                                    self.model_config.hf_config.get("type_vocab_size", 1))
         self.num_blocks = config.num_gpu_blocks_override or (
             MAX_STEPS_IN_FLIGHT * (-(-config.max_num_batched_tokens // self.block_size) + config.max_num_seqs) + 1)
         if not encoder:
