@@ -38,7 +38,8 @@ SPLIT_WARM_UP_TOKENS = 64
 class Worker:
     """Serves step plans on one device: what the executor server and the offline LLM hold.
     `offline`: the batch limits a config leaves unset take vLLM's defaults for its LLM class
-    rather than for its API server.
+    rather than for its API server. With --runner pooling (executor_svc/pooling_model.py picks it)
+    its runner is a PoolingRunner, which computes whole prompts into pooled data and samples nothing.
 
     With --tensor-parallel-size N, rank 0's worker starts ranks 1..N-1 (`ranks`), whose workers
     repeat its launch, collect and reset calls (executor_svc/tp_worker.py); `rank` is this one's."""
