@@ -1,7 +1,7 @@
 """The aiohttp application: routes and middlewares."""
 from aiohttp import web
 
-from pagedserve.gateway import ops_routes, routes, tokenize_routes
+from pagedserve.gateway import anthropic_api, ollama_api, ops_routes, routes, tokenize_routes
 from pagedserve.gateway.auth import auth_middleware
 from pagedserve.gateway.cors import CORS
 from pagedserve.gateway.engine_pool import EnginePool
@@ -67,7 +67,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
                       trust_request_chat_template=trust_request_chat_template,
                       max_concurrent_requests=max_concurrent_requests,
                       prompt_tokens_details=prompt_tokens_details)
-    middlewares = [request_id_middleware, error_middleware, gateway.drain.middleware]
+    errors = error_middleware({"/v1/messages": anthropic_api.encode_error, "/api/": ollama_api.encode_error})
+    middlewares = [request_id_middleware, errors, gateway.drain.middleware]
     if allowed_hosts is not None:
         middlewares.insert(2, host_middleware(allowed_hosts))
     cors = CORS(allowed_origins) if allowed_origins else None

@@ -1,6 +1,8 @@
 """tool_choice: how a chat request's tools are used. `none` renders them and parses nothing;
 `auto` parses what the model writes with the server's --tool-call-parser; `required` and a named
 function are forced through structured outputs (vLLM's schemas), so the call is always valid."""
+import json
+
 from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.gateway import tool_parsers
 from pagedserve.gateway.chat_output import ChatOutputOptions
@@ -57,3 +59,13 @@ def required_schema(tools: list[Tool], parallel: bool) -> dict:
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def arguments_object(arguments: str) -> dict:
+    """A call's arguments (JSON text) as the object that Anthropic's tool_use and Ollama's tool_calls
+    hold; {} for arguments that are no object, as when max_tokens cut them short."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -126,3 +126,10 @@ def test_flags(monkeypatch):
     assert args.allowed_origins == ["https://a.example", "https://b.example"]
     assert parse_list('["*"]') == ["*"]
     assert api_key(parser.parse_args(["--api-key", "k", "--protect-metrics"])) == "k"
+
+
+async def test_the_key_as_x_api_key_as_anthropic_clients_send_it(serve, http):
+    url = await serve(api_key=KEY)
+    assert await _status(http, "GET", f"{url}/v1/models", **{"x-api-key": KEY}) == 200
+    for wrong in ("", "wrong", f"Bearer {KEY}", KEY + "x"):
+        assert await _status(http, "GET", f"{url}/v1/models", **{"x-api-key": wrong}) == 401

@@ -1,0 +1,106 @@
+"""The neutral output events as Ollama's replies: /api/chat's message pieces or /api/generate's
+response pieces, one NDJSON line each, then a `done` line with the reason, durations and token
+counts; or all of it in one object when not streamed. Ollama sends a tool call whole, its arguments
+an object, so a call goes out once the next one starts or the output ends."""
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from msgspec import UNSET, Struct
+
+from pagedserve.gateway.ollama_schemas import ChatChunk, FunctionCall, GenerateChunk, MessageOut, ToolCall
+from pagedserve.gateway.output_events import Event, Finish, Outcome, ReasoningDelta, TextDelta, ToolCallDelta, UsageEvent
+from pagedserve.gateway.schemas import Usage
+from pagedserve.gateway.tools import arguments_object
+
+
+def done_reason(finish: Finish) -> str:
+    """"length" when max_tokens (num_predict) ended it, else "stop", tool calls included (as Ollama)."""
+    return "length" if finish.reason == "length" else "stop"
+
+
+def created_at() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(slots=True)
+class Clock:
+    """When the request arrived and when its first output came, in perf_counter nanoseconds."""
+    start: int = field(default_factory=time.perf_counter_ns)
+    first: int | None = None
+
+    def mark(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter_ns()
+
+    def stats(self, usage: Usage) -> dict[str, int]:
+        """The done line's durations (nothing loads here: the model is always in memory) and counts."""
+        now = time.perf_counter_ns()
+        first = now if self.first is None else self.first
+        return dict(total_duration=now - self.start, load_duration=0, prompt_eval_count=usage.prompt_tokens,
+                    prompt_eval_duration=first - self.start, eval_count=usage.completion_tokens,
+                    eval_duration=now - first)
+
+
+class Replies:
+    """One request's reply lines, /api/chat's (`chat`) or /api/generate's, from the neutral events in
+    order."""
+
+    def __init__(self, model: str, chat: bool, clock: Clock) -> None:
+        self._model = model
+        self._chat = chat
+        self._clock = clock
+        # The tool calls begun and not yet sent: [name, arguments so far].
+        self._calls: list[list[str]] = []
+        self._finish: Finish | None = None
+
+    def line(self, content: str = "", thinking: str | None = None, calls: list[ToolCall] | None = None,
+             **end) -> Struct:
+        """One reply line; `end` holds the done line's fields."""
+        done = bool(end)
+        if self._chat:
+            message = MessageOut("assistant", content, thinking or UNSET, calls or UNSET)
+            return ChatChunk(model=self._model, created_at=created_at(), done=done, message=message, **end)
+        return GenerateChunk(model=self._model, created_at=created_at(), done=done, response=content,
+                             thinking=thinking or UNSET, **end)
+
+    def lines(self, event: Event) -> list[Struct]:
+        """The lines that carry one neutral event."""
+        if isinstance(event, (TextDelta, ReasoningDelta)) and event.text:
+            self._clock.mark()
+            if isinstance(event, TextDelta):
+                return [self.line(event.text)]
+            return [self.line(thinking=event.text)]
+        if isinstance(event, ToolCallDelta):
+            self._clock.mark()
+            return self._call(event)
+        if isinstance(event, Finish):
+            self._finish = event
+            return self._sent_calls()
+        if isinstance(event, UsageEvent):
+            return [self.line(**self._end(self._finish, event.usage))]
+        return []
+
+    def _call(self, event: ToolCallDelta) -> list[Struct]:
+        if event.id is None:
+            self._calls[-1][1] += event.arguments_fragment
+            return []
+        sent = self._sent_calls()
+        self._calls.append([event.name, event.arguments_fragment])
+        return sent
+
+    def _sent_calls(self) -> list[Struct]:
+        if not self._calls:
+            return []
+        calls = [ToolCall(FunctionCall(name, arguments_object(arguments))) for name, arguments in self._calls]
+        self._calls = []
+        return [self.line(calls=calls)]
+
+    def whole(self, outcome: Outcome, usage: Usage) -> Struct:
+        """The one object of a reply that is not streamed."""
+        calls = [ToolCall(FunctionCall(c.function.name, arguments_object(c.function.arguments)))
+                 for c in outcome.tool_calls]
+        return self.line(outcome.content or "", outcome.reasoning, calls, **self._end(outcome.finish, usage))
+
+    def _end(self, finish: Finish, usage: Usage) -> dict:
+        return dict(done_reason=done_reason(finish), **self._clock.stats(usage))
