@@ -7,17 +7,16 @@ from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.gateway import tool_parsers
 from pagedserve.gateway.chat_output import ChatOutputOptions
 from pagedserve.gateway.errors import bad_request
-from pagedserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, Tool
+from pagedserve.gateway.schemas import NamedToolChoice, Tool
 
 _ANY_OBJECT = {"type": "object"}
 
 
-def tool_options(req: ChatCompletionRequest, tool_parser: str | None,
-                 options: ChatOutputOptions) -> StructuredOutputsParams | None:
+def tool_options(tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool | None,
+                 tool_parser: str | None, options: ChatOutputOptions) -> StructuredOutputsParams | None:
     """Sets `options`' tool scan for the request's tool_choice; returns the constraint that
     forces the calls, if any. A 400 for a choice the request or the server cannot honour."""
-    choice = req.tool_choice
-    if not req.tools:
+    if not tools:
         if choice is not None and choice != "none":
             raise bad_request("`tool_choice` needs `tools`; add the tools or remove `tool_choice`.",
                               param="tool_choice")
@@ -33,11 +32,11 @@ def tool_options(req: ChatCompletionRequest, tool_parser: str | None,
         options.tools, options.finish_with_calls = tool_parsers.parser(tool_parser), True
         return None
     if isinstance(choice, NamedToolChoice):
-        tool = _named(req.tools, choice.function.name)
+        tool = _named(tools, choice.function.name)
         options.tools = tool_parsers.named(tool.function.name)
         return StructuredOutputsParams(json=tool.function.parameters or _ANY_OBJECT)
     options.tools, options.finish_with_calls = tool_parsers.required, True
-    return StructuredOutputsParams(json=required_schema(req.tools, req.parallel_tool_calls is not False))
+    return StructuredOutputsParams(json=required_schema(tools, parallel is not False))
 
 
 def _named(tools: list[Tool], name: str) -> Tool:
