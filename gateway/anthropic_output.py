@@ -1,15 +1,22 @@
 """The neutral output events as an Anthropic message: content blocks (thinking, text, tool_use), the
-stop reason and usage, whole or as Anthropic's stream events. A stream opens one block at a time, in
-the order the model writes them, so its blocks add up to the whole message's."""
+stop reason and usage, whole or as Anthropic's stream events; and errors in Anthropic's shape."""
+from pagedserve.gateway import anthropic_schemas as wire
 from pagedserve.gateway.anthropic_schemas import (ContentBlockDelta, ContentBlockStart, ContentBlockStop, ContentOut,
-                                                  DeltaUsage, InputJsonDelta, Message, MessageDelta, MessageStart,
-                                                  MessageStop, Ping, StopDelta, StreamEvent, TextDelta, TextOut,
-                                                  ThinkingDelta, ThinkingOut, ToolUseOut, Usage)
-from pagedserve.gateway.output_events import Event, Finish, Outcome, ReasoningDelta, ToolCallDelta, UsageEvent
-from pagedserve.gateway.output_events import TextDelta as NeutralText
+                                                  DeltaUsage, ErrorBody, ErrorInfo, InputJsonDelta, Message,
+                                                  MessageDelta, MessageStart, MessageStop, Ping, StopDelta,
+                                                  StreamEvent, TextOut, ThinkingDelta, ThinkingOut, ToolUseOut, Usage)
+from pagedserve.gateway.errors import APIError
+from pagedserve.gateway.output_events import (Collected, Event, Finish, Outcome, ReasoningDelta, Step, TextDelta,
+                                              ToolCallDelta)
 from pagedserve.gateway.schemas import ToolCall
 from pagedserve.gateway.tools import arguments_object
 from pagedserve.gateway.schemas import Usage as NeutralUsage
+
+
+# Anthropic's error type for each status; 529 is its "overloaded", which this server sends as 503.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", 529: "overloaded_error"}
 
 
 def stop(finish: Finish, called_tools: bool) -> tuple[str, str | None]:
@@ -44,25 +51,47 @@ def _tool_use(call: ToolCall) -> ToolUseOut:
     return ToolUseOut(call.id, call.function.name, arguments_object(call.function.arguments))
 
 
-class MessageStream:
-    """One response's stream events, from the neutral events in order: a block opens when the kind of
-    output changes (or a tool call starts) and closes before the next opens."""
+def error_body(error: APIError) -> ErrorBody:
+    """An error in Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
+    kind = _ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return ErrorBody(ErrorInfo(kind, error.info.message))
+
+
+class MessageWire:
+    """One response of /v1/messages (serving's Wire): whole, or as Anthropic's stream events. A stream
+    opens a content block when the kind of output changes (or a tool call starts) and closes it before
+    the next opens, so its blocks are the whole message's."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int) -> None:
-        self._start = Message(message_id, model, [], None, None, Usage(input_tokens, 0))
-        # The open block's index and kind ("text", "thinking", "tool_use"); blocks opened so far.
+        self.id = message_id
+        self._model = model
+        self._input_tokens = input_tokens
+        # The open block's kind ("text", "thinking", "tool_use"), and the blocks opened so far.
         self._open: str | None = None
         self._blocks = 0
         self._called = False
         self._finish: Finish | None = None
 
-    def opening(self) -> list[StreamEvent]:
-        return [MessageStart(self._start), Ping()]
+    def openings(self) -> list[StreamEvent]:
+        return [MessageStart(Message(self.id, self._model, [], None, None, Usage(self._input_tokens, 0))), Ping()]
 
-    def events(self, event: Event) -> list[StreamEvent]:
-        """The stream events that carry one neutral event."""
-        if isinstance(event, NeutralText) and event.text:
-            return self._into("text", TextOut("")) + [ContentBlockDelta(self._blocks - 1, TextDelta(event.text))]
+    def step(self, step: Step) -> list[StreamEvent]:
+        return [out for event in step.events for out in self._events(event)]
+
+    def closing(self, neutral: NeutralUsage) -> list[StreamEvent]:
+        reason, sequence = stop(self._finish, self._called)
+        return [MessageDelta(StopDelta(reason, sequence), DeltaUsage(neutral.completion_tokens, neutral.prompt_tokens)),
+                MessageStop()]
+
+    def error(self, error: APIError) -> ErrorBody:
+        return error_body(error)
+
+    def body(self, collected: Collected) -> Message:
+        return message(self.id, self._model, collected.outcomes[0], collected.usage)
+
+    def _events(self, event: Event) -> list[StreamEvent]:
+        if isinstance(event, TextDelta) and event.text:
+            return self._into("text", TextOut("")) + [ContentBlockDelta(self._blocks - 1, wire.TextDelta(event.text))]
         if isinstance(event, ReasoningDelta) and event.text:
             return (self._into("thinking", ThinkingOut(""))
                     + [ContentBlockDelta(self._blocks - 1, ThinkingDelta(event.text))])
@@ -70,9 +99,8 @@ class MessageStream:
             return self._tool_call(event)
         if isinstance(event, Finish):
             self._finish = event
+            # A message holds one block at least, as the whole one does.
             return self._close() if self._blocks else [*self._into("text", TextOut("")), *self._close()]
-        if isinstance(event, UsageEvent):
-            return self._end(event.usage)
         return []
 
     def _tool_call(self, event: ToolCallDelta) -> list[StreamEvent]:
@@ -100,8 +128,3 @@ class MessageStream:
             return []
         self._open = None
         return [ContentBlockStop(self._blocks - 1)]
-
-    def _end(self, neutral: NeutralUsage) -> list[StreamEvent]:
-        reason, sequence = stop(self._finish, self._called)
-        return [MessageDelta(StopDelta(reason, sequence), DeltaUsage(neutral.completion_tokens, neutral.prompt_tokens)),
-                MessageStop()]

@@ -91,6 +91,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app.router.add_get("/v1/models/{model:.+}", routes.get_model)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_post("/v1/messages", anthropic_api.messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
     app.router.add_post("/tokenize", tokenize_routes.tokenize)
     app.router.add_post("/detokenize", tokenize_routes.detokenize)
     return app
