@@ -93,6 +93,12 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_post("/v1/messages", anthropic_api.messages)
     app.router.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
+    app.router.add_post("/api/chat", ollama_api.chat)
+    app.router.add_post("/api/generate", ollama_api.generate)
+    app.router.add_get("/api/tags", ollama_api.tags)
+    app.router.add_post("/api/show", ollama_api.show)
+    app.router.add_get("/api/ps", ollama_api.ps)
+    app.router.add_get("/api/version", ollama_api.version)
     app.router.add_post("/tokenize", tokenize_routes.tokenize)
     app.router.add_post("/detokenize", tokenize_routes.detokenize)
     return app

@@ -8,8 +8,9 @@ from datetime import datetime, timezone
 
 from msgspec import UNSET, Struct
 
-from pagedserve.gateway.ollama_schemas import ChatChunk, FunctionCall, GenerateChunk, MessageOut, ToolCall
-from pagedserve.gateway.output_events import Event, Finish, Outcome, ReasoningDelta, TextDelta, ToolCallDelta, UsageEvent
+from pagedserve.gateway.errors import APIError
+from pagedserve.gateway.ollama_schemas import ChatChunk, ErrorBody, FunctionCall, GenerateChunk, MessageOut, ToolCall
+from pagedserve.gateway.output_events import Collected, Event, Finish, ReasoningDelta, Step, TextDelta, ToolCallDelta
 from pagedserve.gateway.schemas import Usage
 from pagedserve.gateway.tools import arguments_object
 
@@ -34,19 +35,22 @@ class Clock:
             self.first = time.perf_counter_ns()
 
     def stats(self, usage: Usage) -> dict[str, int]:
-        """The done line's durations (nothing loads here: the model is always in memory) and counts."""
+        """The done line's durations (nothing loads here: the model is always in memory) and counts.
+        Unstreamed, the first output is not seen: all the time counts as eval_duration, which clients
+        divide eval_count by."""
         now = time.perf_counter_ns()
-        first = now if self.first is None else self.first
+        first = self.start if self.first is None else self.first
         return dict(total_duration=now - self.start, load_duration=0, prompt_eval_count=usage.prompt_tokens,
                     prompt_eval_duration=first - self.start, eval_count=usage.completion_tokens,
                     eval_duration=now - first)
 
 
 class Replies:
-    """One request's reply lines, /api/chat's (`chat`) or /api/generate's, from the neutral events in
-    order."""
+    """One request's reply (serving's Wire), /api/chat's (`chat`) or /api/generate's: whole, or as
+    NDJSON lines from the neutral events in order."""
 
-    def __init__(self, model: str, chat: bool, clock: Clock) -> None:
+    def __init__(self, reply_id: str, model: str, chat: bool, clock: Clock) -> None:
+        self.id = reply_id
         self._model = model
         self._chat = chat
         self._clock = clock
@@ -55,17 +59,34 @@ class Replies:
         self._finish: Finish | None = None
 
     def line(self, content: str = "", thinking: str | None = None, calls: list[ToolCall] | None = None,
-             **end) -> Struct:
-        """One reply line; `end` holds the done line's fields."""
-        done = bool(end)
+             end: dict | None = None) -> Struct:
+        """One reply line; `end` holds the last line's reason, durations and counts."""
+        end = end or {}
         if self._chat:
             message = MessageOut("assistant", content, thinking or UNSET, calls or UNSET)
-            return ChatChunk(model=self._model, created_at=created_at(), done=done, message=message, **end)
-        return GenerateChunk(model=self._model, created_at=created_at(), done=done, response=content,
+            return ChatChunk(model=self._model, created_at=created_at(), done=bool(end), message=message, **end)
+        return GenerateChunk(model=self._model, created_at=created_at(), done=bool(end), response=content,
                              thinking=thinking or UNSET, **end)
 
-    def lines(self, event: Event) -> list[Struct]:
-        """The lines that carry one neutral event."""
+    def openings(self) -> list[Struct]:
+        return []
+
+    def step(self, step: Step) -> list[Struct]:
+        return [line for event in step.events for line in self._lines(event)]
+
+    def closing(self, usage: Usage) -> list[Struct]:
+        return [self.line(end=self._end(self._finish, usage))]
+
+    def error(self, error: APIError) -> ErrorBody:
+        return ErrorBody(error.info.message)
+
+    def body(self, collected: Collected) -> Struct:
+        outcome = collected.outcomes[0]
+        calls = [ToolCall(FunctionCall(c.function.name, arguments_object(c.function.arguments)))
+                 for c in outcome.tool_calls]
+        return self.line(outcome.content or "", outcome.reasoning, calls, self._end(outcome.finish, collected.usage))
+
+    def _lines(self, event: Event) -> list[Struct]:
         if isinstance(event, (TextDelta, ReasoningDelta)) and event.text:
             self._clock.mark()
             if isinstance(event, TextDelta):
@@ -77,8 +98,6 @@ class Replies:
         if isinstance(event, Finish):
             self._finish = event
             return self._sent_calls()
-        if isinstance(event, UsageEvent):
-            return [self.line(**self._end(self._finish, event.usage))]
         return []
 
     def _call(self, event: ToolCallDelta) -> list[Struct]:
@@ -95,12 +114,6 @@ class Replies:
         calls = [ToolCall(FunctionCall(name, arguments_object(arguments))) for name, arguments in self._calls]
         self._calls = []
         return [self.line(calls=calls)]
-
-    def whole(self, outcome: Outcome, usage: Usage) -> Struct:
-        """The one object of a reply that is not streamed."""
-        calls = [ToolCall(FunctionCall(c.function.name, arguments_object(c.function.arguments)))
-                 for c in outcome.tool_calls]
-        return self.line(outcome.content or "", outcome.reasoning, calls, **self._end(outcome.finish, usage))
 
     def _end(self, finish: Finish, usage: Usage) -> dict:
         return dict(done_reason=done_reason(finish), **self._clock.stats(usage))

@@ -50,7 +50,7 @@ class MessageOut(Struct, omit_defaults=True):
 Format = Literal["", "json"] | dict
 
 
-class _Generation(Struct, kw_only=True):
+class GenerationFields(Struct, kw_only=True):
     model: Annotated[str, Meta(min_length=1)]
     format: Format | None = None
     options: Options | None = None
@@ -60,12 +60,12 @@ class _Generation(Struct, kw_only=True):
     keep_alive: str | float | None = None
 
 
-class ChatRequest(_Generation, kw_only=True):
+class ChatRequest(GenerationFields, kw_only=True):
     messages: Annotated[list[Message], Meta(max_length=MAX_MESSAGES)] = []
     tools: list[Tool] | None = None
 
 
-class GenerateRequest(_Generation, kw_only=True):
+class GenerateRequest(GenerationFields, kw_only=True):
     prompt: str = ""
     suffix: str | None = None
     system: str | None = None

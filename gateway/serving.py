@@ -54,10 +54,11 @@ def json_response(body: msgspec.Struct, status: int = 200) -> web.Response:
     return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
 
 
-async def read_json(request: web.Request, kind: type[msgspec.Struct]) -> msgspec.Struct:
-    """The body decoded into `kind`; a 400 for the wrong Content-Type or a body that does not fit,
-    a 408 for a body slower than --body-read-timeout."""
-    if request.content_type != "application/json":
+async def read_json(request: web.Request, kind: type[msgspec.Struct], any_type: bool = False) -> msgspec.Struct:
+    """The body decoded into `kind`; a 400 for the wrong Content-Type (unless `any_type`: Ollama reads
+    any body as JSON, and `curl -d` sends a form's type) or a body that does not fit, a 408 for a body
+    slower than --body-read-timeout."""
+    if not any_type and request.content_type != "application/json":
         raise bad_request(f"Content-Type must be application/json, not '{request.content_type}'.")
     timeout = request.app[GATEWAY].body_read_timeout
     try:
