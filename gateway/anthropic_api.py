@@ -42,7 +42,8 @@ def neutral(req: MessagesRequest) -> NeutralRequest:
     return NeutralRequest(sampling, messages=translate.chat_messages(req), tools=translate.chat_tools(req.tools),
                           tool_choice=translate.chat_tool_choice(req.tool_choice),
                           parallel_tool_calls=translate.parallel_tool_calls(req.tool_choice),
-                          max_tokens=req.max_tokens, chat_template_kwargs=translate.template_kwargs(req.thinking))
+                          constraint=translate.constraint(req.output_config), max_tokens=req.max_tokens,
+                          chat_template_kwargs=translate.template_kwargs(req.thinking, req.output_config))
 
 
 @generation_route
@@ -60,5 +61,6 @@ async def count_tokens(request: web.Request) -> web.Response:
     served = await gateway.model()
     params.resolve_model(served.resolve(req.model), served.name)
     chat = params.chat_input(translate.chat_messages(req), translate.chat_tools(req.tools),
-                             translate.template_kwargs(req.thinking), None, gateway.trust_request_chat_template)
+                             translate.template_kwargs(req.thinking, req.output_config), None,
+                             gateway.trust_request_chat_template)
     return json_response(CountTokensResponse(len(await chat_prompt(gateway, chat, add_generation_prompt=True))))

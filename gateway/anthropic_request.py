@@ -1,7 +1,9 @@
 """An Anthropic Messages request in chat's terms: system and content blocks as chat messages, tools
-with input_schema as functions, tool_choice, thinking as the template's enable_thinking."""
+with input_schema as functions, tool_choice, thinking as the template's enable_thinking, and
+output_config's JSON schema as the output's constraint."""
+from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.gateway.anthropic_schemas import (CountTokensRequest, DocumentBlock, ImageBlock, InputBlock,
-                                                  MessageParam, RedactedThinkingBlock, TextBlock, ThinkingBlock,
+                                                  MessageParam, OutputConfig, RedactedThinkingBlock, TextBlock, ThinkingBlock,
                                                   ThinkingConfig, ToolChoice, ToolChoiceAny, ToolChoiceNone,
                                                   ToolChoiceTool, ToolParam, ToolResultBlock, ToolUseBlock)
 from pagedserve.gateway.errors import bad_request
@@ -99,6 +101,17 @@ def parallel_tool_calls(choice: ToolChoice | None) -> bool | None:
     return None if choice is None or choice.disable_parallel_tool_use is None else not choice.disable_parallel_tool_use
 
 
-def template_kwargs(thinking: ThinkingConfig | None) -> dict | None:
-    """`thinking` as the enable_thinking variable that reasoning models' templates read."""
-    return None if thinking is None else {"enable_thinking": thinking.type != "disabled"}
+def template_kwargs(thinking: ThinkingConfig | None, output: OutputConfig | None) -> dict | None:
+    """`thinking` as the enable_thinking variable that reasoning models' templates read, and
+    output_config's effort as reasoning_effort (gpt-oss's templates read it)."""
+    kwargs = {} if thinking is None else {"enable_thinking": thinking.type != "disabled"}
+    if output is not None and output.effort is not None:
+        kwargs["reasoning_effort"] = output.effort
+    return kwargs or None
+
+
+def constraint(output: OutputConfig | None) -> tuple[str, StructuredOutputsParams] | None:
+    """output_config.format's JSON schema as the output's constraint, and its field."""
+    if output is None or output.format is None:
+        return None
+    return "output_config.format", StructuredOutputsParams(json=output.format.schema)

@@ -88,8 +88,18 @@ ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
 
 
 class ThinkingConfig(Struct, kw_only=True):
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = None
+
+
+class JsonOutputFormat(Struct, kw_only=True):
+    type: Literal["json_schema"]
+    schema: dict
+
+
+class OutputConfig(Struct, kw_only=True):
+    effort: str | None = None
+    format: JsonOutputFormat | None = None
 
 
 class CountTokensRequest(Struct, kw_only=True):
@@ -100,10 +110,12 @@ class CountTokensRequest(Struct, kw_only=True):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)]
+    # Anthropic's SDK no longer sends the sampling fields; older clients (and LangChain) do.
     stop_sequences: Annotated[list[str], Meta(max_length=16)] | None = None
     stream: bool = False
     temperature: Annotated[float, Meta(ge=0, le=1)] | None = None

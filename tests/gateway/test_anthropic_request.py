@@ -57,11 +57,22 @@ def test_tools_and_each_tool_choice():
     assert ar.parallel_tool_calls(None) is None
 
 
-def test_thinking_reaches_the_template_as_enable_thinking():
-    assert ar.template_kwargs(body(thinking={"type": "enabled", "budget_tokens": 1024}).thinking) == {
-        "enable_thinking": True}
-    assert ar.template_kwargs(body(thinking={"type": "disabled"}).thinking) == {"enable_thinking": False}
-    assert ar.template_kwargs(None) is None
+def test_thinking_and_effort_reach_the_template():
+    enabled = body(thinking={"type": "enabled", "budget_tokens": 1024})
+    assert ar.template_kwargs(enabled.thinking, None) == {"enable_thinking": True}
+    adaptive = body(thinking={"type": "adaptive"}, output_config={"effort": "low"})
+    assert ar.template_kwargs(adaptive.thinking, adaptive.output_config) == {"enable_thinking": True,
+                                                                             "reasoning_effort": "low"}
+    assert ar.template_kwargs(body(thinking={"type": "disabled"}).thinking, None) == {"enable_thinking": False}
+    assert ar.template_kwargs(None, None) is None
+
+
+def test_output_config_format_is_the_constraint():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    param, constraint = ar.constraint(body(output_config={"format": {"type": "json_schema", "schema": schema}})
+                                      .output_config)
+    assert param == "output_config.format" and constraint.json == schema
+    assert ar.constraint(body(output_config={"effort": "high"}).output_config) is None
 
 
 @pytest.mark.parametrize("fields, param", [
