@@ -30,6 +30,16 @@ async def _cleanup(app: web.Application) -> None:
     gateway.pool.shutdown(wait=False, cancel_futures=True)
 
 
+@web.middleware
+async def _count_requests(request: web.Request, handler) -> web.StreamResponse:
+    """Counts each answered request by its route (every unknown path as one), method and status class."""
+    response = await handler(request)
+    resource = request.match_info.route.resource
+    route = "unmatched" if resource is None else resource.canonical
+    request.app[GATEWAY].metrics.http_requests.labels(route, request.method, f"{response.status // 100}xx").inc()
+    return response
+
+
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
     # How `pagedserve serve` tells another pagedserve on its port from any other server.
     response.headers["Server"] = SERVER
@@ -72,9 +82,9 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
                       prompt_tokens_details=prompt_tokens_details,
                       responses=ResponseStore(responses_store_mb << 20, responses_store_ttl))
     errors = error_middleware({"/v1/messages": anthropic_api.encode_error, "/api/": ollama_api.encode_error})
-    middlewares = [request_id_middleware, errors, gateway.drain.middleware]
+    middlewares = [request_id_middleware, _count_requests, errors, gateway.drain.middleware]
     if allowed_hosts is not None:
-        middlewares.insert(2, host_middleware(allowed_hosts))
+        middlewares.insert(middlewares.index(errors) + 1, host_middleware(allowed_hosts))
     cors = CORS(allowed_origins) if allowed_origins else None
     if cors:
         middlewares.append(cors.preflight)

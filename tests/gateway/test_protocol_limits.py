@@ -10,6 +10,7 @@ import pytest
 
 from pagedserve.gateway.state import GATEWAY
 from tests.gateway.fake_engine import MODEL, serve_gateway
+from tests.gateway.test_metrics import scrape
 from tests.gateway.test_hostile_requests import ARGUMENT, TOOL_CALL
 
 USER = [{"role": "user", "content": "hi"}]
@@ -91,3 +92,20 @@ async def test_a_100k_character_tool_argument_streams_whole(http, serve, engine,
     started = time.monotonic()
     arguments = await _streamed_arguments(http, url, path, {"model": MODEL, **body(len(engine.reply))})
     assert json.loads(arguments) == {"text": ARGUMENT} and time.monotonic() - started < 5
+
+
+async def test_requests_are_counted_by_route(http, base_url):
+    for path, body, _ in ROUTES.values():
+        async with http.post(base_url + path, json=body(1)) as r:
+            assert r.status == 200
+    async with http.post(f"{base_url}/v1/messages", json={"model": MODEL}) as r:
+        assert r.status == 400
+    async with http.get(f"{base_url}/api/nowhere") as r:
+        assert r.status == 404
+    m = await scrape(http, base_url)
+
+    def count(handler: str, method: str, status: str) -> float:
+        return m[("pagedserve:http_requests_total", (("handler", handler), ("method", method), ("status", status)))]
+
+    assert [count(path, "POST", "2xx") for path, _, _ in ROUTES.values()] == [1, 1, 1]
+    assert count("/v1/messages", "POST", "4xx") == 1 and count("unmatched", "GET", "4xx") == 1
