@@ -6,6 +6,7 @@ import time
 
 import msgspec
 from aiohttp import web
+from msgspec import UNSET
 
 from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.gateway.errors import APIError, bad_request
@@ -224,7 +225,8 @@ def _in_progress(req: ResponsesRequest, model: str) -> Response:
                     metadata=req.metadata or {}, parallel_tool_calls=req.parallel_tool_calls is not False,
                     previous_response_id=req.previous_response_id, reasoning=req.reasoning,
                     store=req.store is not False, temperature=req.temperature, text=req.text or TextOptions(),
-                    tool_choice=req.tool_choice or "auto", tools=req.tools or [], top_p=req.top_p, user=req.user)
+                    tool_choice=req.tool_choice or "auto", tools=req.tools or [], top_p=req.top_p,
+                    user=UNSET if req.user is None else req.user)
 
 
 def _store(store: ResponseStore, req: ResponsesRequest, turn: list[ChatMessage], response: Response) -> None:

@@ -3,7 +3,7 @@ response object with its output items, and the stream's events (each tagged with
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from pagedserve.common.sampling_params import RANGES, OutOfRange, Range, check_ranges
 from pagedserve.gateway.errors import bad_request
@@ -150,6 +150,8 @@ OutputItem = OutputMessage | FunctionCall | Reasoning
 
 class InputTokensDetails(Struct):
     cached_tokens: int = 0
+    # Prompt-cache writes are billed apart at OpenAI; this server has no such thing.
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(Struct):
@@ -192,12 +194,13 @@ class Response(Struct, kw_only=True):
     tools: list[FunctionTool]
     top_p: float | None
     background: bool = False
-    usage: ResponseUsage | None = None
+    # Absent until the output is complete.
+    usage: ResponseUsage | UnsetType = UNSET
     error: ErrorDetails | None = None
     incomplete_details: IncompleteDetails | None = None
     completed_at: int | None = None
     truncation: str = "disabled"
-    user: str | None = None
+    user: str | UnsetType = UNSET
     object: str = "response"
 
 

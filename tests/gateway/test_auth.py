@@ -18,7 +18,7 @@ async def _routes() -> list[tuple[str, str]]:
     routes = []
     for route in app.router.routes():
         info = route.resource.get_info()
-        path = info.get("path") or info["formatter"].format_map({"model": "tiny-model"})
+        path = info.get("path") or info["formatter"].format_map({"model": "tiny-model", "response_id": "resp_x"})
         if route.method != "HEAD":
             routes.append((route.method, path))
     return routes
@@ -26,7 +26,7 @@ async def _routes() -> list[tuple[str, str]]:
 
 async def test_every_route_is_listed():
     paths = {path for _, path in await _routes()}
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/version"} <= paths
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/version"} <= paths
     assert OPEN <= paths
 
 
