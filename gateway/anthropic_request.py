@@ -3,9 +3,10 @@ with input_schema as functions, tool_choice, thinking as the template's enable_t
 output_config's JSON schema as the output's constraint."""
 from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.gateway.anthropic_schemas import (CountTokensRequest, DocumentBlock, ImageBlock, InputBlock,
-                                                  MessageParam, OutputConfig, RedactedThinkingBlock, TextBlock, ThinkingBlock,
-                                                  ThinkingConfig, ToolChoice, ToolChoiceAny, ToolChoiceNone,
-                                                  ToolChoiceTool, ToolParam, ToolResultBlock, ToolUseBlock)
+                                                  MessageParam, OutputConfig, RedactedThinkingBlock, TextBlock,
+                                                  ThinkingBlock, ThinkingConfig, ToolChoice, ToolChoiceAny,
+                                                  ToolChoiceNone, ToolChoiceTool, ToolParam, ToolResultBlock,
+                                                  ToolUseBlock)
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.schemas import (ChatMessage, FunctionCallIn, FunctionDefinition, NamedFunction,
                                         NamedToolChoice, Tool, ToolCallIn)

@@ -199,3 +199,14 @@ async def test_a_failure_mid_stream_is_an_error_event(http, base_url, engine):
     name, data = events[-1]
     assert name == "error" and data["type"] == "error" and data["error"]["type"] == "api_error"
     assert "/secret" not in data["error"]["message"]
+
+
+async def test_sampling_fields_and_output_config_reach_the_engine(base_url, engine):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    async with anthropic_client(base_url) as client:
+        await client.messages.create(model=MODEL, max_tokens=4, messages=MESSAGES, stop_sequences=["zzz"],
+                                     output_config={"format": {"type": "json_schema", "schema": schema}},
+                                     extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 20})
+    p = engine.requests[-1].params
+    assert (p.max_tokens, p.top_k) == (4, 20) and json.loads(p.structured_outputs.json) == schema
+    assert p.temperature == pytest.approx(0.5) and p.top_p == pytest.approx(0.9)

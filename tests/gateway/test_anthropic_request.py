@@ -53,7 +53,8 @@ def test_tools_and_each_tool_choice():
         assert ar.chat_tool_choice(body(tool_choice={"type": kind}).tool_choice) == chat
     named = ar.chat_tool_choice(body(tool_choice={"type": "tool", "name": "get_weather"}).tool_choice)
     assert isinstance(named, NamedToolChoice) and named.function.name == "get_weather"
-    assert ar.parallel_tool_calls(body(tool_choice={"type": "auto", "disable_parallel_tool_use": True}).tool_choice) is False
+    serial = body(tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert ar.parallel_tool_calls(serial.tool_choice) is False
     assert ar.parallel_tool_calls(None) is None
 
 
