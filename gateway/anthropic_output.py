@@ -71,6 +71,8 @@ class MessageWire:
         self._blocks = 0
         self._called = False
         self._finish: Finish | None = None
+        # Text of nothing but spaces, held until more text comes (see _text).
+        self._spaces = ""
 
     def openings(self) -> list[StreamEvent]:
         return [MessageStart(Message(self.id, self._model, [], None, None, Usage(self._input_tokens, 0))), Ping()]
@@ -91,17 +93,31 @@ class MessageWire:
 
     def _events(self, event: Event) -> list[StreamEvent]:
         if isinstance(event, TextDelta) and event.text:
-            return self._into("text", TextOut("")) + [ContentBlockDelta(self._blocks - 1, wire.TextDelta(event.text))]
+            return self._text(event.text)
         if isinstance(event, ReasoningDelta) and event.text:
             return (self._into("thinking", ThinkingOut(""))
                     + [ContentBlockDelta(self._blocks - 1, ThinkingDelta(event.text))])
         if isinstance(event, ToolCallDelta):
+            self._spaces = ""
             return self._tool_call(event)
         if isinstance(event, Finish):
             self._finish = event
+            if self._blocks:
+                return self._close()
             # A message holds one block at least, as the whole one does.
-            return self._close() if self._blocks else [*self._into("text", TextOut("")), *self._close()]
+            return [*self._into("text", TextOut("")), *self._text(self._spaces, final=True), *self._close()]
         return []
+
+    def _text(self, text: str, final: bool = False) -> list[StreamEvent]:
+        """Text opens a text block once it holds more than spaces: the whole message drops the spaces
+        a model writes before its tool calls."""
+        text, self._spaces = self._spaces + text, ""
+        if self._open != "text" and not text.strip() and not final:
+            self._spaces = text
+            return []
+        if not text:
+            return []
+        return self._into("text", TextOut("")) + [ContentBlockDelta(self._blocks - 1, wire.TextDelta(text))]
 
     def _tool_call(self, event: ToolCallDelta) -> list[StreamEvent]:
         opened = []

@@ -57,6 +57,9 @@ class Replies:
         # The tool calls begun and not yet sent: [name, arguments so far].
         self._calls: list[list[str]] = []
         self._finish: Finish | None = None
+        # Text of nothing but spaces, held until more text comes (see _text), and whether any went out.
+        self._spaces = ""
+        self._texted = False
 
     def line(self, content: str = "", thinking: str | None = None, calls: list[ToolCall] | None = None,
              end: dict | None = None) -> Struct:
@@ -90,15 +93,26 @@ class Replies:
         if isinstance(event, (TextDelta, ReasoningDelta)) and event.text:
             self._clock.mark()
             if isinstance(event, TextDelta):
-                return [self.line(event.text)]
+                return self._text(event.text)
             return [self.line(thinking=event.text)]
         if isinstance(event, ToolCallDelta):
             self._clock.mark()
+            self._spaces = ""
             return self._call(event)
         if isinstance(event, Finish):
             self._finish = event
-            return self._sent_calls()
+            return self._sent_calls() or self._text("", final=True)
         return []
+
+    def _text(self, text: str, final: bool = False) -> list[Struct]:
+        """Text goes out once it holds more than spaces: the whole reply drops the spaces a model
+        writes before its tool calls."""
+        text, self._spaces = self._spaces + text, ""
+        if not self._texted and not text.strip() and not final:
+            self._spaces = text
+            return []
+        self._texted = self._texted or bool(text)
+        return [self.line(text)] if text else []
 
     def _call(self, event: ToolCallDelta) -> list[Struct]:
         if event.id is None:
