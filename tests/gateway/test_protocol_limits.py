@@ -3,6 +3,7 @@ drain and a scheduler that sheds load answer 503 in each protocol's shape; a 100
 argument streams through each protocol whole and fast."""
 import asyncio
 import json
+import threading
 import time
 
 import grpc
@@ -11,11 +12,15 @@ import pytest
 from pagedserve.gateway.state import GATEWAY
 from tests.gateway.fake_engine import MODEL, serve_gateway
 from tests.gateway.test_metrics import scrape
-from tests.gateway.test_hostile_requests import ARGUMENT, TOOL_CALL
+from tests.gateway.test_hostile_requests import ARGUMENT, TOOL_CALL, poll_health
+from tests.gateway.test_server import gateway_process
 
 USER = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 # Each generation route's path, a body that streams `n` tokens, and how its 503 reads.
+# Whether an error body has each protocol's shape.
+SHAPED = {"/v1/messages": lambda e: e["type"] == "error" and set(e["error"]) == {"type", "message"},
+          "/api/chat": lambda e: list(e) == ["error"], "/api/generate": lambda e: list(e) == ["error"]}
 ROUTES = {
     "messages": ("/v1/messages", lambda n: {"model": MODEL, "max_tokens": n, "stream": True, "messages": USER},
                  lambda body: body["type"] == "error" and body["error"]["type"] == "overloaded_error"),
@@ -69,29 +74,64 @@ async def test_while_draining_new_requests_get_a_503_in_the_protocols_shape(http
         await runner.cleanup()
 
 
-async def _streamed_arguments(http, url: str, path: str, body: dict) -> str:
+async def _streamed_arguments(http, url: str, path: str, body: dict) -> tuple[str, float]:
+    """The tool call's arguments a stream carries, and the seconds it took."""
+    started = time.monotonic()
     async with http.post(url + path, json=body) as r:
         assert r.status == 200
         text = await r.text()
     if path == "/api/chat":
         calls = [c for line in text.splitlines() for c in json.loads(line)["message"].get("tool_calls", ())]
-        return json.dumps(calls[0]["function"]["arguments"])
+        return json.dumps(calls[0]["function"]["arguments"]), time.monotonic() - started
     events = [json.loads(frame.split("\ndata: ")[1]) for frame in text.split("\n\n")[:-1]]
-    return "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta")
+    arguments = "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta")
+    return arguments, time.monotonic() - started
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/messages", lambda n: {"max_tokens": n, "stream": True, "messages": USER,
-                                "tools": [{"name": "f", "input_schema": {"type": "object"}}]}),
-    ("/api/chat", lambda n: {"messages": USER, "tools": TOOLS, "options": {"num_predict": n}}),
-])
-async def test_a_100k_character_tool_argument_streams_whole(http, serve, engine, tokenizer, path, body):
-    url = await serve(tool_parser="hermes")
+async def _refused(http, url: str, path: str, body: bytes) -> tuple[int, dict]:
+    async with http.post(url + path, data=body, headers={"Content-Type": "application/json"}) as r:
+        return r.status, await r.json()
+
+
+def _hostile(model: str) -> list[tuple[str, dict]]:
+    """test_hostile_requests' inputs that these protocols can carry: a 1 MB stop string, a 4 MB schema."""
+    schema = {"type": "object", "description": "x" * 4_000_000}
+    return [("/v1/messages", {"model": model, "max_tokens": 4, "messages": USER, "stop_sequences": ["x" * 1_000_000]}),
+            ("/v1/messages", {"model": model, "max_tokens": 4, "messages": USER,
+                              "output_config": {"format": {"type": "json_schema", "schema": schema}}}),
+            ("/api/chat", {"model": model, "messages": USER, "options": {"stop": ["x" * 1_000_000]}}),
+            ("/api/generate", {"model": model, "prompt": "hi", "format": schema})]
+
+
+def _tool_streams(model: str, tokens: int) -> dict[str, dict]:
+    """A streamed request on each protocol that the tool parser reads a call from."""
+    return {"/v1/messages": {"model": model, "max_tokens": tokens, "stream": True, "messages": USER,
+                             "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+            "/api/chat": {"model": model, "messages": USER, "tools": TOOLS, "options": {"num_predict": tokens}}}
+
+
+async def test_hostile_requests_are_refused_or_bounded_while_health_answers(http, engine, tokenizer, tokenizer_dir):
+    """test_hostile_requests on these protocols, in a gateway process: each refused with a 400 in its
+    protocol's shape, a 100k-character tool argument streamed whole, /health answering throughout."""
     engine.reply = tokenizer.encode(TOOL_CALL, add_special_tokens=False) + [engine.eos]
     engine.tokens_per_reply, engine.max_model_len = 128, 200_000
-    started = time.monotonic()
-    arguments = await _streamed_arguments(http, url, path, {"model": MODEL, **body(len(engine.reply))})
-    assert json.loads(arguments) == {"text": ARGUMENT} and time.monotonic() - started < 5
+    # Encoded up front: this process's event loop also serves the fake engine.
+    bodies = [(path, json.dumps(body).encode()) for path, body in _hostile("served")]
+    waits, done = [], threading.Event()
+    async with gateway_process(http, engine, tokenizer_dir, "--enable-auto-tool-choice",
+                               "--tool-call-parser", "hermes") as (url, _):
+        polling = asyncio.get_running_loop().run_in_executor(None, poll_health, url, done, waits)
+        streams = _tool_streams("served", len(engine.reply)).items()
+        results = await asyncio.gather(*(_refused(http, url, path, body) for path, body in bodies),
+                                       *(_streamed_arguments(http, url, path, body) for path, body in streams))
+        done.set()
+        await polling
+    for (path, _), (status, error) in zip(bodies, results):
+        assert status == 400 and SHAPED[path](error), (path, error)
+    for arguments, seconds in results[len(bodies):]:
+        assert json.loads(arguments) == {"text": ARGUMENT} and seconds < 5
+    # The bar and its margin are test_hostile_requests'.
+    assert len(waits) > 20 and max(waits) < 0.1, f"slowest /health: {max(waits) * 1000:.0f} ms"
 
 
 async def test_requests_are_counted_by_route(http, base_url):
