@@ -1,6 +1,6 @@
 """The limits chat has, on /v1/messages and the Ollama routes: --max-concurrent-requests, the shutdown
-drain and a scheduler that sheds load answer 503 in each protocol's shape; a 100k-character tool
-argument streams through each protocol whole and fast."""
+drain and a scheduler that sheds load answer 503 in each protocol's shape; test_hostile_requests'
+inputs are refused or bounded while /health answers; requests are counted by route."""
 import asyncio
 import json
 import threading
