@@ -54,8 +54,8 @@ class Replies:
         self._model = model
         self._chat = chat
         self._clock = clock
-        # The tool calls begun and not yet sent: [name, arguments so far].
-        self._calls: list[list[str]] = []
+        # The tool calls begun and not yet sent: their names and argument fragments so far.
+        self._calls: list[tuple[str, list[str]]] = []
         self._finish: Finish | None = None
         # Text of nothing but spaces, held until more text comes (see _text), and whether any went out.
         self._spaces = ""
@@ -116,16 +116,16 @@ class Replies:
 
     def _call(self, event: ToolCallDelta) -> list[Struct]:
         if event.id is None:
-            self._calls[-1][1] += event.arguments_fragment
+            self._calls[-1][1].append(event.arguments_fragment)
             return []
         sent = self._sent_calls()
-        self._calls.append([event.name, event.arguments_fragment])
+        self._calls.append((event.name, [event.arguments_fragment]))
         return sent
 
     def _sent_calls(self) -> list[Struct]:
         if not self._calls:
             return []
-        calls = [ToolCall(FunctionCall(name, arguments_object(arguments))) for name, arguments in self._calls]
+        calls = [ToolCall(FunctionCall(name, arguments_object("".join(parts)))) for name, parts in self._calls]
         self._calls = []
         return [self.line(calls=calls)]
 
