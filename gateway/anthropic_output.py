@@ -9,8 +9,8 @@ from pagedserve.gateway.errors import APIError
 from pagedserve.gateway.output_events import (Collected, Event, Finish, Outcome, ReasoningDelta, Step, TextDelta,
                                               ToolCallDelta)
 from pagedserve.gateway.schemas import ToolCall
-from pagedserve.gateway.tools import arguments_object
 from pagedserve.gateway.schemas import Usage as NeutralUsage
+from pagedserve.gateway.tools import arguments_object
 
 
 # Anthropic's error type for each status; 529 is its "overloaded", which this server sends as 503.

@@ -4,7 +4,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from pagedserve.gateway.schemas import MAX_MESSAGES
+from pagedserve.gateway.schemas import MAX_MESSAGES, MAX_STOP_STRINGS
 
 
 class _Block(Struct, tag_field="type", kw_only=True):
@@ -116,7 +116,7 @@ class CountTokensRequest(Struct, kw_only=True):
 class MessagesRequest(CountTokensRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)]
     # Anthropic's SDK no longer sends the sampling fields; older clients (and LangChain) do.
-    stop_sequences: Annotated[list[str], Meta(max_length=16)] | None = None
+    stop_sequences: Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
     top_p: Annotated[float, Meta(ge=0, le=1)] | None = None

@@ -3,7 +3,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from pagedserve.gateway.schemas import MAX_MESSAGES, Tool
+from pagedserve.gateway.schemas import MAX_MESSAGES, MAX_STOP_STRINGS, Tool
 
 
 class Options(Struct, kw_only=True):
@@ -15,7 +15,7 @@ class Options(Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: list[str] | None = None
+    stop: Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

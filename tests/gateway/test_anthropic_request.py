@@ -98,7 +98,7 @@ def test_what_cannot_run_is_a_400_naming_the_field(fields, param):
     ({"max_tokens": None}, "max_tokens"), ({"temperature": 1.5}, "temperature"),
     ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
-    ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"), ({"stop_sequences": ["x"] * 17}, "stop_sequences"),
 ])
 def test_malformed_bodies_are_400s(fields, param):
     with pytest.raises(APIError) as e:

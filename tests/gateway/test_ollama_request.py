@@ -71,3 +71,9 @@ def test_malformed_bodies_are_400s(fields, param):
     with pytest.raises(APIError) as e:
         chat(**fields)
     assert e.value.status == 400 and e.value.info.param == param
+
+
+def test_more_than_16_stop_strings_are_a_400():
+    with pytest.raises(APIError) as e:
+        chat(options={"stop": ["x"] * 17})
+    assert e.value.info.param == "options.stop"
