@@ -1,7 +1,6 @@
 """The Ollama API: /api/chat and /api/generate (NDJSON streams, on by default), /api/tags, /api/show,
 /api/ps and /api/version, a translator between Ollama's wire and the request plan."""
 import hashlib
-from datetime import datetime, timezone
 
 import msgspec
 from aiohttp import web
@@ -10,10 +9,10 @@ from pagedserve.common.version import __version__
 from pagedserve.gateway import ollama_request as translate
 from pagedserve.gateway import params
 from pagedserve.gateway.errors import APIError, bad_request
-from pagedserve.gateway.ollama_output import Clock, Replies
-from pagedserve.gateway.ollama_schemas import (ChatRequest, ErrorBody, GenerateRequest, ModelDetails, ModelEntry,
-                                               ModelRequest, Options, PsResponse, RunningModel, ShowResponse,
-                                               TagsResponse, VersionResponse, GenerationFields)
+from pagedserve.gateway.ollama_output import Clock, Replies, error_body, timestamp
+from pagedserve.gateway.ollama_schemas import (ChatRequest, GenerateRequest, GenerationFields, ModelDetails,
+                                               ModelEntry, ModelRequest, Options, PsResponse, RunningModel,
+                                               ShowResponse, TagsResponse, VersionResponse)
 from pagedserve.gateway.request_id import HEADER, current_request_id
 from pagedserve.gateway.request_plan import NeutralRequest, plan
 from pagedserve.gateway.schemas import SamplingFields
@@ -28,8 +27,7 @@ _NEVER = "9999-12-31T23:59:59Z"
 
 
 def encode_error(error: APIError) -> bytes:
-    """An error in Ollama's shape: {"error": "<message>"}."""
-    return _encoder.encode(ErrorBody(error.info.message))
+    return _encoder.encode(error_body(error))
 
 
 class NDJSONWriter:
@@ -108,14 +106,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await run(request, p, Replies(p.id, req.model, False, clock), NDJSONWriter.open)
 
 
-def _iso(timestamp: int) -> str:
-    return datetime.fromtimestamp(timestamp, timezone.utc).isoformat().replace("+00:00", "Z")
-
-
 def _entry(gateway: Gateway, served: ServedModel) -> dict:
     """What /api/tags and /api/ps say of the served model. The gateway knows neither its size nor its
     architecture: those are left empty (0, "")."""
-    return dict(name=served.name, model=served.name, modified_at=_iso(gateway.started), size=0,
+    return dict(name=served.name, model=served.name, modified_at=timestamp(gateway.started), size=0,
                 digest=hashlib.sha256(served.name.encode()).hexdigest(), details=ModelDetails())
 
 
@@ -141,7 +135,7 @@ async def show(request: web.Request) -> web.Response:
         raise bad_request("Name the model as `model`.", param="model")
     params.resolve_model(served.resolve(_model_name(name)), served.name)
     return json_response(ShowResponse(
-        modelfile="", template="", details=ModelDetails(), modified_at=_iso(gateway.started),
+        modelfile="", template="", details=ModelDetails(), modified_at=timestamp(gateway.started),
         parameters="\n".join(f"{_PARAMETER_NAMES.get(k, k):<30} {v}" for k, v in served.sampling_defaults.items()),
         # Clients read the context length under "<general.architecture>.context_length".
         model_info={"general.architecture": "pagedserve", "general.basename": served.name,

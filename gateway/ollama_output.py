@@ -20,8 +20,15 @@ def done_reason(finish: Finish) -> str:
     return "length" if finish.reason == "length" else "stop"
 
 
-def created_at() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+def error_body(error: APIError) -> ErrorBody:
+    """An error in Ollama's shape: {"error": "<message>"}."""
+    return ErrorBody(error.info.message)
+
+
+def timestamp(seconds: float | None = None) -> str:
+    """A Unix time (None: now) as Ollama writes times: ISO 8601 in UTC, with a Z."""
+    moment = datetime.now(timezone.utc) if seconds is None else datetime.fromtimestamp(seconds, timezone.utc)
+    return moment.isoformat().replace("+00:00", "Z")
 
 
 @dataclass(slots=True)
@@ -67,8 +74,8 @@ class Replies:
         end = end or {}
         if self._chat:
             message = MessageOut("assistant", content, thinking or UNSET, calls or UNSET)
-            return ChatChunk(model=self._model, created_at=created_at(), done=bool(end), message=message, **end)
-        return GenerateChunk(model=self._model, created_at=created_at(), done=bool(end), response=content,
+            return ChatChunk(model=self._model, created_at=timestamp(), done=bool(end), message=message, **end)
+        return GenerateChunk(model=self._model, created_at=timestamp(), done=bool(end), response=content,
                              thinking=thinking or UNSET, **end)
 
     def openings(self) -> list[Struct]:
@@ -81,7 +88,7 @@ class Replies:
         return [self.line(end=self._end(self._finish, usage))]
 
     def error(self, error: APIError) -> ErrorBody:
-        return ErrorBody(error.info.message)
+        return error_body(error)
 
     def body(self, collected: Collected) -> Struct:
         outcome = collected.outcomes[0]
