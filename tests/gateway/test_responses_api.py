@@ -4,6 +4,7 @@ the bounded store; and the limits and errors chat has, in OpenAI's shape."""
 import json
 import time
 
+import grpc
 import openai
 import pytest
 
@@ -164,6 +165,8 @@ async def test_store_false_keeps_nothing(http, base_url):
     ({"input": "hi", "model": "other"}, "model"),
     ({"input": "x" * 1_100_000}, "messages"),
     ({"input": 5}, "input"),
+    ({"input": [{"role": "user", "content": "a"}] * 3000}, "input"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}, "text.format"),
 ])
 async def test_bad_input_gets_an_openai_error_never_a_500(http, base_url, engine, body, param):
     status, raw = await post(http, base_url, body)
@@ -180,6 +183,12 @@ async def test_past_max_concurrent_requests_responses_get_a_503(http, serve, eng
         status, raw = await post(http, url, {"input": "hi", "max_output_tokens": 1})
         assert status == 503 and json.loads(raw)["error"]["code"] == "server_overloaded"
         await first.read()
+
+
+async def test_a_scheduler_that_sheds_load_gets_a_503(http, base_url, engine):
+    engine.reject = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status, raw = await post(http, base_url, {"input": "hi", "max_output_tokens": 2, "stream": True})
+    assert status == 503 and json.loads(raw)["error"]["code"] == "server_overloaded"
 
 
 def test_function_calls_join_the_assistant_message_and_reasoning_goes_with_it():
