@@ -7,6 +7,7 @@ from pagedserve.gateway.cors import CORS
 from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
 from pagedserve.gateway.hosts import host_middleware
+from pagedserve.gateway.http_metrics import requests_middleware
 from pagedserve.gateway.request_id import request_id_middleware
 from pagedserve.gateway.response_store import DEFAULT_STORE_MB, DEFAULT_STORE_TTL_S, ResponseStore
 from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway
@@ -71,9 +72,10 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
                       max_concurrent_requests=max_concurrent_requests,
                       prompt_tokens_details=prompt_tokens_details,
                       responses=ResponseStore(responses_store_mb << 20, responses_store_ttl))
-    middlewares = [request_id_middleware, error_middleware, gateway.drain.middleware]
+    middlewares = [request_id_middleware, requests_middleware(gateway.metrics.registry), error_middleware,
+                   gateway.drain.middleware]
     if allowed_hosts is not None:
-        middlewares.insert(2, host_middleware(allowed_hosts))
+        middlewares.insert(3, host_middleware(allowed_hosts))
     cors = CORS(allowed_origins) if allowed_origins else None
     if cors:
         middlewares.append(cors.preflight)

@@ -98,6 +98,7 @@ async def test_reasoning_and_function_call_items_stream_as_the_body_holds_them(h
     named = {"type": "function", "name": "get_weather"}
     body = {"input": "weather?", "tools": [TOOL], "tool_choice": named}
     made = json.loads((await post(http, url, body))[1])
+    validate("Response", made)
     assert [item["type"] for item in made["output"]] == ["reasoning", "function_call"]
     assert made["output"][0]["content"] == [{"type": "reasoning_text", "text": "plan"}]
     call = made["output"][1]
