@@ -24,6 +24,8 @@ from pagedserve.gateway.state import GATEWAY
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 _encoder = msgspec.json.Encoder()
+# What the request plan's errors name, as this API names it.
+_FIELD_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
 
 
 @generation_route
@@ -179,7 +181,8 @@ def neutral_request(req: ResponsesRequest, messages: list[ChatMessage]) -> Neutr
     return NeutralRequest(sampling, messages=messages, tools=_tools(req.tools), tool_choice=_tool_choice(req),
                           parallel_tool_calls=req.parallel_tool_calls, constraint=_constraint(req.text),
                           max_tokens=req.max_output_tokens,
-                          chat_template_kwargs=None if effort is None else {"reasoning_effort": effort})
+                          chat_template_kwargs=None if effort is None else {"reasoning_effort": effort},
+                          field_names=_FIELD_NAMES)
 
 
 def _tools(tools: list[FunctionTool] | None) -> list[Tool] | None:
