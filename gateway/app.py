@@ -26,6 +26,7 @@ async def _startup(app: web.Application) -> None:
 
 async def _cleanup(app: web.Application) -> None:
     gateway = app[GATEWAY]
+    await gateway.responses.stop()
     await gateway.engines.close()
     await gateway.templates.close()
     gateway.pool.shutdown(wait=False, cancel_futures=True)
@@ -100,6 +101,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app.router.add_get("/v1/responses/{response_id}", responses_api.get_response)
     app.router.add_delete("/v1/responses/{response_id}", responses_api.delete_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", responses_api.list_input_items)
+    app.router.add_post("/v1/responses/{response_id}/cancel", responses_api.cancel_response)
     app.router.add_post("/tokenize", tokenize_routes.tokenize)
     app.router.add_post("/detokenize", tokenize_routes.detokenize)
     return app
