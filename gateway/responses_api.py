@@ -132,6 +132,9 @@ def _history(store: ResponseStore, previous_id: str | None) -> list[ChatMessage]
             raise bad_request(f"Previous response with id '{previous_id[:64]}' not found: it was not stored "
                               "(`store: false`), was deleted, or aged out of this server's store.",
                               param="previous_response_id")
+        if entry.response.status not in ("completed", "incomplete"):
+            raise bad_request(f"Previous response '{previous_id[:64]}' is {entry.response.status}: only a finished "
+                              "response can be continued.", param="previous_response_id")
         turns.append(entry.turn)
         previous_id = entry.response.previous_response_id
     return [message for turn in reversed(turns) for message in turn]

@@ -225,6 +225,8 @@ async def test_cancel_stops_a_background_response_and_its_engine_request(http, b
     assert (await _get(http, base_url, queued["id"]))["status"] == "cancelled"
     await engine.wait_cancelled()
     assert len(engine.cancelled) == 1
+    status, raw = await post(http, base_url, {"input": "more", "previous_response_id": queued["id"]})
+    assert status == 400 and "is cancelled" in json.loads(raw)["error"]["message"]
     async with http.post(f"{base_url}{RESPONSES}/{queued['id']}/cancel") as r:
         error = (await r.json())["error"]
         assert r.status == 400 and "this one is cancelled" in error["message"]
