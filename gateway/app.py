@@ -7,6 +7,7 @@ from pagedserve.gateway.cors import CORS
 from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
 from pagedserve.gateway.hosts import host_middleware
+from pagedserve.gateway.http_metrics import requests_middleware
 from pagedserve.gateway.request_id import request_id_middleware
 from pagedserve.gateway.response_store import DEFAULT_STORE_MB, DEFAULT_STORE_TTL_S, ResponseStore
 from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway
@@ -25,19 +26,10 @@ async def _startup(app: web.Application) -> None:
 
 async def _cleanup(app: web.Application) -> None:
     gateway = app[GATEWAY]
+    await gateway.responses.stop()
     await gateway.engines.close()
     await gateway.templates.close()
     gateway.pool.shutdown(wait=False, cancel_futures=True)
-
-
-@web.middleware
-async def _count_requests(request: web.Request, handler) -> web.StreamResponse:
-    """Counts each answered request by its route (every unknown path as one), method and status class."""
-    response = await handler(request)
-    resource = request.match_info.route.resource
-    route = "unmatched" if resource is None else resource.canonical
-    request.app[GATEWAY].metrics.http_requests.labels(route, request.method, f"{response.status // 100}xx").inc()
-    return response
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
@@ -82,7 +74,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
                       prompt_tokens_details=prompt_tokens_details,
                       responses=ResponseStore(responses_store_mb << 20, responses_store_ttl))
     errors = error_middleware({"/v1/messages": anthropic_api.encode_error, "/api/": ollama_api.encode_error})
-    middlewares = [request_id_middleware, _count_requests, errors, gateway.drain.middleware]
+    middlewares = [request_id_middleware, requests_middleware(gateway.metrics.registry), errors,
+                   gateway.drain.middleware]
     if allowed_hosts is not None:
         middlewares.insert(middlewares.index(errors) + 1, host_middleware(allowed_hosts))
     cors = CORS(allowed_origins) if allowed_origins else None
@@ -117,6 +110,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app.router.add_get("/v1/responses/{response_id}", responses_api.get_response)
     app.router.add_delete("/v1/responses/{response_id}", responses_api.delete_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", responses_api.list_input_items)
+    app.router.add_post("/v1/responses/{response_id}/cancel", responses_api.cancel_response)
     app.router.add_post("/tokenize", tokenize_routes.tokenize)
     app.router.add_post("/detokenize", tokenize_routes.detokenize)
     return app

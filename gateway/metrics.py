@@ -235,10 +235,6 @@ class Metrics:
         self._own = CollectorRegistry()
         self._engine = _EngineCollector()
         self._own.register(self._engine)
-        # vLLM's series from prometheus-fastapi-instrumentator, under its labels: the route's path
-        # (handler), the method, and the status class ("2xx", "4xx", ...).
-        self.http_requests = Counter("pagedserve:http_requests_total", "HTTP requests answered, by route.",
-                                     ["handler", "method", "status"], registry=self._own)
         self.registry = CollectorRegistry()
         self.registry.register(_VllmTwins(self._own))
         self._bound: ModelMetrics | None = None

@@ -12,7 +12,7 @@ from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.gateway import params, reasoning
 from pagedserve.gateway.chat_output import ChatOutputOptions, ChoiceOutput
 from pagedserve.gateway.chat_prompt import chat_prompt
-from pagedserve.gateway.errors import bad_request
+from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.generation import Choice, Generation, fan_out
 from pagedserve.gateway.request_id import current_request_id
 from pagedserve.gateway.schemas import ChatMessage, NamedToolChoice, SamplingFields, Tool
@@ -48,6 +48,8 @@ class NeutralRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     add_generation_prompt: bool = True
+    # The protocol's names of the fields errors name (e.g. {"max_tokens": "max_output_tokens"}).
+    field_names: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -71,7 +73,16 @@ class Plan:
 
 
 async def plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> Plan:
-    """The engine requests for `req`; a 400 (APIError) for what cannot run."""
+    """The engine requests for `req`; a 400 (APIError) for what cannot run, naming the field by
+    the protocol's name for it."""
+    try:
+        return await _plan(gateway, served, req)
+    except APIError as e:
+        e.info.param = req.field_names.get(e.info.param, e.info.param)
+        raise
+
+
+async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> Plan:
     model = params.resolve_model(served.resolve(req.sampling.model), served.name)
     options = ChatOutputOptions(reasoning=req.messages is not None and gateway.reasoning_parser is not None)
     if req.messages is not None:

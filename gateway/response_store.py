@@ -2,6 +2,7 @@
 gateway's memory: bounded in bytes and age, oldest dropped first. Each entry holds its own turn
 only (its input and output as chat messages) and names the one before it, so a long conversation
 costs what it holds once, not once per turn. Replicas do not share it, and a restart empties it."""
+import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -32,6 +33,16 @@ class ResponseStore:
         self.ttl_s = ttl_s
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
+        # The background responses being made, by id (see responses_background).
+        self.running: dict[str, asyncio.Task] = {}
+
+    async def stop(self) -> None:
+        """Cancels the background responses still running, and waits for them to record it."""
+        tasks = list(self.running.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     def put(self, entry: StoredResponse) -> None:
         """Keeps `entry` unless it alone exceeds the limit; drops the oldest to make room."""

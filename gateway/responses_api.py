@@ -1,6 +1,7 @@
 """The OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, GET
-/v1/responses/{id}/input_items. A translator: the request's items become a chat (OpenAI's chat
-form) in a NeutralRequest, and its output events become output items (responses_output)."""
+/v1/responses/{id}/input_items and POST /v1/responses/{id}/cancel (for background ones). A
+translator: the request's items become a chat (OpenAI's chat form) in a NeutralRequest, and its
+output events become output items (responses_output)."""
 import functools
 import time
 
@@ -9,6 +10,7 @@ from aiohttp import web
 from msgspec import UNSET
 
 from pagedserve.common.sampling_params import StructuredOutputsParams
+from pagedserve.gateway import responses_background
 from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.request_plan import NeutralRequest, plan
 from pagedserve.gateway.response_store import ResponseStore, StoredResponse
@@ -24,6 +26,8 @@ from pagedserve.gateway.state import GATEWAY
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 _encoder = msgspec.json.Encoder()
+# What the request plan's errors name, as this API names it.
+_FIELD_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
 
 
 @generation_route
@@ -37,7 +41,19 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     p = await plan(gateway, await gateway.model(), neutral_request(req, instructions + history + turn))
     output = ResponsesOutput(_in_progress(req, p.model),
                              functools.partial(_store, gateway.responses, req, turn) if req.store else _keep_nothing)
+    if req.background:
+        return json_response(responses_background.start(gateway, p, output))
     return await run(request, p, output, functools.partial(SSEWriter.open, named=True))
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    store = request.app[GATEWAY].responses
+    response_id = request.match_info["response_id"]
+    if not await responses_background.cancel(store, response_id):
+        entry = _stored(request)
+        raise bad_request(f"Only a background response in progress can be cancelled; this one is "
+                          f"{entry.response.status}.", param="response_id")
+    return json_response(_stored(request).response)
 
 
 async def get_response(request: web.Request) -> web.Response:
@@ -46,7 +62,10 @@ async def get_response(request: web.Request) -> web.Response:
 
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
-    if not request.app[GATEWAY].responses.delete(response_id):
+    store = request.app[GATEWAY].responses
+    # A background response still running would store itself again when it ends.
+    await responses_background.cancel(store, response_id)
+    if not store.delete(response_id):
         raise _not_found(response_id)
     return json_response(DeletedResponse(response_id))
 
@@ -91,9 +110,9 @@ def _not_found(response_id: str) -> APIError:
 
 
 def _check_supported(req: ResponsesRequest) -> None:
-    if req.background:
-        raise bad_request("`background` is not supported by this server; remove it, or set `stream` to receive "
-                          "the response as it is made.", param="background")
+    if req.background and (req.stream or req.store is False):
+        raise bad_request("`background` needs `store` (the response is fetched later) and no `stream`; send "
+                          "`background: true` alone, or `stream: true` alone.", param="background")
     if req.truncation == "auto":
         raise bad_request('`truncation` "auto" is not supported: input that does not fit the context is a 400; '
                           'send "disabled" or leave it out.', param="truncation")
@@ -113,6 +132,9 @@ def _history(store: ResponseStore, previous_id: str | None) -> list[ChatMessage]
             raise bad_request(f"Previous response with id '{previous_id[:64]}' not found: it was not stored "
                               "(`store: false`), was deleted, or aged out of this server's store.",
                               param="previous_response_id")
+        if entry.response.status not in ("completed", "incomplete"):
+            raise bad_request(f"Previous response '{previous_id[:64]}' is {entry.response.status}: only a finished "
+                              "response can be continued.", param="previous_response_id")
         turns.append(entry.turn)
         previous_id = entry.response.previous_response_id
     return [message for turn in reversed(turns) for message in turn]
@@ -179,7 +201,8 @@ def neutral_request(req: ResponsesRequest, messages: list[ChatMessage]) -> Neutr
     return NeutralRequest(sampling, messages=messages, tools=_tools(req.tools), tool_choice=_tool_choice(req),
                           parallel_tool_calls=req.parallel_tool_calls, constraint=_constraint(req.text),
                           max_tokens=req.max_output_tokens,
-                          chat_template_kwargs=None if effort is None else {"reasoning_effort": effort})
+                          chat_template_kwargs=None if effort is None else {"reasoning_effort": effort},
+                          field_names=_FIELD_NAMES)
 
 
 def _tools(tools: list[FunctionTool] | None) -> list[Tool] | None:
@@ -224,6 +247,7 @@ def _in_progress(req: ResponsesRequest, model: str) -> Response:
                     instructions=req.instructions, max_output_tokens=req.max_output_tokens,
                     metadata=req.metadata or {}, parallel_tool_calls=req.parallel_tool_calls is not False,
                     previous_response_id=req.previous_response_id, reasoning=req.reasoning,
+                    background=bool(req.background),
                     store=req.store is not False, temperature=req.temperature, text=req.text or TextOptions(),
                     tool_choice=req.tool_choice or "auto", tools=req.tools or [], top_p=req.top_p,
                     user=UNSET if req.user is None else req.user)

@@ -74,7 +74,7 @@ class ResponsesOutput:
     def __init__(self, response: Response, finished: Callable[[Response], None]) -> None:
         self.id = response.id
         self.response = response
-        self._finished = finished
+        self.finished = finished
         self._sequence = 0
         self._items: list[OutputItem] = []
         self._open: _OpenItem | None = None
@@ -129,7 +129,7 @@ class ResponsesOutput:
             response.status, response.incomplete_details = "incomplete", IncompleteDetails("max_output_tokens")
         else:
             response.status, response.completed_at = "completed", int(time.time())
-        self._finished(response)
+        self.finished(response)
 
     def _start(self, kind: str, added: OutputItem) -> list[Struct]:
         out = self._close()

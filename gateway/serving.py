@@ -116,7 +116,7 @@ async def run(request: web.Request, plan: Plan, wire: Wire,
             if plan.stream:
                 return await _stream(request, plan, wire, open_stream, start)
             collected = await collect(plan)
-            _log_end("request_finished", wire, plan, start)
+            log_end("request_finished", wire, plan, start)
             return json_response(wire.body(collected))
     except asyncio.CancelledError:
         _client_left(wire, plan, start)
@@ -146,7 +146,7 @@ async def _stream(request: web.Request, plan: Plan, wire: Wire,
             log.exception("stream_crashed")
             await writer.send(wire.error(internal()))
     await writer.close()
-    _log_end("request_finished", wire, plan, start)
+    log_end("request_finished", wire, plan, start)
     return writer.response
 
 
@@ -155,7 +155,8 @@ async def _send(writer: StreamWriter, events: list[msgspec.Struct]) -> None:
         await writer.send(event)
 
 
-def _log_end(event: str, wire: Wire, plan: Plan, start: float) -> None:
+def log_end(event: str, wire: Wire, plan: Plan, start: float) -> None:
+    """The request log's line for a plan that ended (`start`: time.monotonic() when it began)."""
     usage = plan.generation.usage()
     summary = dict(id=wire.id, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                    elapsed_s=round(time.monotonic() - start, 3))
@@ -177,4 +178,4 @@ def changed_fields(params: SamplingParams) -> dict:
 
 def _client_left(wire: Wire, plan: Plan, start: float) -> None:
     plan.generation.metrics.client_disconnected.inc()
-    _log_end("client_disconnected", wire, plan, start)
+    log_end("client_disconnected", wire, plan, start)

@@ -4,6 +4,7 @@
 The small model does not call tools by itself: the round trips force the call with tool_choice
 (named or "required"), which the server's own schemas enforce."""
 import json
+import time
 
 import agents
 import jsonschema
@@ -91,6 +92,17 @@ def test_function_round_trip_with_explicit_items(client):
         client.responses.retrieve(first.id)
 
 
+def test_a_background_response_matches_a_foreground_one(client):
+    queued = client.responses.create(input=ASK, background=True, **GREEDY)
+    assert queued.status == "queued"
+    for _ in range(600):
+        made = client.responses.retrieve(queued.id)
+        if made.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert made.output_text == client.responses.create(input=ASK, **GREEDY).output_text
+
+
 def test_json_schema_output_validates(client):
     made = client.responses.create(input="Describe a car as JSON.", model=MODEL, temperature=0, max_output_tokens=60,
                                    text={"format": {"type": "json_schema", "name": "car", "schema": CAR,
@@ -100,7 +112,7 @@ def test_json_schema_output_validates(client):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "background": True, "stream": True}, "background"),
     ({"input": "hi", "previous_response_id": "resp_missing"}, "previous_response_id"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),

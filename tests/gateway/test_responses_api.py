@@ -1,14 +1,17 @@
 """/v1/responses on the fake engine: bodies, stream events and input item lists that OpenAI's own
 schemas accept; the stream helper's view equal to the body; reasoning and function_call items;
 the bounded store; and the limits and errors chat has, in OpenAI's shape."""
+import asyncio
 import json
 import time
 
+import grpc
 import openai
 import pytest
 
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.gateway.response_store import ResponseStore, StoredResponse
+from pagedserve.gateway.state import GATEWAY
 from pagedserve.gateway.responses_api import chat_messages
 from pagedserve.gateway.responses_schemas import InputItem, Part, Response, TextOptions
 from tests.gateway.fake_engine import CHAT_TEMPLATE, MODEL, serve_gateway
@@ -97,6 +100,7 @@ async def test_reasoning_and_function_call_items_stream_as_the_body_holds_them(h
     named = {"type": "function", "name": "get_weather"}
     body = {"input": "weather?", "tools": [TOOL], "tool_choice": named}
     made = json.loads((await post(http, url, body))[1])
+    validate("Response", made)
     assert [item["type"] for item in made["output"]] == ["reasoning", "function_call"]
     assert made["output"][0]["content"] == [{"type": "reasoning_text", "text": "plan"}]
     call = made["output"][1]
@@ -160,10 +164,14 @@ async def test_store_false_keeps_nothing(http, base_url):
     ({"input": "hi", "temperature": 3}, "temperature"),
     ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
-    ({"input": "hi", "max_output_tokens": 1000}, "max_tokens"),
+    ({"input": "hi", "background": True, "stream": True}, "background"),
+    ({"input": "hi", "background": True, "store": False}, "background"),
+    ({"input": "hi", "max_output_tokens": 1000}, "max_output_tokens"),
     ({"input": "hi", "model": "other"}, "model"),
-    ({"input": "x" * 1_100_000}, "messages"),
+    ({"input": "x" * 1_100_000}, "input"),
     ({"input": 5}, "input"),
+    ({"input": [{"role": "user", "content": "a"}] * 3000}, "input"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}, "text.format"),
 ])
 async def test_bad_input_gets_an_openai_error_never_a_500(http, base_url, engine, body, param):
     status, raw = await post(http, base_url, body)
@@ -180,6 +188,69 @@ async def test_past_max_concurrent_requests_responses_get_a_503(http, serve, eng
         status, raw = await post(http, url, {"input": "hi", "max_output_tokens": 1})
         assert status == 503 and json.loads(raw)["error"]["code"] == "server_overloaded"
         await first.read()
+
+
+async def test_a_scheduler_that_sheds_load_gets_a_503(http, base_url, engine):
+    engine.reject = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status, raw = await post(http, base_url, {"input": "hi", "max_output_tokens": 2, "stream": True})
+    assert status == 503 and json.loads(raw)["error"]["code"] == "server_overloaded"
+
+
+async def _get(http, url: str, response_id: str) -> dict:
+    async with http.get(f"{url}{RESPONSES}/{response_id}") as r:
+        return await r.json()
+
+
+async def test_a_background_response_is_made_after_the_answer(http, base_url, engine, tokenizer):
+    reply(engine, tokenizer, "Hello there.")
+    engine.delay = 0.01
+    status, raw = await post(http, base_url, {"input": "hi", "background": True})
+    queued = json.loads(raw)
+    assert status == 200 and queued["status"] == "queued" and queued["background"] and queued["output"] == []
+    for _ in range(200):
+        made = await _get(http, base_url, queued["id"])
+        if made["status"] not in ("queued", "in_progress"):
+            break
+        await asyncio.sleep(0.01)
+    assert made["status"] == "completed" and made["output"][0]["content"][0]["text"] == "Hello there."
+    assert made["usage"]["output_tokens"] == 5
+
+
+async def test_cancel_stops_a_background_response_and_its_engine_request(http, base_url, engine):
+    engine.delay = 0.05
+    queued = json.loads((await post(http, base_url, {"input": "hi", "background": True, "max_output_tokens": 100}))[1])
+    await asyncio.sleep(0.2)
+    async with http.post(f"{base_url}{RESPONSES}/{queued['id']}/cancel") as r:
+        assert r.status == 200 and (await r.json())["status"] == "cancelled"
+    assert (await _get(http, base_url, queued["id"]))["status"] == "cancelled"
+    await engine.wait_cancelled()
+    assert len(engine.cancelled) == 1
+    status, raw = await post(http, base_url, {"input": "more", "previous_response_id": queued["id"]})
+    assert status == 400 and "is cancelled" in json.loads(raw)["error"]["message"]
+    async with http.post(f"{base_url}{RESPONSES}/{queued['id']}/cancel") as r:
+        error = (await r.json())["error"]
+        assert r.status == 400 and "this one is cancelled" in error["message"]
+
+
+async def test_background_work_counts_against_max_concurrent_requests(http, serve, engine):
+    url = await serve(max_concurrent_requests=1)
+    engine.delay = 0.05
+    queued = json.loads((await post(http, url, {"input": "hi", "background": True, "max_output_tokens": 100}))[1])
+    status, raw = await post(http, url, {"input": "hi", "max_output_tokens": 1})
+    assert status == 503 and json.loads(raw)["error"]["code"] == "server_overloaded"
+    async with http.post(f"{url}{RESPONSES}/{queued['id']}/cancel") as r:
+        assert r.status == 200
+    assert (await post(http, url, {"input": "hi", "max_output_tokens": 1}))[0] == 200
+
+
+async def test_shutdown_cancels_background_responses(http, engine, tokenizer):
+    engine.delay = 0.05
+    runner, url = await serve_gateway(tokenizer, engine.address)
+    queued = json.loads((await post(http, url, {"input": "hi", "background": True, "max_output_tokens": 100}))[1])
+    store = runner.app[GATEWAY].responses
+    await asyncio.sleep(0.1)
+    await runner.cleanup()
+    assert store.get(queued["id"]).response.status == "cancelled" and not store.running
 
 
 def test_function_calls_join_the_assistant_message_and_reasoning_goes_with_it():
