@@ -37,6 +37,7 @@ class MessageEvents(SSEWriter):
 
 def neutral(req: MessagesRequest) -> NeutralRequest:
     """The request in chat's terms; a 400 for what cannot run here."""
+    translate.check_last_turn(req)
     sampling = SamplingFields(model=req.model, max_tokens=req.max_tokens, temperature=req.temperature,
                               top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, stream=req.stream)
     return NeutralRequest(sampling, messages=translate.chat_messages(req), tools=translate.chat_tools(req.tools),

@@ -25,6 +25,14 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
     return messages
 
 
+def check_last_turn(req: CountTokensRequest) -> None:
+    """A 400 for a conversation that ends with the assistant's turn: Anthropic continues that text
+    (prefill), which this server's chat template rendering cannot; Anthropic's newer models refuse it too."""
+    if req.messages[-1].role == "assistant":
+        raise bad_request("The last message is the assistant's: continuing it (prefill) is not supported; end the "
+                          "conversation with a user message.", param=f"messages[{len(req.messages) - 1}]")
+
+
 def _system_text(system: str | list[TextBlock]) -> str:
     return system if isinstance(system, str) else "\n".join(block.text for block in system)
 

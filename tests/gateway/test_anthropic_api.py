@@ -151,6 +151,8 @@ def too_long_chat() -> list[dict]:
     ({"max_tokens": 5, "messages": too_long_chat()}, 400, "invalid_request_error"),
     ({"max_tokens": 5, "messages": MESSAGES, "stop_sequences": ["x" * 1_000_000]}, 400, "invalid_request_error"),
     ({"max_tokens": 5, "messages": MESSAGES, "tools": TOOLS, "tool_choice": {"type": "any"}}, 200, None),
+    ({"max_tokens": 5, "messages": [*MESSAGES, {"role": "assistant", "content": "The answer is"}]}, 400,
+     "invalid_request_error"),
     ({"max_tokens": 5, "messages": MESSAGES, "tools": TOOLS}, 400, "invalid_request_error"),
     ({"max_tokens": 5, "messages": MESSAGES, "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS},
      400, "invalid_request_error"),
