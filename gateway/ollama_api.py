@@ -5,7 +5,6 @@ import hashlib
 import msgspec
 from aiohttp import web
 
-from pagedserve.common.version import __version__
 from pagedserve.gateway import ollama_request as translate
 from pagedserve.gateway import params
 from pagedserve.gateway.errors import APIError, bad_request
@@ -24,6 +23,9 @@ _encoder = msgspec.json.Encoder()
 _PARAMETER_NAMES = {"repetition_penalty": "repeat_penalty"}
 # The model never unloads: /api/ps says so with the latest time a client will parse.
 _NEVER = "9999-12-31T23:59:59Z"
+# What /api/version reports: the Ollama release whose API (docs/api.md) these routes follow. Clients
+# gate on it (VS Code's Copilot refuses a server below 0.6.4); pagedserve's own version is at /version.
+OLLAMA_API_VERSION = "0.32.15"
 
 
 def encode_error(error: APIError) -> bytes:
@@ -149,4 +151,4 @@ def _capabilities(gateway: Gateway) -> list[str]:
 
 
 async def version(request: web.Request) -> web.Response:
-    return json_response(VersionResponse(__version__))
+    return json_response(VersionResponse(OLLAMA_API_VERSION))
