@@ -67,7 +67,8 @@ def _sampling(req: GenerationFields) -> SamplingFields:
 def _neutral(req: GenerationFields, **chat) -> NeutralRequest:
     fmt = translate.constraint(req.format)
     return NeutralRequest(_sampling(req), constraint=None if fmt is None else ("format", fmt),
-                          max_tokens=translate.max_tokens((req.options or Options()).num_predict), **chat)
+                          max_tokens=translate.max_tokens((req.options or Options()).num_predict),
+                          logprobs=req.top_logprobs if req.logprobs else None, **chat)
 
 
 def _loaded(served: ServedModel, req: GenerationFields, chat: bool) -> web.Response:
@@ -87,7 +88,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     neutral = _neutral(req, messages=translate.chat_messages(req.messages), tools=req.tools,
                        chat_template_kwargs=translate.template_kwargs(req.think))
     p = await plan(gateway, served, neutral)
-    return await run(request, p, Replies(p.id, req.model, True, clock), NDJSONWriter.open)
+    return await run(request, p, Replies(p.id, req.model, True, clock, req.logprobs), NDJSONWriter.open)
 
 
 @generation_route
@@ -105,7 +106,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         neutral = _neutral(req, messages=translate.generate_messages(req),
                            chat_template_kwargs=translate.template_kwargs(req.think))
     p = await plan(gateway, served, neutral)
-    return await run(request, p, Replies(p.id, req.model, False, clock), NDJSONWriter.open)
+    return await run(request, p, Replies(p.id, req.model, False, clock, req.logprobs), NDJSONWriter.open)
 
 
 def _entry(gateway: Gateway, served: ServedModel) -> dict:

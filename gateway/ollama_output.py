@@ -9,7 +9,10 @@ from datetime import datetime, timezone
 from msgspec import UNSET, Struct
 
 from pagedserve.gateway.errors import APIError
-from pagedserve.gateway.ollama_schemas import ChatChunk, ErrorBody, FunctionCall, GenerateChunk, MessageOut, ToolCall
+from pagedserve.gateway.logprobs import TokenLogprob
+from pagedserve.gateway.ollama_schemas import (ChatChunk, ErrorBody, FunctionCall, GenerateChunk, Logprob,
+                                               MessageOut, ToolCall)
+from pagedserve.gateway.ollama_schemas import TokenLogprob as OllamaTokenLogprob
 from pagedserve.gateway.output_events import Collected, Event, Finish, ReasoningDelta, Step, TextDelta, ToolCallDelta
 from pagedserve.gateway.schemas import Usage
 from pagedserve.gateway.tools import arguments_object
@@ -52,15 +55,22 @@ class Clock:
                     eval_duration=now - first)
 
 
+def _logprobs(tokens: list[TokenLogprob]) -> list[Logprob]:
+    return [Logprob(t.token, t.logprob, [OllamaTokenLogprob(text, p) for text, p in t.top] or UNSET) for t in tokens]
+
+
 class Replies:
     """One request's reply (serving's Wire), /api/chat's (`chat`) or /api/generate's: whole, or as
     NDJSON lines from the neutral events in order."""
 
-    def __init__(self, reply_id: str, model: str, chat: bool, clock: Clock) -> None:
+    def __init__(self, reply_id: str, model: str, chat: bool, clock: Clock, logprobs: bool = False) -> None:
         self.id = reply_id
         self._model = model
         self._chat = chat
         self._clock = clock
+        self._logprobs = logprobs
+        # Logprobs of tokens whose text has not gone out yet (held back, or a tool call's).
+        self._held: list[Logprob] = []
         # The tool calls begun and not yet sent: their names and argument fragments so far.
         self._calls: list[tuple[str, list[str]]] = []
         self._finish: Finish | None = None
@@ -82,10 +92,17 @@ class Replies:
         return []
 
     def step(self, step: Step) -> list[Struct]:
-        return [line for event in step.events for line in self._lines(event)]
+        lines = [line for event in step.events for line in self._lines(event)]
+        self._held += _logprobs(step.logprobs)
+        if lines and self._held:
+            lines[-1].logprobs, self._held = self._held, []
+        return lines
 
     def closing(self, usage: Usage) -> list[Struct]:
-        return [self.line(end=self._end(self._finish, usage))]
+        last = self.line(end=self._end(self._finish, usage))
+        if self._held:
+            last.logprobs = self._held
+        return [last]
 
     def error(self, error: APIError) -> ErrorBody:
         return error_body(error)
@@ -94,7 +111,10 @@ class Replies:
         outcome = collected.outcomes[0]
         calls = [ToolCall(FunctionCall(c.function.name, arguments_object(c.function.arguments)))
                  for c in outcome.tool_calls]
-        return self.line(outcome.content or "", outcome.reasoning, calls, self._end(outcome.finish, collected.usage))
+        whole = self.line(outcome.content or "", outcome.reasoning, calls, self._end(outcome.finish, collected.usage))
+        if self._logprobs:
+            whole.logprobs = _logprobs(outcome.logprobs)
+        return whole
 
     def _lines(self, event: Event) -> list[Struct]:
         if isinstance(event, (TextDelta, ReasoningDelta)) and event.text:

@@ -3,6 +3,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from pagedserve.common.sampling_params import MAX_LOGPROBS
 from pagedserve.gateway.schemas import MAX_MESSAGES, MAX_STOP_STRINGS, Tool
 
 
@@ -58,6 +59,8 @@ class GenerationFields(Struct, kw_only=True):
     # true/false, or a level ("low", "medium", "high") that models with levels read.
     think: bool | str | None = None
     keep_alive: str | float | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] = 0
 
 
 class ChatRequest(GenerationFields, kw_only=True):
@@ -82,6 +85,18 @@ class ModelRequest(Struct, kw_only=True):
     verbose: bool = False
 
 
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+
+
+class Logprob(Struct, omit_defaults=True):
+    """A generated token's logprob, with the most likely tokens' when top_logprobs asked for them."""
+    token: str
+    logprob: float
+    top_logprobs: list[TokenLogprob] | UnsetType = UNSET
+
+
 class _Reply(Struct, kw_only=True, omit_defaults=True):
     """What every reply line holds; the last (done) adds why it ended, durations in nanoseconds and
     token counts."""
@@ -95,6 +110,8 @@ class _Reply(Struct, kw_only=True, omit_defaults=True):
     prompt_eval_duration: int | UnsetType = UNSET
     eval_count: int | UnsetType = UNSET
     eval_duration: int | UnsetType = UNSET
+    # With `logprobs`: those of the tokens this line brings.
+    logprobs: list[Logprob] | UnsetType = UNSET
 
 
 class ChatChunk(_Reply, kw_only=True, omit_defaults=True):

@@ -196,3 +196,17 @@ async def test_a_failure_mid_stream_is_an_error_line(http, base_url, engine):
     with pytest.raises(ollama.ResponseError):
         async for _ in await ollama.AsyncClient(host=base_url).chat(model=MODEL, messages=MESSAGES, stream=True):
             pass
+
+
+async def test_logprobs_whole_and_streamed(base_url):
+    client = ollama.AsyncClient(host=base_url)
+    asked = dict(model=MODEL, messages=MESSAGES, options={"num_predict": 6}, logprobs=True, top_logprobs=2)
+    whole = await client.chat(**asked)
+    parts = [p async for p in await client.chat(**asked, stream=True)]
+    streamed = [lp for p in parts for lp in p.logprobs or ()]
+    assert [lp.token for lp in streamed] == [lp.token for lp in whole.logprobs] and len(streamed) == 6
+    assert whole.logprobs[0].token == "Hello" and len(whole.logprobs) == whole.eval_count
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob == lp.logprob for lp in whole.logprobs)
+    plain = await client.generate(model=MODEL, prompt="hi", options={"num_predict": 3}, logprobs=True)
+    assert len(plain.logprobs) == 3 and not plain.logprobs[0].top_logprobs
+    assert (await client.chat(model=MODEL, messages=MESSAGES, options={"num_predict": 2})).logprobs is None

@@ -23,10 +23,10 @@ ROUTES = {
     "/v1/messages/count_tokens": ({"model": MODEL, "messages": USER}, ["messages", "system", "tools", "thinking"],
                                   lambda e: e["type"] == "error"),
     "/api/chat": ({"model": MODEL, "messages": USER, "stream": False, "options": {"num_predict": 4}},
-                  ["model", "messages", "tools", "format", "options", "stream", "think", "keep_alive"],
+                  ["model", "messages", "tools", "format", "options", "stream", "think", "logprobs", "top_logprobs"],
                   lambda e: list(e) == ["error"] and isinstance(e["error"], str)),
     "/api/generate": ({"model": MODEL, "prompt": "hi", "stream": False, "options": {"num_predict": 4}},
-                      ["prompt", "system", "raw", "suffix", "format", "options", "think", "context"],
+                      ["prompt", "system", "raw", "suffix", "format", "options", "think", "context", "logprobs"],
                       lambda e: list(e) == ["error"] and isinstance(e["error"], str)),
 }
 
