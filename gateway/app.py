@@ -1,13 +1,16 @@
 """The aiohttp application: routes and middlewares."""
 from aiohttp import web
 
-from pagedserve.gateway import ops_routes, pooling_routes, routes, tokenize_routes
+from pagedserve.gateway import (anthropic_api, ollama_api, ops_routes, pooling_routes, responses_api, routes,
+                               tokenize_routes)
 from pagedserve.gateway.auth import auth_middleware
 from pagedserve.gateway.cors import CORS
 from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
 from pagedserve.gateway.hosts import host_middleware
+from pagedserve.gateway.http_metrics import requests_middleware
 from pagedserve.gateway.request_id import request_id_middleware
+from pagedserve.gateway.response_store import DEFAULT_STORE_MB, DEFAULT_STORE_TTL_S, ResponseStore
 from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.version import __version__
@@ -24,6 +27,7 @@ async def _startup(app: web.Application) -> None:
 
 async def _cleanup(app: web.Application) -> None:
     gateway = app[GATEWAY]
+    await gateway.responses.stop()
     await gateway.engines.close()
     await gateway.templates.close()
     gateway.pool.shutdown(wait=False, cancel_futures=True)
@@ -44,7 +48,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
               body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
               trust_request_chat_template: bool = False,
               max_concurrent_requests: int | None = None,
-              prompt_tokens_details: bool = False) -> web.Application:
+              prompt_tokens_details: bool = False, responses_store_mb: int = DEFAULT_STORE_MB,
+              responses_store_ttl: float = DEFAULT_STORE_TTL_S) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     `scheduler_address` is one scheduler's address or several, comma-separated: each prompt goes
@@ -58,6 +63,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     `trust_request_chat_template` lets requests bring a chat template (else a 400).
     Past `max_concurrent_requests` generation requests in flight, new ones get a 503.
     `prompt_tokens_details` puts cached_tokens in usage (vLLM's --enable-prompt-tokens-details).
+    Stored /v1/responses responses take up to `responses_store_mb` MiB and `responses_store_ttl` seconds.
     """
     gateway = Gateway(EnginePool(scheduler_address), tokenizer,
                       served_model_names=list(served_model_names or ()), stream_interval=stream_interval,
@@ -66,10 +72,13 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
                       max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout,
                       trust_request_chat_template=trust_request_chat_template,
                       max_concurrent_requests=max_concurrent_requests,
-                      prompt_tokens_details=prompt_tokens_details)
-    middlewares = [request_id_middleware, error_middleware, gateway.drain.middleware]
+                      prompt_tokens_details=prompt_tokens_details,
+                      responses=ResponseStore(responses_store_mb << 20, responses_store_ttl))
+    errors = error_middleware({"/v1/messages": anthropic_api.encode_error, "/api/": ollama_api.encode_error})
+    middlewares = [request_id_middleware, requests_middleware(gateway.metrics.registry), errors,
+                   gateway.drain.middleware]
     if allowed_hosts is not None:
-        middlewares.insert(2, host_middleware(allowed_hosts))
+        middlewares.insert(middlewares.index(errors) + 1, host_middleware(allowed_hosts))
     cors = CORS(allowed_origins) if allowed_origins else None
     if cors:
         middlewares.append(cors.preflight)
@@ -96,6 +105,19 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app.router.add_post("/v2/rerank", pooling_routes.rerank_v2)
     for path in ("/score", "/v1/score"):
         app.router.add_post(path, pooling_routes.score)
+    app.router.add_post("/v1/messages", anthropic_api.messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
+    app.router.add_post("/api/chat", ollama_api.chat)
+    app.router.add_post("/api/generate", ollama_api.generate)
+    app.router.add_get("/api/tags", ollama_api.tags)
+    app.router.add_post("/api/show", ollama_api.show)
+    app.router.add_get("/api/ps", ollama_api.ps)
+    app.router.add_get("/api/version", ollama_api.version)
+    app.router.add_post("/v1/responses", responses_api.create_response)
+    app.router.add_get("/v1/responses/{response_id}", responses_api.get_response)
+    app.router.add_delete("/v1/responses/{response_id}", responses_api.delete_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", responses_api.list_input_items)
+    app.router.add_post("/v1/responses/{response_id}/cancel", responses_api.cancel_response)
     app.router.add_post("/tokenize", tokenize_routes.tokenize)
     app.router.add_post("/detokenize", tokenize_routes.detokenize)
     return app

@@ -1,4 +1,5 @@
-"""API keys: `Authorization: Bearer <key>` on every route except an explicit allowlist of exact paths."""
+"""API keys: `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every route except an
+explicit allowlist of exact paths."""
 import hmac
 
 from aiohttp import web
@@ -23,7 +24,12 @@ def auth_middleware(api_key: str, open_paths: frozenset[str]) -> Middleware:
 
 def _has_key(request: web.Request, expected: bytes) -> bool:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    bearer = _matches(token, expected) and scheme.lower() == "bearer"
+    # The anthropic SDK (and Claude Code with ANTHROPIC_API_KEY) sends the key this way.
+    return _matches(request.headers.get("x-api-key", ""), expected) or bearer
+
+
+def _matches(sent: str, expected: bytes) -> bool:
     # aiohttp decodes headers with surrogateescape; encoding the same way restores the sent bytes.
-    sent = token.strip().encode("utf-8", "surrogateescape")
     # compare_digest's time does not depend on where the two differ, so the key cannot be guessed by timing.
-    return hmac.compare_digest(sent, expected) and scheme.lower() == "bearer"
+    return hmac.compare_digest(sent.strip().encode("utf-8", "surrogateescape"), expected)

@@ -1,15 +1,17 @@
-"""One chat choice's text as the message clients read: the reasoning (with --reasoning-parser),
-the content, and the tool calls that the active tool parser finds in the answer.
+"""One choice's text as the message clients read: the reasoning (with --reasoning-parser), the
+content, and the tool calls that the active tool parser finds in the answer. With neither (plain
+options, as completions use), the whole text is content.
 
-Streamed, each call gets its index on every delta, and its id, type and name once, on its first
-delta; later deltas carry argument fragments only (what the openai SDK, LangChain and Dify merge
-by). The non-stream message is the same scan of the whole text, so the fragments add up to it."""
+Streamed, each call gets its index on every fragment, and its id and name once, on its first;
+later fragments carry arguments only (what the openai SDK, LangChain and Dify merge by). The
+non-stream message is the same scan of the whole text, so the fragments add up to it."""
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.gateway import reasoning
-from pagedserve.gateway.schemas import Delta, DeltaFunction, DeltaToolCall, FunctionCall, ToolCall
+from pagedserve.gateway.output_events import Event, ReasoningDelta, TextDelta, ToolCallDelta
+from pagedserve.gateway.schemas import FunctionCall, ToolCall
 from pagedserve.gateway.tool_parsers import ParsedCall, Scan, Scanner
 
 
@@ -70,44 +72,43 @@ class ChoiceOutput:
             return think, Scan(answer, len(self.text))
         return think, self.scanner.scan(self.text, answer, final)
 
-    def delta(self, text: str, final: bool) -> Delta:
-        """The new text as a delta: reasoning, content and tool-call fragments."""
+    def read(self, text: str, final: bool, choice: int = 0) -> list[Event]:
+        """The new text as events of choice `choice`: reasoning, content and tool-call fragments."""
         # Extended through a local, which CPython does in place (see IncrementalDetokenizer).
         whole, self.text = self.text, ""
         whole += text
         self.text = whole
         think, scan = self._parts(final)
-        delta = Delta()
+        events: list[Event] = []
         if think is not None and think[1] > max(think[0], self.reasoning_sent):
-            delta.reasoning = delta.reasoning_content = whole[max(think[0], self.reasoning_sent):think[1]]
+            events.append(ReasoningDelta(whole[max(think[0], self.reasoning_sent):think[1]], choice))
             self.reasoning_sent = think[1]
         if scan.end > max(scan.start, self.content_sent):
-            delta.content = whole[max(scan.start, self.content_sent):scan.end]
+            events.append(TextDelta(whole[max(scan.start, self.content_sent):scan.end], choice))
             self.content_sent = scan.end
-        delta.tool_calls = self._call_deltas(scan.calls) or None
-        return delta
+        events += self._call_deltas(scan.calls, choice)
+        return events
 
-    def _call_deltas(self, calls: list[ParsedCall]) -> list[DeltaToolCall]:
+    def _call_deltas(self, calls: list[ParsedCall], choice: int) -> list[ToolCallDelta]:
         deltas = []
         for index in range(self.calls_done, len(calls)):
             call = calls[index]
-            if call.name is not None and (d := self._call_delta(index, call)) is not None:
+            if call.name is not None and (d := self._call_delta(index, call, choice)) is not None:
                 deltas.append(d)
             if index == self.calls_done and call.complete and (call.name is None or index < len(self.ids)):
                 self.calls_done += 1
         return deltas
 
-    def _call_delta(self, index: int, call: ParsedCall) -> DeltaToolCall | None:
+    def _call_delta(self, index: int, call: ParsedCall, choice: int) -> ToolCallDelta | None:
         if index == len(self.ids):
             self.ids.append(_tool_call_id())
             self.args_sent.append(call.end)
-            return DeltaToolCall(index, DeltaFunction(call.name, self.text[call.start:call.end]), self.ids[index],
-                                 "function")
+            return ToolCallDelta(index, self.ids[index], call.name, self.text[call.start:call.end], choice)
         sent = max(call.start, self.args_sent[index])
         if call.end <= sent:
             return None
         self.args_sent[index] = call.end
-        return DeltaToolCall(index, DeltaFunction(arguments=self.text[sent:call.end]))
+        return ToolCallDelta(index, None, None, self.text[sent:call.end], choice)
 
     def message(self, text: str) -> Message:
         """The whole output as a message; calls get the ids a stream would have sent."""

@@ -1,8 +1,10 @@
-"""OpenAI-shaped errors and the middleware that turns every failure into one."""
+"""Errors in OpenAI's shape (another protocol's on its paths) and the middleware that answers every failure."""
 import asyncio
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from pagedserve.common.log import get_logger, loggable
 
@@ -68,7 +70,8 @@ def overloaded(message: str = "The server is overloaded; retry shortly.") -> API
 
 def unauthorized() -> APIError:
     return APIError(401, "Missing or incorrect API key: send it as the header `Authorization: Bearer "
-                    "<key>`, with the key the server was started with (--api-key or PAGEDSERVE_API_KEY).",
+                    "<key>` (or `x-api-key: <key>`), with the key the server was started with (--api-key or "
+                    "PAGEDSERVE_API_KEY).",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -80,9 +83,10 @@ _encoder = msgspec.json.Encoder()
 
 # Statuses aiohttp raises itself (routing, body size, methods) with messages that tell the client what to do.
 _HTTP_MESSAGES = {
-    404: "Not found: this server serves /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, "
-         "/rerank, /v1/rerank, /v2/rerank, /score, /v1/score, /tokenize, /detokenize, /version, /health and "
-         "/metrics.",
+    404: "Not found: this server serves /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, "
+         "/v1/messages, /v1/embeddings, /rerank, /v1/rerank, /v2/rerank, /score, /v1/score, Ollama's /api/chat, "
+         "/api/generate, /api/tags, /api/show, /api/ps and /api/version, /tokenize, /detokenize, /version, "
+         "/health and /metrics.",
     405: "Method not allowed on this path.",
     413: f"Request body too large: the limit is {MAX_BODY_BYTES} bytes.",
 }
@@ -92,9 +96,13 @@ def encode_error(error: APIError) -> bytes:
     return _encoder.encode(ErrorBody(error=error.info))
 
 
-def error_response(error: APIError) -> web.Response:
-    return web.Response(status=error.status, body=encode_error(error),
-                        content_type="application/json", headers=error.headers)
+# An error's body in one protocol's shape.
+ErrorEncoder = Callable[[APIError], bytes]
+
+
+def error_response(error: APIError, encode: ErrorEncoder = encode_error) -> web.Response:
+    return web.Response(status=error.status, body=encode(error), content_type="application/json",
+                        headers=error.headers)
 
 
 def _from_http(exc: web.HTTPException) -> APIError:
@@ -103,21 +111,26 @@ def _from_http(exc: web.HTTPException) -> APIError:
     return APIError(exc.status, message, type=kind)
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Answers every exception with the OpenAI error body; never leaks a traceback."""
-    try:
-        return await handler(request)
-    except APIError as e:
-        # The message may quote what the client sent.
-        log.info("request_failed", status=e.status, message=loggable(e.info.message))
-        return error_response(e)
-    except web.HTTPException as e:
-        if e.status < 400:
+def error_middleware(shapes: dict[str, ErrorEncoder]) -> Middleware:
+    """Answers every exception with an error body, in the shape of the protocol whose path prefix (a
+    key of `shapes`) the path starts with, else OpenAI's; never leaks a traceback."""
+    @web.middleware
+    async def answer_errors(request: web.Request, handler) -> web.StreamResponse:
+        encode = next((e for prefix, e in shapes.items() if request.path.startswith(prefix)), encode_error)
+        try:
+            return await handler(request)
+        except APIError as e:
+            # The message may quote what the client sent.
+            log.info("request_failed", status=e.status, message=loggable(e.info.message))
+            return error_response(e, encode)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return error_response(_from_http(e), encode)
+        except (asyncio.CancelledError, ConnectionResetError):
             raise
-        return error_response(_from_http(e))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("request_crashed")
-        return error_response(internal())
+        except Exception:
+            log.exception("request_crashed")
+            return error_response(internal(), encode)
+
+    return answer_errors

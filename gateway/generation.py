@@ -203,7 +203,8 @@ class Generation:
     def _event(self, choice: Choice, response: pb.GenerateResponse) -> ChoiceEvent | None:
         progress = choice.progress
         progress.stats.response()
-        choice.completion_tokens += len(response.token_ids)
+        # The scheduler's count, which usage and the metrics report as it is (never recounted here).
+        choice.completion_tokens = response.completion_tokens
         choice.cached_tokens = max(choice.cached_tokens, response.cached_tokens)
         if response.logprobs:
             progress.logprobs += decode_logprobs(self._tokenizer, response.token_ids, response.logprobs)

@@ -20,7 +20,7 @@ from pagedserve.gateway.pooling_schemas import (BilledUnits, Embedding, Embeddin
                                                 RerankResponse, RerankResult, RerankUsage, RerankV2Response,
                                                 ScoreData, ScoreRequest, ScoreResponse)
 from pagedserve.gateway.request_id import current_request_id
-from pagedserve.gateway.routes import json_response, read_json
+from pagedserve.gateway.serving import json_response, read_json
 from pagedserve.gateway.schemas import Usage
 from pagedserve.gateway.state import GATEWAY, ServedModel
 from pagedserve.v1 import engine_pb2 as pb

@@ -12,6 +12,9 @@ Int32 = Annotated[int, Meta(ge=-2**31, le=2**31 - 1)]
 # OpenAI's own limit on `messages`; checked while decoding, which then stops early.
 MAX_MESSAGES = 2048
 Stop = str | Annotated[list[str], Meta(max_length=4)]
+# Stop strings a request may send on protocols that set no limit of their own (Anthropic's, Ollama's):
+# a streamed choice checks every one at each token.
+MAX_STOP_STRINGS = 16
 
 # The engine's ranges, less where OpenAI's API allows less: up to 16 choices, temperature up to 2,
 # and up to 5 logprobs from the legacy completions. Each endpoint names logprobs its own way.

@@ -18,6 +18,7 @@ from pagedserve.gateway import reasoning, tool_parsers
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.engine_pool import split_addresses
 from pagedserve.gateway.hosts import allowed_hosts, is_loopback
+from pagedserve.gateway.response_store import DEFAULT_STORE_MB, DEFAULT_STORE_TTL_S
 from pagedserve.common.tokenizer import Tokenizer, read_chat_template
 from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY
 from pagedserve.common.log import get_logger
@@ -115,6 +116,11 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                             "before it is closed")
     group.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
                        help="seconds a request body may take to arrive; slower ones get a 408")
+    group.add_argument("--responses-store-mb", type=int, default=DEFAULT_STORE_MB,
+                       help="MiB of memory for stored /v1/responses responses (`store: true`, for "
+                            "previous_response_id and GET); past it the oldest go first; 0 stores none")
+    group.add_argument("--responses-store-ttl", type=float, default=DEFAULT_STORE_TTL_S,
+                       help="seconds a stored /v1/responses response is kept")
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -215,7 +221,8 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     max_client_batch_size=args.max_client_batch_size, body_read_timeout=args.body_read_timeout,
                     trust_request_chat_template=args.trust_request_chat_template,
                     max_concurrent_requests=args.max_concurrent_requests,
-                    prompt_tokens_details=args.enable_prompt_tokens_details)
+                    prompt_tokens_details=args.enable_prompt_tokens_details,
+                    responses_store_mb=args.responses_store_mb, responses_store_ttl=args.responses_store_ttl)
     # The tokenizer and everything loaded so far live as long as the process: frozen, they leave
     # the collector's full passes, which a large request's objects would otherwise trigger over
     # the whole heap (tens of milliseconds with the event loop held).

@@ -13,6 +13,7 @@ from pagedserve.gateway.drain import Drain
 from pagedserve.gateway.engine_client import ModelSpec
 from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.metrics import Metrics, ModelMetrics
+from pagedserve.gateway.response_store import ResponseStore
 from pagedserve.gateway.template_worker import TemplateWorker
 from pagedserve.common.tokenizer import Tokenizer
 
@@ -63,6 +64,8 @@ class Gateway:
     trust_request_chat_template: bool = False
     templates: TemplateWorker = field(default_factory=TemplateWorker)
     drain: Drain = field(default_factory=Drain)
+    # Stored /v1/responses responses (--responses-store-mb, --responses-store-ttl).
+    responses: ResponseStore = field(default_factory=ResponseStore)
     # One thread: the work is mostly Python (templates, ids to lists) that holds the GIL anyway, and
     # each extra thread would get its own malloc arena that keeps a large request's memory.
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "gateway-cpu"))

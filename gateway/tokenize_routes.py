@@ -4,7 +4,7 @@ from aiohttp import web
 from pagedserve.gateway import params
 from pagedserve.gateway.chat_prompt import chat_prompt
 from pagedserve.gateway.errors import bad_request
-from pagedserve.gateway.routes import json_response, read_json
+from pagedserve.gateway.serving import json_response, read_json
 from pagedserve.gateway.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from pagedserve.gateway.state import GATEWAY
 

@@ -1,21 +1,22 @@
 """tool_choice: how a chat request's tools are used. `none` renders them and parses nothing;
 `auto` parses what the model writes with the server's --tool-call-parser; `required` and a named
 function are forced through structured outputs (vLLM's schemas), so the call is always valid."""
+import json
+
 from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.gateway import tool_parsers
 from pagedserve.gateway.chat_output import ChatOutputOptions
 from pagedserve.gateway.errors import bad_request
-from pagedserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, Tool
+from pagedserve.gateway.schemas import NamedToolChoice, Tool
 
 _ANY_OBJECT = {"type": "object"}
 
 
-def tool_options(req: ChatCompletionRequest, tool_parser: str | None,
-                 options: ChatOutputOptions) -> StructuredOutputsParams | None:
+def tool_options(tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool | None,
+                 tool_parser: str | None, options: ChatOutputOptions) -> StructuredOutputsParams | None:
     """Sets `options`' tool scan for the request's tool_choice; returns the constraint that
     forces the calls, if any. A 400 for a choice the request or the server cannot honour."""
-    choice = req.tool_choice
-    if not req.tools:
+    if not tools:
         if choice is not None and choice != "none":
             raise bad_request("`tool_choice` needs `tools`; add the tools or remove `tool_choice`.",
                               param="tool_choice")
@@ -31,11 +32,11 @@ def tool_options(req: ChatCompletionRequest, tool_parser: str | None,
         options.tools, options.finish_with_calls = tool_parsers.parser(tool_parser), True
         return None
     if isinstance(choice, NamedToolChoice):
-        tool = _named(req.tools, choice.function.name)
+        tool = _named(tools, choice.function.name)
         options.tools = tool_parsers.named(tool.function.name)
         return StructuredOutputsParams(json=tool.function.parameters or _ANY_OBJECT)
     options.tools, options.finish_with_calls = tool_parsers.required, True
-    return StructuredOutputsParams(json=required_schema(req.tools, req.parallel_tool_calls is not False))
+    return StructuredOutputsParams(json=required_schema(tools, parallel is not False))
 
 
 def _named(tools: list[Tool], name: str) -> Tool:
@@ -57,3 +58,13 @@ def required_schema(tools: list[Tool], parallel: bool) -> dict:
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def arguments_object(arguments: str) -> dict:
+    """A call's arguments (JSON text) as the object that Anthropic's tool_use and Ollama's tool_calls
+    hold; {} for arguments that are no object, as when max_tokens cut them short."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -9,6 +9,9 @@ from contextlib import contextmanager
 
 from pagedserve.entrypoints import cli
 
+# The name `pagedserve serve` gives the default model.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -209,7 +209,8 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv += ["--generation-config", args.generation_config]
     if args.stream_interval != 1:
         argv += ["--stream-interval", str(args.stream_interval)]
-    for name in ("shutdown_timeout", "max_client_batch_size", "timeout_keep_alive", "body_read_timeout"):
+    for name in ("shutdown_timeout", "max_client_batch_size", "timeout_keep_alive", "body_read_timeout",
+                 "responses_store_mb", "responses_store_ttl"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.max_concurrent_requests is not None:
         argv += ["--max-concurrent-requests", str(args.max_concurrent_requests)]

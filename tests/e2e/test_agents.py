@@ -6,9 +6,6 @@ The small model does not write tool calls by itself, so `auto` tests force the t
 with a regex (structured outputs apply under `auto` too); `required` and named choices are forced
 by the server's own schemas."""
 import json
-import os
-import subprocess
-import sys
 from typing import Literal
 
 import jsonschema
@@ -20,10 +17,8 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
-from pagedserve.common import service
-from tests.serving import free_port, wait_http
+from tests.serving import DEFAULT_MODEL_NAME as MODEL
 
-MODEL = "SmolLM2-135M-Instruct"
 WEATHER_ARGS = {"city": "Dallas", "state": "TX"}
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -61,37 +56,6 @@ class Car(BaseModel):
     brand: Literal["vw", "bmw"]
     electric: bool
     doors: Literal[2, 4]
-
-
-def start(argv: list[str]) -> subprocess.Popen:
-    # The second gateway calls serve's scheduler, which requires the token serve was given.
-    env = {**os.environ, service.TOKEN_ENV: "e2e-agents-token"}
-    return subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", *argv], env=env)
-
-
-@pytest.fixture(scope="module")
-def servers():
-    port, reasoning_port, grpc_port = free_port(), free_port(), free_port()
-    scheduler = f"127.0.0.1:{grpc_port}"
-    serve = start(["serve", "--port", str(port), "--scheduler-address", scheduler, "--max-model-len", "2048",
-                   "--num-gpu-blocks-override", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                   "--trust-request-chat-template"])
-    processes = [serve]
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", serve, timeout=240)
-        gateway = start(["gateway", "--port", str(reasoning_port), "--scheduler-address", scheduler,
-                         "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
-                         "--trust-request-chat-template"])
-        processes.append(gateway)
-        wait_http(f"http://127.0.0.1:{reasoning_port}/health", gateway, timeout=120)
-        yield {"tools": f"http://127.0.0.1:{port}", "reasoning": f"http://127.0.0.1:{reasoning_port}"}
-    finally:
-        for process in processes[::-1]:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
 
 
 @pytest.fixture(scope="module")

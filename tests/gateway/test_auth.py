@@ -18,7 +18,7 @@ async def _routes() -> list[tuple[str, str]]:
     routes = []
     for route in app.router.routes():
         info = route.resource.get_info()
-        path = info.get("path") or info["formatter"].format_map({"model": "tiny-model"})
+        path = info.get("path") or info["formatter"].format_map({"model": "tiny-model", "response_id": "resp_x"})
         if route.method != "HEAD":
             routes.append((route.method, path))
     return routes
@@ -26,15 +26,25 @@ async def _routes() -> list[tuple[str, str]]:
 
 async def test_every_route_is_listed():
     paths = {path for _, path in await _routes()}
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/version"} <= paths
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/version"} <= paths
     assert OPEN <= paths
+
+
+def _unauthorized(path: str, body: dict) -> str:
+    """The message of a 401 body, checked to be in the shape of the path's protocol."""
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+        return body["error"]["message"]
+    if path.startswith("/api/"):
+        return body["error"]
+    assert body["error"]["code"] == "invalid_api_key"
+    return body["error"]["message"]
 
 
 async def _status(http, method: str, url: str, **headers) -> int:
     async with http.request(method, url, json={}, headers=headers) as r:
         if r.status == 401:
-            error = (await r.json())["error"]
-            assert error["code"] == "invalid_api_key" and "Authorization: Bearer" in error["message"]
+            assert "Authorization: Bearer" in _unauthorized(r.url.path, await r.json())
             assert KEY not in await r.text()
         return r.status
 
@@ -126,3 +136,10 @@ def test_flags(monkeypatch):
     assert args.allowed_origins == ["https://a.example", "https://b.example"]
     assert parse_list('["*"]') == ["*"]
     assert api_key(parser.parse_args(["--api-key", "k", "--protect-metrics"])) == "k"
+
+
+async def test_the_key_as_x_api_key_as_anthropic_clients_send_it(serve, http):
+    url = await serve(api_key=KEY)
+    assert await _status(http, "GET", f"{url}/v1/models", **{"x-api-key": KEY}) == 200
+    for wrong in ("", "wrong", f"Bearer {KEY}", KEY + "x"):
+        assert await _status(http, "GET", f"{url}/v1/models", **{"x-api-key": wrong}) == 401

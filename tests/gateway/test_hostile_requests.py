@@ -43,6 +43,17 @@ async def _tool_call_stream(http, url: str, tokens: int) -> tuple[str, float]:
     return "".join(arguments), time.monotonic() - started
 
 
+def poll_health(url: str, done: threading.Event, waits: list[float]) -> None:
+    """Calls /health until `done`, adding each call's seconds to `waits`. Run it on a thread of its own:
+    the test's event loop, busy with the fake engine and the streams, would add its own delays."""
+    while not done.is_set():
+        sent = time.monotonic()
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            assert r.status == 200
+        waits.append(time.monotonic() - sent)
+        time.sleep(0.01)
+
+
 async def test_hostile_requests_are_refused_or_bounded_while_health_answers(http, engine, tokenizer, tokenizer_dir):
     # The fake engine writes the tool call 128 tokens per message (about 600 deltas); its context
     # holds it.
@@ -51,20 +62,9 @@ async def test_hostile_requests_are_refused_or_bounded_while_health_answers(http
     # Encoded up front: this process's event loop also serves the fake engine.
     bodies = {name: (path, json.dumps(body).encode(), param) for name, (path, body, param) in HOSTILE.items()}
     waits, done = [], threading.Event()
-
-    def poll(url: str) -> None:
-        # On a thread of its own: this process's event loop, busy with the fake engine and the
-        # stream, would add its own delays to the gateway's.
-        while not done.is_set():
-            sent = time.monotonic()
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                assert r.status == 200
-            waits.append(time.monotonic() - sent)
-            time.sleep(0.01)
-
     async with gateway_process(http, engine, tokenizer_dir, "--trust-request-chat-template",
                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as (url, _):
-        polling = asyncio.get_running_loop().run_in_executor(None, poll, url)
+        polling = asyncio.get_running_loop().run_in_executor(None, poll_health, url, done, waits)
         *refusals, (arguments, streamed_s) = await asyncio.gather(
             *(_refused(http, url, path, body) for path, body, _ in bodies.values()),
             _tool_call_stream(http, url, len(engine.reply)))

@@ -7,6 +7,9 @@ import pytest
 
 from pagedserve.gateway import tool_parsers
 from pagedserve.gateway.chat_output import ChatOutputOptions, ChoiceOutput
+from pagedserve.gateway.chat_responses import ChatResponses
+from pagedserve.gateway.output_events import ReasoningDelta, Step, TextDelta, ToolCallDelta
+from pagedserve.gateway.schemas import Delta
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Dallas", "state": "TX"}}'
 HERMES = {
@@ -21,26 +24,32 @@ HERMES = {
 
 
 def stream(options: ChatOutputOptions, text: str, cuts: list[int]) -> tuple[dict, list]:
-    """Streams `text` in pieces ending at `cuts`; returns the merged fields and every delta."""
+    """Streams `text` in pieces ending at `cuts`; returns the merged fields and each piece's events."""
     out = ChoiceOutput(options)
-    deltas, start = [], 0
+    reads, start = [], 0
     for end in [*cuts, len(text)]:
-        deltas.append(out.delta(text[start:end], final=end == len(text)))
+        reads.append(out.read(text[start:end], final=end == len(text)))
         start = end
+    events = [e for read in reads for e in read]
     merged = {"content": "", "reasoning": "", "calls": {}}
-    for d in deltas:
-        merged["content"] += d.content or ""
-        merged["reasoning"] += d.reasoning or ""
-        for call in d.tool_calls or ():
-            entry = merged["calls"].setdefault(call.index, {"id": None, "name": None, "arguments": ""})
-            for key, value in (("id", call.id), ("name", call.function.name)):
+    for e in events:
+        merged["content"] += e.text if isinstance(e, TextDelta) else ""
+        merged["reasoning"] += e.text if isinstance(e, ReasoningDelta) else ""
+        if isinstance(e, ToolCallDelta):
+            entry = merged["calls"].setdefault(e.index, {"id": None, "name": None, "arguments": ""})
+            for key, value in (("id", e.id), ("name", e.name)):
                 if value is not None:
-                    assert entry[key] is None, f"{key} sent twice for call {call.index}"
+                    assert entry[key] is None, f"{key} sent twice for call {e.index}"
                     entry[key] = value
-            if call.function.arguments is not None:
-                assert entry["name"] is not None, "arguments before the call's name"
-                entry["arguments"] += call.function.arguments
-    return merged, deltas
+            assert entry["name"] is not None, "arguments before the call's name"
+            entry["arguments"] += e.arguments_fragment
+    return merged, reads
+
+
+def chat_deltas(options: ChatOutputOptions, reads: list[list]) -> list[Delta]:
+    """Each piece's events as the chat chunk's delta that carries them."""
+    wire = ChatResponses("id", "model", 1, False, False, options)
+    return [wire.step(Step(0, events))[0].choices[0].delta for events in reads]
 
 
 def check_every_cut(options: ChatOutputOptions, text: str) -> None:
@@ -74,8 +83,8 @@ def test_hermes_message():
 def test_every_tool_delta_has_an_index_and_one_header():
     options = ChatOutputOptions(tools=tool_parsers.hermes, finish_with_calls=True)
     text = HERMES["empty arguments then a second call"]
-    _, deltas = stream(options, text, list(range(1, len(text))))
-    calls = [c for d in deltas for c in d.tool_calls or ()]
+    _, reads = stream(options, text, list(range(1, len(text))))
+    calls = [c for d in chat_deltas(options, reads) for c in d.tool_calls or ()]
     assert all(isinstance(c.index, int) for c in calls)
     headers = [c for c in calls if c.id is not None]
     assert [c.index for c in headers] == [0, 1]
@@ -128,8 +137,9 @@ def dify_merge(deltas) -> list[dict]:
 
 def test_dify_merges_the_stream_into_one_call():
     text = HERMES["text before"]
-    _, deltas = stream(ChatOutputOptions(tools=tool_parsers.hermes), text, list(range(1, len(text), 3)))
-    calls = dify_merge(deltas)
+    options = ChatOutputOptions(tools=tool_parsers.hermes)
+    _, reads = stream(options, text, list(range(1, len(text), 3)))
+    calls = dify_merge(chat_deltas(options, reads))
     assert len(calls) == 1 and json.loads(calls[0]["arguments"]) == {"city": "Dallas", "state": "TX"}
 
 
@@ -178,8 +188,8 @@ def test_a_long_argument_streamed_a_character_at_a_time_takes_linear_time(case):
     out, fragments = ChoiceOutput(options), []
     started = time.perf_counter()
     for i, char in enumerate(text):
-        delta = out.delta(char, final=i == len(text) - 1)
-        fragments += [c.function.arguments or "" for c in delta.tool_calls or ()]
+        fragments += [e.arguments_fragment for e in out.read(char, final=i == len(text) - 1)
+                      if isinstance(e, ToolCallDelta)]
         assert time.perf_counter() - started < 1.0, f"1 s spent by character {i} of {len(text)}"
     message = ChoiceOutput(options).message(text)
     assert "".join(fragments) == message.tool_calls[0].function.arguments and BIG in "".join(fragments)

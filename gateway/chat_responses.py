@@ -1,22 +1,19 @@
-"""Response bodies of chat and completions, built from the same choice events."""
+"""Chat and completions on the wire: their chunks and bodies, written from the output events."""
 import time
 from abc import ABC, abstractmethod
 
 from msgspec import UNSET, Struct
 
-from pagedserve.gateway.chat_output import ChatOutputOptions, ChoiceOutput
-from pagedserve.gateway.generation import ChoiceEvent
+from pagedserve.gateway.chat_output import ChatOutputOptions
+from pagedserve.gateway.errors import APIError, ErrorBody
+from pagedserve.gateway.output_events import Collected, Finish, ReasoningDelta, Step, TextDelta, ToolCallDelta
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.gateway.logprobs import (TokenLogprob, chat_logprobs, completion_logprobs, echo_logprobs,
                                          prompt_logprobs)
 from pagedserve.gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                              ChatLogprobs, ChatMessageOut, Completion, CompletionChoice,
-                             CompletionLogprobs, Delta, Usage)
+                             CompletionLogprobs, Delta, DeltaFunction, DeltaToolCall, Usage)
 from pagedserve.v1 import engine_pb2 as pb
-
-# Each choice's prompt logprobs from the engine (None where it sent none).
-PromptEntries = list[list[pb.TokenLogprobs] | None]
-
 
 class PromptLogprobs:
     """How the choices' prompt logprobs are shown: vLLM's prompt_logprobs, and (completions'
@@ -59,22 +56,25 @@ class ResponseBuilder(ABC):
         return self.chunk_type(self.id, self.created, self.model, choices,
                                self._chunk_usage if usage is UNSET else usage)
 
-    def usage_chunk(self, usage: Usage) -> Struct:
-        return self._chunk([], usage)
+    def closing(self, usage: Usage) -> list[Struct]:
+        """Chunks sent after every choice has finished: the usage, when asked for."""
+        return [self._chunk([], usage)] if self.include_usage else []
+
+    def error(self, error: APIError) -> Struct:
+        """The event a stream ends with when it fails."""
+        return ErrorBody(error=error.info)
 
     @abstractmethod
     def openings(self) -> list[Struct]:
         """Chunks sent before the first generated text."""
 
     @abstractmethod
-    def chunk(self, event: ChoiceEvent) -> Struct:
-        """The stream chunk carrying one choice event."""
+    def step(self, step: Step) -> list[Struct]:
+        """The stream chunks carrying one step of one choice."""
 
     @abstractmethod
-    def response(self, texts: list[str], logprobs: list[list[TokenLogprob]], finals: list[ChoiceEvent],
-                 usage: Usage, prompts: PromptEntries) -> Struct:
-        """The non-stream body from each choice's full text, token logprobs, last event and
-        prompt logprobs."""
+    def body(self, collected: Collected) -> Struct:
+        """The non-stream body."""
 
 
 class ChatResponses(ResponseBuilder):
@@ -86,37 +86,37 @@ class ChatResponses(ResponseBuilder):
                  prompt: PromptLogprobs | None = None) -> None:
         super().__init__(request_id, model, num_choices, include_usage, logprobs, prompt)
         self._options = options or ChatOutputOptions()
-        self._outputs = [ChoiceOutput(self._options) for _ in range(num_choices)]
 
     def openings(self) -> list[Struct]:
         return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))])
                 for i in range(self.num_choices)]
 
-    def chunk(self, event: ChoiceEvent) -> Struct:
-        output = self._outputs[event.index]
-        finish_reason = event.finish_reason
-        delta = output.delta(event.text, finish_reason is not None)
-        if finish_reason is not None:
-            finish_reason = output.finish_reason(finish_reason)
-        return self._chunk([ChatChunkChoice(event.index, delta, finish_reason, event.stop_reason,
-                                            self._logprobs(event.logprobs))])
+    def step(self, step: Step) -> list[Struct]:
+        delta, calls = Delta(), []
+        for event in step.events:
+            match event:
+                case ReasoningDelta(text=text):
+                    delta.reasoning = delta.reasoning_content = text
+                case TextDelta(text=text):
+                    delta.content = text
+                case ToolCallDelta():
+                    calls.append(_delta_call(event))
+        delta.tool_calls = calls or None
+        return [self._chunk([ChatChunkChoice(step.choice, delta, *_ending(step), self._logprobs(step.logprobs))])]
 
-    def response(self, texts: list[str], logprobs: list[list[TokenLogprob]], finals: list[ChoiceEvent],
-                 usage: Usage, prompts: PromptEntries) -> Struct:
-        choices = [ChatChoice(f.index, self._message(f.index, texts[f.index]),
-                              self._outputs[f.index].finish_reason(f.finish_reason), f.stop_reason,
-                              self._logprobs(logprobs[f.index])) for f in finals]
-        body = ChatCompletion(self.id, self.created, self.model, choices, usage)
+    def body(self, collected: Collected) -> Struct:
+        choices = [ChatChoice(o.choice, self._message(o.content, o.tool_calls, o.reasoning), o.finish.reason,
+                              o.finish.stop_reason, self._logprobs(o.logprobs)) for o in collected.outcomes]
+        body = ChatCompletion(self.id, self.created, self.model, choices, collected.usage)
         if self.prompt is not None:
             # One prompt for every choice of a chat.
-            body.prompt_logprobs = self.prompt.vllm_form(0, prompts[0])
+            body.prompt_logprobs = self.prompt.vllm_form(0, collected.outcomes[0].prompt_logprobs)
         return body
 
-    def _message(self, index: int, text: str) -> ChatMessageOut:
-        m = self._outputs[index].message(text)
-        out = ChatMessageOut(m.content, tool_calls=m.tool_calls)
+    def _message(self, content: str | None, tool_calls: list, reasoning: str | None) -> ChatMessageOut:
+        out = ChatMessageOut(content, tool_calls=tool_calls)
         if self._options.reasoning:
-            out.reasoning = out.reasoning_content = m.reasoning
+            out.reasoning = out.reasoning_content = reasoning
         return out
 
     def _logprobs(self, tokens: list[TokenLogprob]) -> ChatLogprobs | None:
@@ -138,28 +138,28 @@ class CompletionResponses(ResponseBuilder):
     def openings(self) -> list[Struct]:
         return [self._chunk([CompletionChoice(i, text)]) for i, text in enumerate(self._echo) if text]
 
-    def chunk(self, event: ChoiceEvent) -> Struct:
-        i, logprobs = event.index, None
+    def step(self, step: Step) -> list[Struct]:
+        i, logprobs = step.choice, None
         if self.logprobs:
             # The prompt's tokens (echo) ride on the choice's first chunk; its text came before.
-            prompt = self._prompt_tokens(i, event.prompt_logprobs)
-            logprobs, self._offsets[i] = completion_logprobs(event.logprobs, self._offsets[i])
+            prompt = self._prompt_tokens(i, step.prompt_logprobs)
+            logprobs, self._offsets[i] = completion_logprobs(step.logprobs, self._offsets[i])
             if prompt:
                 logprobs = _joined(completion_logprobs(prompt, 0)[0], logprobs)
-        choice = CompletionChoice(i, event.text, event.finish_reason, event.stop_reason, logprobs)
-        if self.prompt is not None and event.prompt_logprobs is not None:
-            choice.prompt_logprobs = self.prompt.vllm_form(i, event.prompt_logprobs)
-        return self._chunk([choice])
+        text = "".join(e.text for e in step.events if isinstance(e, TextDelta))
+        choice = CompletionChoice(i, text, *_ending(step), logprobs=logprobs)
+        if self.prompt is not None and step.prompt_logprobs is not None:
+            choice.prompt_logprobs = self.prompt.vllm_form(i, step.prompt_logprobs)
+        return [self._chunk([choice])]
 
-    def response(self, texts: list[str], logprobs: list[list[TokenLogprob]], finals: list[ChoiceEvent],
-                 usage: Usage, prompts: PromptEntries) -> Struct:
-        choices = [CompletionChoice(f.index, self._echo[f.index] + texts[f.index], f.finish_reason,
-                                    f.stop_reason, self._logprobs(logprobs[f.index], f.index, prompts[f.index]))
-                   for f in finals]
+    def body(self, collected: Collected) -> Struct:
+        choices = [CompletionChoice(o.choice, self._echo[o.choice] + o.text, o.finish.reason, o.finish.stop_reason,
+                                    self._logprobs(o.logprobs, o.choice, o.prompt_logprobs))
+                   for o in collected.outcomes]
         if self.prompt is not None:
-            for c in choices:
-                c.prompt_logprobs = self.prompt.vllm_form(c.index, prompts[c.index])
-        return Completion(self.id, self.created, self.model, choices, usage)
+            for c, o in zip(choices, collected.outcomes):
+                c.prompt_logprobs = self.prompt.vllm_form(c.index, o.prompt_logprobs)
+        return Completion(self.id, self.created, self.model, choices, collected.usage)
 
     def _prompt_tokens(self, index: int, entries: list[pb.TokenLogprobs] | None) -> list[TokenLogprob]:
         return [] if self.prompt is None else self.prompt.echo_tokens(index, entries)
@@ -172,6 +172,19 @@ class CompletionResponses(ResponseBuilder):
         if prompt:
             return completion_logprobs(prompt + tokens, 0)[0]
         return completion_logprobs(tokens, len(self._echo[index]))[0]
+
+
+def _ending(step: Step) -> tuple[str | None, str | int | None]:
+    """The finish_reason and stop_reason a step's chunk carries (None, None before the last)."""
+    finish = step.events[-1] if step.events else None
+    return (finish.reason, finish.stop_reason) if isinstance(finish, Finish) else (None, None)
+
+
+def _delta_call(event: ToolCallDelta) -> DeltaToolCall:
+    """A call's first fragment carries its id, type and name; later ones its arguments only."""
+    if event.id is None:
+        return DeltaToolCall(event.index, DeltaFunction(arguments=event.arguments_fragment))
+    return DeltaToolCall(event.index, DeltaFunction(event.name, event.arguments_fragment), event.id, "function")
 
 
 def _joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:

@@ -1,0 +1,170 @@
+"""The request every generation route builds, whatever its protocol, and plan(): that request
+checked and turned into engine requests (the prompt, the choices, how their output is read).
+
+A protocol's handler is a translator: its body to a NeutralRequest, then output_events to its wire."""
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.common.sampling_params import StructuredOutputsParams
+from pagedserve.common.tokenizer import Tokenizer
+from pagedserve.gateway import params, reasoning
+from pagedserve.gateway.admission import check_runner
+from pagedserve.gateway.chat_output import ChatOutputOptions, ChoiceOutput
+from pagedserve.gateway.chat_prompt import chat_prompt
+from pagedserve.gateway.errors import APIError, bad_request
+from pagedserve.gateway.generation import Choice, Generation, fan_out
+from pagedserve.gateway.request_id import current_request_id
+from pagedserve.gateway.schemas import ChatMessage, NamedToolChoice, SamplingFields, Tool
+from pagedserve.gateway.state import Gateway, ServedModel
+from pagedserve.gateway.structured import checked
+from pagedserve.gateway.tools import tool_options
+
+ToolChoice = str | NamedToolChoice | None
+
+
+@dataclass(slots=True)
+class NeutralRequest:
+    """What a client asks for, in OpenAI's chat terms: `messages` (a chat, rendered with the chat
+    template) or `prompts` (texts or token ids, taken as they are), never both.
+
+    `sampling` holds the generation options (its ranges are checked when it is built; its `n`,
+    `stream`, `stop` and `model` are the request's); `max_tokens` is the output limit whatever the
+    protocol calls it; `constraint` is the output constraint the protocol asked for (response
+    format, JSON schema) and the field it came in, for errors; `logprobs` the top logprobs per
+    output token (None: none)."""
+    sampling: SamplingFields
+    messages: list[ChatMessage] | None = None
+    prompts: list[str] | list[list[int]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool | None = None
+    constraint: tuple[str, StructuredOutputsParams] | None = None
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_usage: bool = False
+    # Extra chat template variables (enable_thinking, reasoning_effort), and a request's own template.
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    # The protocol's names of the fields errors name (e.g. {"max_tokens": "max_output_tokens"}).
+    field_names: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Plan:
+    """A request ready to run: its id, the served model's name, the prompts' token ids, one engine
+    request per choice, and one output reader per choice. Iterate it with output_events."""
+    id: str
+    model: str
+    served: ServedModel
+    tokenizer: Tokenizer
+    prompts: list[list[int]]
+    choices: list[Choice]
+    options: ChatOutputOptions
+    generation: Generation
+    stream: bool
+    include_usage: bool
+    outputs: list[ChoiceOutput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.outputs = [ChoiceOutput(self.options) for _ in self.choices]
+
+
+async def plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> Plan:
+    """The engine requests for `req`; a 400 (APIError) for what cannot run, naming the field by
+    the protocol's name for it."""
+    try:
+        return await _plan(gateway, served, req)
+    except APIError as e:
+        e.info.param = req.field_names.get(e.info.param, e.info.param)
+        raise
+
+
+async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> Plan:
+    model = params.resolve_model(served.resolve(req.sampling.model), served.name)
+    check_runner(served, "generate", "text generation")
+    options = ChatOutputOptions(reasoning=req.messages is not None and gateway.reasoning_parser is not None)
+    if req.messages is not None:
+        params.check_fan_out(1, req.sampling.n, gateway.max_client_batch_size)
+        constraint = await _checked(gateway, _chat_constraint(req, gateway, options))
+        prompts = [await _chat_prompt(gateway, req, options, constraint)]
+    else:
+        given = params.split_prompts(req.prompts)
+        params.check_fan_out(len(given), req.sampling.n, gateway.max_client_batch_size)
+        prompts = await _encoded(gateway, given)
+        constraint = await _checked(gateway, req.constraint)
+    rid = uuid.uuid4().hex
+    choices = _choices(rid, req, prompts, served, constraint)
+    generation = Generation(gateway.engines, gateway.tokenizer, choices, current_request_id(), served.metrics,
+                            time.monotonic(), gateway.stream_interval, gateway.log_requests,
+                            gateway.prompt_tokens_details)
+    return Plan(rid, model, served, gateway.tokenizer, prompts, choices, options, generation,
+                bool(req.sampling.stream), req.include_usage)
+
+
+async def _chat_prompt(gateway: Gateway, req: NeutralRequest, options: ChatOutputOptions,
+                       constraint: StructuredOutputsParams | None) -> list[int]:
+    """The rendered chat's token ids; turns the reasoning split off where the prompt closed the thinking."""
+    chat = params.chat_input(req.messages, req.tools, req.chat_template_kwargs, req.chat_template,
+                             gateway.trust_request_chat_template)
+    prompt = await chat_prompt(gateway, chat, req.add_generation_prompt)
+    if options.reasoning and reasoning.ended_in_prompt(gateway.tokenizer.decode(prompt, False)):
+        options.reasoning = False
+    if options.reasoning and constraint is not None:
+        _free_thinking(constraint, gateway.tokenizer)
+    return prompt
+
+
+async def _encoded(gateway: Gateway, given: list[str] | list[list[int]]) -> list[list[int]]:
+    if isinstance(given[0], str):
+        return await gateway.offload(sum(map(len, given)), params.encode_prompts, gateway.tokenizer, given)
+    return given
+
+
+def _free_thinking(constraint: StructuredOutputsParams, tokenizer: Tokenizer) -> None:
+    """Makes the constraint the answer's, leaving the thinking before </think> free. The end is
+    found by token id, as vLLM does, so only where </think> is one token (a reasoning model's
+    vocabulary); elsewhere the constraint covers the whole output."""
+    end = tokenizer.encode(reasoning.END, add_special_tokens=False)
+    if len(end) == 1:
+        constraint.reasoning_end_ids = end
+
+
+def _chat_constraint(req: NeutralRequest, gateway: Gateway,
+                     options: ChatOutputOptions) -> tuple[str, StructuredOutputsParams] | None:
+    """What tool_choice forces (from `tools`), or else what the request asks for, and its field."""
+    forced = tool_options(req.tools, req.tool_choice, req.parallel_tool_calls, gateway.tool_parser, options)
+    if forced is not None and req.constraint is not None:
+        raise bad_request("tool_choice \"required\" or a named function constrains the output already; "
+                          f"remove `{req.constraint[0]}`.", param="tool_choice")
+    return ("tools", forced) if forced is not None else req.constraint
+
+
+async def _checked(gateway: Gateway,
+                   given: tuple[str, StructuredOutputsParams] | None) -> StructuredOutputsParams | None:
+    """The constraint, checked (size and compilation) on the pool: a large one takes seconds."""
+    if given is None:
+        return None
+    param, constraint = given
+    return await gateway.in_pool(checked, constraint, param)
+
+
+def _choices(rid: str, req: NeutralRequest, prompts: list[list[int]], served: ServedModel,
+             constraint: StructuredOutputsParams | None) -> list[Choice]:
+    sampling, spec = req.sampling, served.spec
+    # The length first: it costs nothing, while the vocabulary check reads every id.
+    params.check_context(prompts, req.max_tokens, spec.max_model_len)
+    params.check_prompts(prompts, spec.vocab_size)
+    params.check_token_ids(sampling.stop_token_ids or [], spec.vocab_size, "stop_token_ids")
+    bias = params.logit_bias(sampling.logit_bias, spec.vocab_size)
+    params.check_stop(sampling.stop)
+    wanted = params.sampling_params(sampling, req.max_tokens, req.logprobs, served.sampling_defaults, constraint,
+                                    req.prompt_logprobs, bias)
+    choices = fan_out(rid, prompts, wanted, sampling.cache_salt)
+    served.metrics.request_params_n.observe(sampling.n)
+    served.metrics.request_params_max_tokens.observe(
+        req.max_tokens or spec.max_model_len - max(len(p) for p in prompts))
+    return choices
