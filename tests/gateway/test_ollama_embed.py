@@ -1,6 +1,8 @@
 """Ollama's /api/embed and legacy /api/embeddings over the fake engine's Pool, through the ollama
 client and raw: the vectors, what reaches the engine (normalised, cut to `dimensions`, inputs cut
-from their end), the counts, and what they refuse, in Ollama's error shape and never a 500."""
+from their end), the counts, and what they refuse (past --max-concurrent-requests too), in Ollama's error shape and
+never a 500."""
+import asyncio
 import json
 
 import ollama
@@ -109,3 +111,18 @@ async def test_a_generation_model_refuses_both_routes(base_url, http):
                                                                                            "prompt": "hi"})):
         status, error = await _error(http, base_url, path, body)
         assert status == 400 and "--runner pooling" in error["error"] and path in error["error"]
+
+
+async def test_past_max_concurrent_requests_a_503_in_ollamas_shape(embedder, serve, http):
+    url = await serve(max_concurrent_requests=1)
+    embedder.delay = 0.3
+    body = {"model": MODEL, "input": "hi"}
+    first = asyncio.create_task(http.post(url + "/api/embed", json=body))
+    async with asyncio.timeout(5):
+        while not embedder.pool_requests:
+            await asyncio.sleep(0.01)
+    for path, second in (("/api/embed", body), ("/api/embeddings", {"model": MODEL, "prompt": "hi"})):
+        status, error = await _error(http, url, path, second)
+        assert status == 503 and list(error) == ["error"] and "--max-concurrent-requests" in error["error"]
+    async with await first as r:
+        assert r.status == 200 and len((await r.json())["embeddings"]) == 1
