@@ -82,6 +82,15 @@ def check_top_n(top_n: int | None) -> None:
                           param="top_n")
 
 
+def embedding_inputs(req: EmbeddingRequest, limit: int, max_model_len: int) -> EmbedInputs:
+    """/v1/embeddings' inputs, cut to their last truncate_prompt_tokens tokens, as vLLM cuts them."""
+    given = split_inputs(req.input, limit)
+    too_long = ("Shorten it, or set `truncate_prompt_tokens` (-1: the model's limit) to keep its last tokens."
+                + (LANGCHAIN_HINT if not isinstance(given[0], str) else ""))
+    return EmbedInputs(given, truncation(req.truncate_prompt_tokens, max_model_len), keep_first=False,
+                       too_long=too_long, add_special_tokens=req.add_special_tokens)
+
+
 def truncation(value: int | None, max_model_len: int) -> int | None:
     """How many tokens of each input to keep (the last ones), None for all: vLLM's truncate_prompt_tokens."""
     if value is None:

@@ -11,9 +11,9 @@ from pagedserve.gateway import params
 from pagedserve.gateway.admission import admitted, check_runner, counts_rejections
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.pooling import Pooling, PoolInput
-from pagedserve.gateway.pooling_inputs import (LANGCHAIN_HINT, EmbedInputs, check_count, check_lengths, check_task,
-                                               check_token_input, check_top_n, embed_params, encode_texts,
-                                               pair_inputs, score_pairs, split_inputs, text_inputs, truncation)
+from pagedserve.gateway.pooling_inputs import (EmbedInputs, check_count, check_lengths, check_task, check_token_input,
+                                               check_top_n, embed_params, embedding_inputs, encode_texts,
+                                               pair_inputs, score_pairs, text_inputs)
 from pagedserve.gateway.pooling_outputs import cosines, encode_embedding, ranked
 from pagedserve.gateway.pooling_schemas import (BilledUnits, Embedding, EmbeddingRequest, EmbeddingResponse,
                                                 EmbeddingUsage, MetaTokens, RerankMeta, RerankRequest,
@@ -28,7 +28,6 @@ from pagedserve.v1 import engine_pb2 as pb
 log = get_logger(__name__)
 # Cohere bills a rerank by search units of up to this many documents.
 _DOCUMENTS_PER_SEARCH_UNIT = 100
-_TOO_LONG = "Shorten it, or set `truncate_prompt_tokens` (-1: the model's limit) to keep its last tokens."
 
 
 @counts_rejections
@@ -40,10 +39,7 @@ async def embeddings(request: web.Request) -> web.Response:
     model = params.resolve_model(served.resolve(req.model), served.name)
     check_embedder(served, "/v1/embeddings")
     pooling = embed_params(req, served)
-    given = split_inputs(req.input, gateway.max_client_batch_size)
-    too_long = _TOO_LONG + (LANGCHAIN_HINT if not isinstance(given[0], str) else "")
-    inputs = EmbedInputs(given, truncation(req.truncate_prompt_tokens, served.spec.max_model_len), keep_first=False,
-                         too_long=too_long, add_special_tokens=req.add_special_tokens)
+    inputs = embedding_inputs(req, gateway.max_client_batch_size, served.spec.max_model_len)
     vectors, tokens = await embed(request, served, inputs, pooling)
     data = [Embedding(i, encode_embedding(v, req.encoding_format)) for i, v in enumerate(vectors)]
     return json_response(EmbeddingResponse(f"embd-{uuid.uuid4().hex}", int(time.time()), model, data,

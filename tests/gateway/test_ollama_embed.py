@@ -1,7 +1,7 @@
 """Ollama's /api/embed and legacy /api/embeddings over the fake engine's Pool, through the ollama
 client and raw: the vectors, what reaches the engine (normalised, cut to `dimensions`, inputs cut
-from their end), the counts, and what they refuse (past --max-concurrent-requests too), in Ollama's error shape and
-never a 500."""
+from their end), the counts, and what they refuse (past --max-concurrent-requests too), in
+Ollama's error shape and never a 500."""
 import asyncio
 import json
 
