@@ -113,6 +113,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app.router.add_post("/api/show", ollama_api.show)
     app.router.add_get("/api/ps", ollama_api.ps)
     app.router.add_get("/api/version", ollama_api.version)
+    app.router.add_post("/api/embed", ollama_api.embed)
+    app.router.add_post("/api/embeddings", ollama_api.embeddings)
     app.router.add_post("/v1/responses", responses_api.create_response)
     app.router.add_get("/v1/responses/{response_id}", responses_api.get_response)
     app.router.add_delete("/v1/responses/{response_id}", responses_api.delete_response)

@@ -1,22 +1,28 @@
 """The Ollama API: /api/chat and /api/generate (NDJSON streams, on by default), /api/tags, /api/show,
-/api/ps and /api/version, a translator between Ollama's wire and the request plan."""
+/api/ps and /api/version, a translator between Ollama's wire and the request plan; /api/embed and
+the legacy /api/embeddings, on the embeddings routes' pooling."""
 import hashlib
+import time
 
 import msgspec
 from aiohttp import web
 
 from pagedserve.gateway import ollama_request as translate
-from pagedserve.gateway import params
+from pagedserve.gateway import params, pooling_routes
+from pagedserve.gateway.admission import admitted, counts_rejections
 from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.ollama_output import Clock, Replies, error_body, timestamp
-from pagedserve.gateway.ollama_schemas import (ChatRequest, GenerateRequest, GenerationFields, ModelDetails,
+from pagedserve.gateway.ollama_schemas import (ChatRequest, EmbeddingsRequest, EmbeddingsResponse, EmbedRequest,
+                                               EmbedResponse, GenerateRequest, GenerationFields, ModelDetails,
                                                ModelEntry, ModelRequest, Options, PsResponse, RunningModel,
                                                ShowResponse, TagsResponse, VersionResponse)
+from pagedserve.gateway.pooling_inputs import split_inputs
 from pagedserve.gateway.request_id import HEADER, current_request_id
 from pagedserve.gateway.request_plan import NeutralRequest, plan
 from pagedserve.gateway.schemas import SamplingFields
 from pagedserve.gateway.serving import generation_route, json_response, read_json, run
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
+from pagedserve.v1 import engine_pb2 as pb
 
 _encoder = msgspec.json.Encoder()
 # Ollama's names of the generation-config defaults that /api/show lists as parameters.
@@ -107,6 +113,44 @@ async def generate(request: web.Request) -> web.StreamResponse:
                            chat_template_kwargs=translate.template_kwargs(req.think))
     p = await plan(gateway, served, neutral)
     return await run(request, p, Replies(p.id, req.model, False, clock, req.logprobs), NDJSONWriter.open)
+
+
+@counts_rejections
+@admitted
+async def embed(request: web.Request) -> web.Response:
+    start = time.perf_counter_ns()
+    req = await read_json(request, EmbedRequest, any_type=True)
+    gateway = request.app[GATEWAY]
+    served = await gateway.model()
+    params.resolve_model(served.resolve(_model_name(req.model)), served.name)
+    pooling_routes.check_embedder(served, "/api/embed")
+    # As Ollama: no input (absent, "" or []) loads the model, which is always loaded.
+    if not req.input:
+        return json_response(EmbedResponse(model=req.model, embeddings=[]))
+    given = split_inputs(req.input, gateway.max_client_batch_size)
+    spec = served.spec
+    vectors, tokens = await pooling_routes.embed(request, served,
+                                                 translate.embed_inputs(given, req.truncate, spec.max_model_len),
+                                                 translate.embed_params(req.dimensions, spec.embedding_size))
+    return json_response(EmbedResponse(model=req.model, embeddings=vectors,
+                                       total_duration=time.perf_counter_ns() - start, prompt_eval_count=tokens))
+
+
+@counts_rejections
+@admitted
+async def embeddings(request: web.Request) -> web.Response:
+    """The legacy /api/embeddings: one prompt's embedding as the model gives it."""
+    req = await read_json(request, EmbeddingsRequest, any_type=True)
+    gateway = request.app[GATEWAY]
+    served = await gateway.model()
+    params.resolve_model(served.resolve(_model_name(req.model)), served.name)
+    pooling_routes.check_embedder(served, "/api/embeddings")
+    if not req.prompt:
+        return json_response(EmbeddingsResponse([]))
+    params.check_prompt_chars(len(req.prompt), "prompt")
+    vectors, _ = await pooling_routes.embed(request, served, translate.prompt_input(req.prompt),
+                                            pb.PoolingParams(task="embed"))
+    return json_response(EmbeddingsResponse(vectors[0]))
 
 
 def _entry(gateway: Gateway, served: ServedModel) -> dict:

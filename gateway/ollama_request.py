@@ -1,9 +1,12 @@
 """An Ollama /api/chat or /api/generate request in chat's terms: messages, tool calls with object
-arguments, options as sampling fields, format as a constraint, think as enable_thinking."""
+arguments, options as sampling fields, format as a constraint, think as enable_thinking; an
+/api/embed or /api/embeddings request as the embeddings routes' inputs and pooling parameters."""
 from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.ollama_schemas import Format, GenerateRequest, Message
+from pagedserve.gateway.pooling_inputs import EmbedInputs
 from pagedserve.gateway.schemas import ChatMessage, FunctionCallIn, ToolCallIn
+from pagedserve.v1 import engine_pb2 as pb
 
 
 def chat_messages(messages: list[Message]) -> list[ChatMessage]:
@@ -60,3 +63,22 @@ def template_kwargs(think: bool | str | None) -> dict | None:
     if isinstance(think, str):
         return {"enable_thinking": True, "reasoning_effort": think}
     return {"enable_thinking": think}
+
+
+def embed_inputs(given: list[str], truncate: bool, max_model_len: int) -> EmbedInputs:
+    """/api/embed's inputs: with `truncate`, cut to the context from their end, as Ollama cuts them."""
+    return EmbedInputs(given, max_model_len if truncate else None, keep_first=True,
+                       too_long="Shorten it, or leave `truncate` true (its default) to keep its first tokens.")
+
+
+def prompt_input(prompt: str) -> EmbedInputs:
+    """/api/embeddings' prompt, never cut (Ollama's answers an error when it is too long)."""
+    return EmbedInputs([prompt], None, keep_first=True,
+                       too_long="Shorten it, or send it as `input` to /api/embed, which cuts it to fit.")
+
+
+def embed_params(dimensions: int, embedding_size: int) -> pb.PoolingParams:
+    """Ollama's embedding: normalised, and cut to `dimensions` (then normalised again) when that is
+    smaller than the model's, whether or not the model declares Matryoshka sizes (which vLLM's
+    `dimensions` requires)."""
+    return pb.PoolingParams(task="embed", normalize=True, dimensions=dimensions if dimensions < embedding_size else 0)

@@ -78,6 +78,38 @@ class GenerateRequest(GenerationFields, kw_only=True):
     images: list[str] | None = None
 
 
+class EmbedRequest(Struct, kw_only=True):
+    """/api/embed's body. `truncate` false: a 400 for an input past the context, which true cuts to fit
+    (its end goes). `dimensions` cuts each embedding, then normalises it again; 0 is the full size."""
+    model: Annotated[str, Meta(min_length=1)]
+    input: str | list[str] | None = None
+    truncate: bool = True
+    dimensions: Annotated[int, Meta(ge=0)] = 0
+    options: Options | None = None
+    keep_alive: str | float | None = None
+
+
+class EmbedResponse(Struct, kw_only=True):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int = 0
+    load_duration: int = 0
+    prompt_eval_count: int = 0
+
+
+class EmbeddingsRequest(Struct, kw_only=True):
+    """The legacy /api/embeddings' body: one prompt, embedded as the model gives it (not normalised by
+    the route, as Ollama's), never truncated."""
+    model: Annotated[str, Meta(min_length=1)]
+    prompt: str = ""
+    options: Options | None = None
+    keep_alive: str | float | None = None
+
+
+class EmbeddingsResponse(Struct):
+    embedding: list[float]
+
+
 class ModelRequest(Struct, kw_only=True):
     """/api/show's body; older clients send `name`."""
     model: str | None = None

@@ -1,4 +1,6 @@
 """Pooling requests turned into engine inputs and pooling parameters, rejecting what cannot run."""
+from dataclasses import dataclass
+
 from pagedserve.common.chat_template import ChatTemplateError
 from pagedserve.common.score_inputs import pair_input
 from pagedserve.common.tokenizer import Tokenizer
@@ -14,6 +16,18 @@ from pagedserve.v1 import engine_pb2 as pb
 LANGCHAIN_HINT = (" If they come from LangChain's OpenAIEmbeddings, which by default sends token ids of OpenAI's "
                   "tokenizer (tiktoken) rather than this model's, create it with check_embedding_ctx_length=False "
                   "so that it sends text.")
+
+
+@dataclass(slots=True)
+class EmbedInputs:
+    """An embeddings request's inputs (texts, or token id lists) and how they fit the model: at most
+    `keep` tokens of each (None: all), its first ones where `keep_first` (Ollama cuts the end), else its
+    last (vLLM's truncate_prompt_tokens); `too_long` tells the client how to fit one still too long."""
+    given: list[str] | list[list[int]]
+    keep: int | None
+    keep_first: bool
+    too_long: str
+    add_special_tokens: bool = True
 
 
 def check_task(served: ServedModel, task: str, endpoint: str) -> None:
@@ -68,6 +82,15 @@ def check_top_n(top_n: int | None) -> None:
                           param="top_n")
 
 
+def embedding_inputs(req: EmbeddingRequest, limit: int, max_model_len: int) -> EmbedInputs:
+    """/v1/embeddings' inputs, cut to their last truncate_prompt_tokens tokens, as vLLM cuts them."""
+    given = split_inputs(req.input, limit)
+    too_long = ("Shorten it, or set `truncate_prompt_tokens` (-1: the model's limit) to keep its last tokens."
+                + (LANGCHAIN_HINT if not isinstance(given[0], str) else ""))
+    return EmbedInputs(given, truncation(req.truncate_prompt_tokens, max_model_len), keep_first=False,
+                       too_long=too_long, add_special_tokens=req.add_special_tokens)
+
+
 def truncation(value: int | None, max_model_len: int) -> int | None:
     """How many tokens of each input to keep (the last ones), None for all: vLLM's truncate_prompt_tokens."""
     if value is None:
@@ -80,36 +103,41 @@ def truncation(value: int | None, max_model_len: int) -> int | None:
     return value
 
 
-def encode_texts(tokenizer: Tokenizer, texts: list[str], prefix: str, add_special_tokens: bool,
-                 keep: int | None) -> list[list[int]]:
-    """Each text after `prefix` (the model's default prompt), tokenized, cut to its last `keep` tokens."""
-    texts = [prefix + t for t in texts]
+def encode_texts(tokenizer: Tokenizer, inputs: EmbedInputs, prefix: str) -> list[list[int]]:
+    """Each text after `prefix` (the model's default prompt), tokenized and cut as `inputs` says."""
+    texts = [prefix + t for t in inputs.given]
+    keep = inputs.keep
     if keep is None:
-        return [tokenizer.encode(t, add_special_tokens) for t in texts]
-    if add_special_tokens:
-        return [tokenizer.encode_tail(t, keep) for t in texts]
-    return [tokenizer.encode(t, False)[-keep:] for t in texts]
+        return [tokenizer.encode(t, inputs.add_special_tokens) for t in texts]
+    if inputs.add_special_tokens:
+        cut = tokenizer.encode_head if inputs.keep_first else tokenizer.encode_tail
+        return [cut(t, keep) for t in texts]
+    return [_cut(tokenizer.encode(t, False), inputs) for t in texts]
 
 
-def check_token_input(prompts: list[list[int]], vocab_size: int, keep: int | None) -> list[list[int]]:
-    """Token id inputs, checked against the vocabulary and cut to their last `keep` tokens."""
-    for ids in prompts:
+def check_token_input(inputs: EmbedInputs, vocab_size: int) -> list[list[int]]:
+    """Token id inputs, checked against the vocabulary and cut as `inputs` says."""
+    for ids in inputs.given:
         try:
             params.check_token_ids(ids, vocab_size, "input")
         except APIError as e:
             raise bad_request(e.info.message + LANGCHAIN_HINT, param="input") from None
-    return prompts if keep is None else [ids[-keep:] for ids in prompts]
+    return [_cut(ids, inputs) for ids in inputs.given]
 
 
-def check_lengths(prompts: list[list[int]], max_model_len: int, token_input: bool) -> None:
+def _cut(ids: list[int], inputs: EmbedInputs) -> list[int]:
+    if inputs.keep is None:
+        return ids
+    return ids[:inputs.keep] if inputs.keep_first else ids[-inputs.keep:]
+
+
+def check_lengths(prompts: list[list[int]], max_model_len: int, too_long: str) -> None:
     for i, ids in enumerate(prompts):
         if not ids:
             raise bad_request(f"`input` {i} holds no tokens; send some text.", param="input")
         if len(ids) > max_model_len:
             raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, input {i} "
-                              f"holds {len(ids)} tokens. Shorten it, or set `truncate_prompt_tokens` (-1: the "
-                              "model's limit) to keep its last tokens." + (LANGCHAIN_HINT if token_input else ""),
-                              param="input", code="context_length_exceeded")
+                              f"holds {len(ids)} tokens. {too_long}", param="input", code="context_length_exceeded")
 
 
 def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:

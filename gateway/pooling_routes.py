@@ -11,9 +11,9 @@ from pagedserve.gateway import params
 from pagedserve.gateway.admission import admitted, check_runner, counts_rejections
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.pooling import Pooling, PoolInput
-from pagedserve.gateway.pooling_inputs import (check_count, check_lengths, check_task, check_token_input, check_top_n,
-                                               embed_params, encode_texts, pair_inputs, score_pairs, split_inputs,
-                                               text_inputs, truncation)
+from pagedserve.gateway.pooling_inputs import (EmbedInputs, check_count, check_lengths, check_task, check_token_input,
+                                               check_top_n, embed_params, embedding_inputs, encode_texts,
+                                               pair_inputs, score_pairs, text_inputs)
 from pagedserve.gateway.pooling_outputs import cosines, encode_embedding, ranked
 from pagedserve.gateway.pooling_schemas import (BilledUnits, Embedding, EmbeddingRequest, EmbeddingResponse,
                                                 EmbeddingUsage, MetaTokens, RerankMeta, RerankRequest,
@@ -37,31 +37,36 @@ async def embeddings(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
     served = await gateway.model()
     model = params.resolve_model(served.resolve(req.model), served.name)
-    check_runner(served, "pooling", "/v1/embeddings")
-    check_task(served, "embed", "/v1/embeddings")
+    check_embedder(served, "/v1/embeddings")
     pooling = embed_params(req, served)
-    inputs = await _embedding_inputs(request, served, req)
-    vectors, tokens = await _pool(request, served, "embeddings", inputs, pooling)
+    inputs = embedding_inputs(req, gateway.max_client_batch_size, served.spec.max_model_len)
+    vectors, tokens = await embed(request, served, inputs, pooling)
     data = [Embedding(i, encode_embedding(v, req.encoding_format)) for i, v in enumerate(vectors)]
     return json_response(EmbeddingResponse(f"embd-{uuid.uuid4().hex}", int(time.time()), model, data,
                                            EmbeddingUsage(tokens, tokens)))
 
 
-async def _embedding_inputs(request: web.Request, served: ServedModel, req: EmbeddingRequest) -> list[PoolInput]:
+def check_embedder(served: ServedModel, endpoint: str) -> None:
+    """400 unless the model is a pooling model that embeds, as `endpoint` needs."""
+    check_runner(served, "pooling", endpoint)
+    check_task(served, "embed", endpoint)
+
+
+async def embed(request: web.Request, served: ServedModel, inputs: EmbedInputs,
+                pooling_params: pb.PoolingParams) -> tuple[list[list[float]], int]:
+    """Each input's embedding and their prompt tokens, for every embeddings route (OpenAI's, Ollama's):
+    the inputs after the model's default prompt, fitted to the model, then pooled and counted under
+    endpoint "embeddings". Check the model with check_embedder first."""
     gateway = request.app[GATEWAY]
     spec = served.spec
-    given = split_inputs(req.input, gateway.max_client_batch_size)
-    keep = truncation(req.truncate_prompt_tokens, spec.max_model_len)
-    token_input = not isinstance(given[0], str)
     # Characters or token ids: either takes long enough past OFFLOAD_SIZE to hold other requests up.
-    size = sum(map(len, given))
-    if token_input:
-        prompts = await gateway.offload(size, check_token_input, given, spec.vocab_size, keep)
+    size = sum(map(len, inputs.given))
+    if isinstance(inputs.given[0], str):
+        prompts = await gateway.offload(size, encode_texts, gateway.tokenizer, inputs, spec.default_prompt)
     else:
-        prompts = await gateway.offload(size, encode_texts, gateway.tokenizer, given, spec.default_prompt,
-                                        req.add_special_tokens, keep)
-    check_lengths(prompts, spec.max_model_len, token_input)
-    return [PoolInput(p) for p in prompts]
+        prompts = await gateway.offload(size, check_token_input, inputs, spec.vocab_size)
+    check_lengths(prompts, spec.max_model_len, inputs.too_long)
+    return await _pool(request, served, "embeddings", [PoolInput(p) for p in prompts], pooling_params)
 
 
 @counts_rejections

@@ -45,12 +45,13 @@ def test_a_cross_encoder_pair_is_the_tokenizer_pair_with_its_token_types(encoder
         assert (types or [0] * len(ids)) == expected.get("token_type_ids", [0] * len(ids))
 
 
-def test_encode_tail_keeps_the_last_tokens_and_the_special_ones(encoder_tokenizer):
+def test_encode_tail_and_head_keep_the_last_or_first_tokens_and_the_special_ones(encoder_tokenizer):
     ours, theirs = encoder_tokenizer
-    theirs.truncation_side = "left"
     text = DOCUMENTS[2]
-    for keep in (3, 6, 100):
-        assert ours.encode_tail(text, keep) == theirs(text, truncation=True, max_length=keep)["input_ids"]
+    for side, cut in (("left", ours.encode_tail), ("right", ours.encode_head)):
+        theirs.truncation_side = side
+        for keep in (3, 6, 100):
+            assert cut(text, keep) == theirs(text, truncation=True, max_length=keep)["input_ids"]
 
 
 def test_a_decoder_without_a_score_template_joins_the_texts(decoder_dir):

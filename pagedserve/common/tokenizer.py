@@ -154,9 +154,17 @@ class Tokenizer:
     def encode_tail(self, text: str, max_tokens: int) -> list[int]:
         """encode(text) cut to at most `max_tokens` ids by dropping text tokens from its start: the
         special tokens stay, as transformers' truncation with truncation_side="left" keeps them."""
+        return self._encode_cut(text, max_tokens, "left")
+
+    def encode_head(self, text: str, max_tokens: int) -> list[int]:
+        """encode(text) cut to at most `max_tokens` ids by dropping text tokens from its end, the
+        special tokens kept (transformers' truncation_side="right")."""
+        return self._encode_cut(text, max_tokens, "right")
+
+    def _encode_cut(self, text: str, max_tokens: int, direction: str) -> list[int]:
         specials = self._tokenizer.num_special_tokens_to_add(False) + int(self._prepend_bos)
         encoding = self._tokenizer.encode(text, add_special_tokens=False)
-        encoding.truncate(max(0, max_tokens - specials), direction="left")
+        encoding.truncate(max(0, max_tokens - specials), direction=direction)
         ids = self._tokenizer.post_process(encoding).ids
         if self._prepend_bos:
             ids.insert(0, self.bos_token_id)

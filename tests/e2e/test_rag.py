@@ -1,9 +1,10 @@
 """`pagedserve serve --runner pooling` of a tiny sentence-transformers embedder and a tiny BERT
-cross-encoder, started together, answering the RAG clients: the openai SDK, LangChain, Dify's calls
-and the cohere SDK get what LLM.embed and LLM.score return for the same inputs."""
+cross-encoder, started together, answering the RAG clients: the openai SDK, LangChain, Dify's calls,
+the cohere SDK and the ollama client get what LLM.embed and LLM.score return for the same inputs."""
 import asyncio
 
 import cohere
+import ollama
 import openai
 import pytest
 import requests
@@ -84,6 +85,15 @@ def test_langchain_embeddings(servers, offline, monkeypatch):
     defaults = OpenAIEmbeddings(model=EMBEDDER, base_url=f"{servers[EMBEDDER]}/v1", api_key="EMPTY", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="check_embedding_ctx_length=False"):
         defaults.embed_documents(TEXTS)
+
+
+def test_ollama_embed_equals_openai_embeddings(servers):
+    # The embedder ends in Normalize, so /v1/embeddings' vectors are normalised as Ollama's always are.
+    reply = ollama.Client(host=servers[EMBEDDER]).embed(model=EMBEDDER, input=TEXTS)
+    openai_reply = openai.OpenAI(base_url=f"{servers[EMBEDDER]}/v1", api_key="EMPTY", max_retries=0).embeddings.create(
+        model=EMBEDDER, input=TEXTS, encoding_format="float")
+    assert reply.embeddings == [pytest.approx(d.embedding, abs=TOL) for d in openai_reply.data]
+    assert reply.prompt_eval_count == openai_reply.usage.prompt_tokens
 
 
 def _dify(url: str, payload: dict) -> dict:
