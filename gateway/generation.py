@@ -64,6 +64,10 @@ class Choice:
     cache_salt: str | None = None
     # The scheduler it runs on, picked when the generation starts.
     engine: Engine | None = None
+    # The scheduler's counts, which usage and the metrics report as they are, never recounted here:
+    # it holds the tokens the model computes, so its count is the one the client is billed for, and
+    # it arrives with the completion and cached counts it sits beside (0 until its first response).
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
@@ -126,7 +130,7 @@ class Generation:
     def usage(self) -> Usage:
         # The n choices of one prompt share it: its tokens count once, as OpenAI counts them.
         firsts = [c for c in self.choices if c.counts_prompt]
-        prompt = sum(len(c.prompt_token_ids) for c in firsts)
+        prompt = sum(c.prompt_tokens for c in firsts)
         completion = sum(c.completion_tokens for c in self.choices)
         details = PromptTokensDetails(sum(c.cached_tokens for c in firsts)) if self._prompt_tokens_details else UNSET
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
@@ -186,7 +190,7 @@ class Generation:
         choice.finish_reason = finish_reason
         choice.engine.client.stop(choice.request_id)
         self._engines.ended(choice.engine)
-        prompt_tokens = len(choice.prompt_token_ids) if choice.counts_prompt else 0
+        prompt_tokens = choice.prompt_tokens if choice.counts_prompt else 0
         choice.progress.stats.end(finish_reason, prompt_tokens, choice.completion_tokens)
 
     def _receive(self, choice: Choice, reply: pb.GenerateResponse | APIError) -> ChoiceEvent | None:
@@ -203,7 +207,7 @@ class Generation:
     def _event(self, choice: Choice, response: pb.GenerateResponse) -> ChoiceEvent | None:
         progress = choice.progress
         progress.stats.response()
-        # The scheduler's count, which usage and the metrics report as it is (never recounted here).
+        choice.prompt_tokens = response.prompt_tokens
         choice.completion_tokens = response.completion_tokens
         choice.cached_tokens = max(choice.cached_tokens, response.cached_tokens)
         if response.logprobs:
