@@ -11,7 +11,7 @@ from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.gateway.engine_client import SchedulerDown
 from pagedserve.gateway.engine_pool import Engine, EnginePool
 from pagedserve.gateway.errors import APIError
-from pagedserve.gateway.logprobs import TokenLogprob, decode_logprobs
+from pagedserve.gateway.logprobs import TokenLogprob, decode_logprobs, decode_prompt
 from pagedserve.gateway.metrics import ChoiceStats, ModelMetrics
 from pagedserve.gateway.schemas import PromptTokensDetails, Usage
 from pagedserve.common.tokenizer import Tokenizer
@@ -31,8 +31,8 @@ class ChoiceEvent:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    # With prompt_logprobs, on the choice's first event: one per prompt token after the first.
-    prompt_logprobs: list[pb.TokenLogprobs] | None = None
+    # With prompt_logprobs, on the choice's first event: every prompt token (the first without a logprob).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -44,7 +44,7 @@ class _Progress:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     pending_tokens: int = 0
     sent: bool = False
-    prompt: list[pb.TokenLogprobs] | None = None
+    prompt: list[TokenLogprob] | None = None
 
     def event(self, index: int) -> ChoiceEvent:
         event = ChoiceEvent(index, self.text, logprobs=self.logprobs, prompt_logprobs=self.prompt)
@@ -213,7 +213,7 @@ class Generation:
         if response.logprobs:
             progress.logprobs += decode_logprobs(self._tokenizer, response.token_ids, response.logprobs)
         if response.prompt_logprobs:
-            progress.prompt = list(response.prompt_logprobs)
+            progress.prompt = decode_prompt(self._tokenizer, choice.prompt_token_ids, response.prompt_logprobs)
         detok = progress.detok
         progress.text += detok.add(response.token_ids)
         progress.pending_tokens += len(response.token_ids)
