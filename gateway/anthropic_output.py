@@ -79,7 +79,8 @@ class MessageWire:
         self._spaces = ""
 
     def openings(self) -> list[StreamEvent]:
-        return [MessageStart(Message(self.id, self._model, [], None, None, Usage(self._usage().prompt_tokens, 0))), Ping()]
+        usage = Usage(self._usage().prompt_tokens, 0)
+        return [MessageStart(Message(self.id, self._model, [], None, None, usage)), Ping()]
 
     def step(self, step: Step) -> list[StreamEvent]:
         return [out for event in step.events for out in self._events(event)]

@@ -65,8 +65,8 @@ class Choice:
     # The scheduler it runs on, picked when the generation starts.
     engine: Engine | None = None
     # The scheduler's counts, which usage and the metrics report as they are, never recounted here:
-    # it holds the tokens the model computes, so its count is the one the client is billed for, and
-    # it arrives with the completion and cached counts it sits beside (0 until its first response).
+    # it holds the tokens the model computed, and one message then carries all three counts
+    # (0 until the choice's first response, as the metrics count no prompt before one).
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

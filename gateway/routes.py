@@ -69,7 +69,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echo = [await _echo_text(gateway, p, given[c.index // req.n]) for c in p.choices]
     prompt_lp = None
     if prompt_logprobs is not None:
-        prompt_lp = PromptLogprobs(vllm=req.prompt_logprobs is not None, echo=bool(req.echo and req.logprobs is not None))
+        prompt_lp = PromptLogprobs(vllm=req.prompt_logprobs is not None,
+                                   echo=bool(req.echo and req.logprobs is not None))
     wire = CompletionResponses(p.id, p.model, len(p.choices), p.include_usage, req.logprobs is not None,
                                echo, prompt_lp)
     return await run(request, p, wire)
