@@ -52,7 +52,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, MessagesRequest)
     gateway = request.app[GATEWAY]
     p = await plan(gateway, await gateway.model(), neutral(req))
-    return await run(request, p, MessageWire(f"msg_{p.id}", p.model, len(p.prompts[0])), MessageEvents.open)
+    return await run(request, p, MessageWire(f"msg_{p.id}", p.model, p.generation.usage), MessageEvents.open)
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -1,5 +1,7 @@
 """The neutral output events as an Anthropic message: content blocks (thinking, text, tool_use), the
 stop reason and usage, whole or as Anthropic's stream events; and errors in Anthropic's shape."""
+from collections.abc import Callable
+
 from pagedserve.gateway import anthropic_schemas as wire
 from pagedserve.gateway.anthropic_schemas import (ContentBlockDelta, ContentBlockStart, ContentBlockStop, ContentOut,
                                                   DeltaUsage, ErrorBody, ErrorInfo, InputJsonDelta, Message,
@@ -62,10 +64,12 @@ class MessageWire:
     opens a content block when the kind of output changes (or a tool call starts) and closes it before
     the next opens, so its blocks are the whole message's."""
 
-    def __init__(self, message_id: str, model: str, input_tokens: int) -> None:
+    def __init__(self, message_id: str, model: str, usage: Callable[[], NeutralUsage]) -> None:
         self.id = message_id
         self._model = model
-        self._input_tokens = input_tokens
+        # The generation's usage so far: message_start's input_tokens is the scheduler's prompt count,
+        # there once the first output has arrived, which the stream waits for before it opens.
+        self._usage = usage
         # The open block's kind ("text", "thinking", "tool_use"), and the blocks opened so far.
         self._open: str | None = None
         self._blocks = 0
@@ -75,7 +79,8 @@ class MessageWire:
         self._spaces = ""
 
     def openings(self) -> list[StreamEvent]:
-        return [MessageStart(Message(self.id, self._model, [], None, None, Usage(self._input_tokens, 0))), Ping()]
+        usage = Usage(self._usage().prompt_tokens, 0)
+        return [MessageStart(Message(self.id, self._model, [], None, None, usage)), Ping()]
 
     def step(self, step: Step) -> list[StreamEvent]:
         return [out for event in step.events for out in self._events(event)]

@@ -1,37 +1,31 @@
 """Chat and completions on the wire: their chunks and bodies, written from the output events."""
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from msgspec import UNSET, Struct
 
 from pagedserve.gateway.chat_output import ChatOutputOptions
 from pagedserve.gateway.errors import APIError, ErrorBody
 from pagedserve.gateway.output_events import Collected, Finish, ReasoningDelta, Step, TextDelta, ToolCallDelta
-from pagedserve.common.tokenizer import Tokenizer
-from pagedserve.gateway.logprobs import (TokenLogprob, chat_logprobs, completion_logprobs, echo_logprobs,
-                                         prompt_logprobs)
+from pagedserve.gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs, prompt_logprobs
 from pagedserve.gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                              ChatLogprobs, ChatMessageOut, Completion, CompletionChoice,
                              CompletionLogprobs, Delta, DeltaFunction, DeltaToolCall, Usage)
-from pagedserve.v1 import engine_pb2 as pb
 
+
+@dataclass(slots=True, frozen=True)
 class PromptLogprobs:
     """How the choices' prompt logprobs are shown: vLLM's prompt_logprobs, and (completions'
     echo with logprobs) OpenAI's, as the prompt's tokens ahead of the output's."""
+    vllm: bool
+    echo: bool
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[list[int]], vllm: bool, echo: bool) -> None:
-        self.tokenizer = tokenizer
-        self.prompt_ids = prompt_ids
-        self.vllm = vllm
-        self.echo = echo
+    def vllm_form(self, tokens: list[TokenLogprob] | None):
+        return prompt_logprobs(tokens) if self.vllm else UNSET
 
-    def vllm_form(self, index: int, entries: list[pb.TokenLogprobs] | None):
-        return prompt_logprobs(self.tokenizer, self.prompt_ids[index], entries or []) if self.vllm else UNSET
-
-    def echo_tokens(self, index: int, entries: list[pb.TokenLogprobs] | None) -> list[TokenLogprob]:
-        if not self.echo or entries is None:
-            return []
-        return echo_logprobs(self.tokenizer, self.prompt_ids[index], entries)
+    def echo_tokens(self, tokens: list[TokenLogprob] | None) -> list[TokenLogprob]:
+        return (tokens or []) if self.echo else []
 
 
 class ResponseBuilder(ABC):
@@ -110,7 +104,7 @@ class ChatResponses(ResponseBuilder):
         body = ChatCompletion(self.id, self.created, self.model, choices, collected.usage)
         if self.prompt is not None:
             # One prompt for every choice of a chat.
-            body.prompt_logprobs = self.prompt.vllm_form(0, collected.outcomes[0].prompt_logprobs)
+            body.prompt_logprobs = self.prompt.vllm_form(collected.outcomes[0].prompt_logprobs)
         return body
 
     def _message(self, content: str | None, tool_calls: list, reasoning: str | None) -> ChatMessageOut:
@@ -142,14 +136,14 @@ class CompletionResponses(ResponseBuilder):
         i, logprobs = step.choice, None
         if self.logprobs:
             # The prompt's tokens (echo) ride on the choice's first chunk; its text came before.
-            prompt = self._prompt_tokens(i, step.prompt_logprobs)
+            prompt = self._prompt_tokens(step.prompt_logprobs)
             logprobs, self._offsets[i] = completion_logprobs(step.logprobs, self._offsets[i])
             if prompt:
                 logprobs = _joined(completion_logprobs(prompt, 0)[0], logprobs)
         text = "".join(e.text for e in step.events if isinstance(e, TextDelta))
         choice = CompletionChoice(i, text, *_ending(step), logprobs=logprobs)
         if self.prompt is not None and step.prompt_logprobs is not None:
-            choice.prompt_logprobs = self.prompt.vllm_form(i, step.prompt_logprobs)
+            choice.prompt_logprobs = self.prompt.vllm_form(step.prompt_logprobs)
         return [self._chunk([choice])]
 
     def body(self, collected: Collected) -> Struct:
@@ -158,17 +152,17 @@ class CompletionResponses(ResponseBuilder):
                    for o in collected.outcomes]
         if self.prompt is not None:
             for c, o in zip(choices, collected.outcomes):
-                c.prompt_logprobs = self.prompt.vllm_form(c.index, o.prompt_logprobs)
+                c.prompt_logprobs = self.prompt.vllm_form(o.prompt_logprobs)
         return Completion(self.id, self.created, self.model, choices, collected.usage)
 
-    def _prompt_tokens(self, index: int, entries: list[pb.TokenLogprobs] | None) -> list[TokenLogprob]:
-        return [] if self.prompt is None else self.prompt.echo_tokens(index, entries)
+    def _prompt_tokens(self, prompt: list[TokenLogprob] | None) -> list[TokenLogprob]:
+        return [] if self.prompt is None else self.prompt.echo_tokens(prompt)
 
     def _logprobs(self, tokens: list[TokenLogprob], index: int,
-                  entries: list[pb.TokenLogprobs] | None) -> CompletionLogprobs | None:
+                  prompt_tokens: list[TokenLogprob] | None) -> CompletionLogprobs | None:
         if not self.logprobs:
             return None
-        prompt = self._prompt_tokens(index, entries)
+        prompt = self._prompt_tokens(prompt_tokens)
         if prompt:
             return completion_logprobs(prompt + tokens, 0)[0]
         return completion_logprobs(tokens, len(self._echo[index]))[0]

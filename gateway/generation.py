@@ -11,7 +11,7 @@ from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.gateway.engine_client import SchedulerDown
 from pagedserve.gateway.engine_pool import Engine, EnginePool
 from pagedserve.gateway.errors import APIError
-from pagedserve.gateway.logprobs import TokenLogprob, decode_logprobs
+from pagedserve.gateway.logprobs import TokenLogprob, decode_logprobs, decode_prompt
 from pagedserve.gateway.metrics import ChoiceStats, ModelMetrics
 from pagedserve.gateway.schemas import PromptTokensDetails, Usage
 from pagedserve.common.tokenizer import Tokenizer
@@ -31,8 +31,8 @@ class ChoiceEvent:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    # With prompt_logprobs, on the choice's first event: one per prompt token after the first.
-    prompt_logprobs: list[pb.TokenLogprobs] | None = None
+    # With prompt_logprobs, on the choice's first event: every prompt token (the first without a logprob).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -44,7 +44,7 @@ class _Progress:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     pending_tokens: int = 0
     sent: bool = False
-    prompt: list[pb.TokenLogprobs] | None = None
+    prompt: list[TokenLogprob] | None = None
 
     def event(self, index: int) -> ChoiceEvent:
         event = ChoiceEvent(index, self.text, logprobs=self.logprobs, prompt_logprobs=self.prompt)
@@ -64,6 +64,10 @@ class Choice:
     cache_salt: str | None = None
     # The scheduler it runs on, picked when the generation starts.
     engine: Engine | None = None
+    # The scheduler's counts, which usage and the metrics report as they are, never recounted here:
+    # it holds the tokens the model computed, and one message then carries all three counts
+    # (0 until the choice's first response, as the metrics count no prompt before one).
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
@@ -126,7 +130,7 @@ class Generation:
     def usage(self) -> Usage:
         # The n choices of one prompt share it: its tokens count once, as OpenAI counts them.
         firsts = [c for c in self.choices if c.counts_prompt]
-        prompt = sum(len(c.prompt_token_ids) for c in firsts)
+        prompt = sum(c.prompt_tokens for c in firsts)
         completion = sum(c.completion_tokens for c in self.choices)
         details = PromptTokensDetails(sum(c.cached_tokens for c in firsts)) if self._prompt_tokens_details else UNSET
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
@@ -186,7 +190,7 @@ class Generation:
         choice.finish_reason = finish_reason
         choice.engine.client.stop(choice.request_id)
         self._engines.ended(choice.engine)
-        prompt_tokens = len(choice.prompt_token_ids) if choice.counts_prompt else 0
+        prompt_tokens = choice.prompt_tokens if choice.counts_prompt else 0
         choice.progress.stats.end(finish_reason, prompt_tokens, choice.completion_tokens)
 
     def _receive(self, choice: Choice, reply: pb.GenerateResponse | APIError) -> ChoiceEvent | None:
@@ -203,13 +207,13 @@ class Generation:
     def _event(self, choice: Choice, response: pb.GenerateResponse) -> ChoiceEvent | None:
         progress = choice.progress
         progress.stats.response()
-        # The scheduler's count, which usage and the metrics report as it is (never recounted here).
+        choice.prompt_tokens = response.prompt_tokens
         choice.completion_tokens = response.completion_tokens
         choice.cached_tokens = max(choice.cached_tokens, response.cached_tokens)
         if response.logprobs:
             progress.logprobs += decode_logprobs(self._tokenizer, response.token_ids, response.logprobs)
         if response.prompt_logprobs:
-            progress.prompt = list(response.prompt_logprobs)
+            progress.prompt = decode_prompt(self._tokenizer, choice.prompt_token_ids, response.prompt_logprobs)
         detok = progress.detok
         progress.text += detok.add(response.token_ids)
         progress.pending_tokens += len(response.token_ids)

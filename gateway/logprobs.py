@@ -12,11 +12,14 @@ _FLOOR = -9999.0
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """One token as text, its logprob, and the most likely tokens' (most likely first); a prompt's
-    first token has no logprob (None)."""
+    """One token: its id and text, its logprob and rank (1 = most likely), and the most likely tokens'
+    (id, text, logprob), most likely first; a prompt's first token has no logprob or rank (None).
+    The one form every wire reads, for output and prompt tokens alike."""
+    token_id: int
     token: str
     logprob: float | None
-    top: list[tuple[str, float]]
+    rank: int | None
+    top: list[tuple[int, str, float]]
 
 
 def decode_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
@@ -26,30 +29,26 @@ def decode_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
     def text(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    return [TokenLogprob(text(token_id), max(lp.logprob, _FLOOR),
-                         [(text(t), max(p, _FLOOR)) for t, p in zip(lp.top_token_ids, lp.top_logprobs)])
+    return [TokenLogprob(token_id, text(token_id), max(lp.logprob, _FLOOR), lp.rank,
+                         [(t, text(t), max(p, _FLOOR)) for t, p in zip(lp.top_token_ids, lp.top_logprobs)])
             for token_id, lp in zip(token_ids, logprobs)]
 
 
-def echo_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
+def decode_prompt(tokenizer: Tokenizer, prompt_ids: list[int],
                   logprobs: Sequence[pb.TokenLogprobs]) -> list[TokenLogprob]:
-    """The prompt's tokens for `echo`: the first without a logprob, as OpenAI returns it."""
-    first = TokenLogprob(tokenizer.decode(prompt_ids[:1], skip_special_tokens=False), None, [])
+    """A prompt's tokens: the first without a logprob (nothing comes before it), then one per entry."""
+    first = TokenLogprob(prompt_ids[0], tokenizer.decode(prompt_ids[:1], skip_special_tokens=False), None, None, [])
     return [first, *decode_logprobs(tokenizer, prompt_ids[1:], logprobs)]
 
 
-def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
-                    logprobs: Sequence[pb.TokenLogprobs]) -> list[dict[str, PromptLogprob] | None]:
+def prompt_logprobs(tokens: list[TokenLogprob] | None) -> list[dict[str, PromptLogprob] | None]:
     """vLLM's prompt_logprobs: None for the first token, then per token {id: its logprob, rank and
     text}, the prompt token first and then the top ones."""
-    def entry(token_id: int, logprob: float, rank: int) -> PromptLogprob:
-        return PromptLogprob(max(logprob, _FLOOR), rank, tokenizer.decode([token_id], skip_special_tokens=False))
-
     out: list[dict[str, PromptLogprob] | None] = [None]
-    for token_id, lp in zip(prompt_ids[1:], logprobs):
-        position = {str(token_id): entry(token_id, lp.logprob, lp.rank)}
-        for rank, (t, p) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), 1):
-            position.setdefault(str(t), entry(t, p, rank))
+    for t in (tokens or [])[1:]:
+        position = {str(t.token_id): PromptLogprob(t.logprob, t.rank, t.token)}
+        for rank, (top_id, text, logprob) in enumerate(t.top, 1):
+            position.setdefault(str(top_id), PromptLogprob(logprob, rank, text))
         out.append(position)
     return out
 
@@ -60,7 +59,7 @@ def _bytes(token: str) -> list[int]:
 
 def chat_logprobs(tokens: list[TokenLogprob]) -> ChatLogprobs:
     return ChatLogprobs([ChatTokenLogprob(t.token, t.logprob, _bytes(t.token),
-                                          [TopLogprob(s, p, _bytes(s)) for s, p in t.top])
+                                          [TopLogprob(s, p, _bytes(s)) for _, s, p in t.top])
                          for t in tokens])
 
 
@@ -73,6 +72,6 @@ def completion_logprobs(tokens: list[TokenLogprob], text_offset: int) -> tuple[C
         text_offset += len(t.token)
     # OpenAI's legacy format includes the sampled token among the top ones.
     body = CompletionLogprobs([t.token for t in tokens], [t.logprob for t in tokens],
-                              [None if t.logprob is None else dict(t.top) | {t.token: t.logprob}
+                              [None if t.logprob is None else {s: p for _, s, p in t.top} | {t.token: t.logprob}
                                for t in tokens], offsets)
     return body, text_offset

@@ -56,7 +56,7 @@ class Clock:
 
 
 def _logprobs(tokens: list[TokenLogprob]) -> list[Logprob]:
-    return [Logprob(t.token, t.logprob, [OllamaTokenLogprob(text, p) for text, p in t.top] or UNSET) for t in tokens]
+    return [Logprob(t.token, t.logprob, [OllamaTokenLogprob(text, p) for _, text, p in t.top] or UNSET) for t in tokens]
 
 
 class Replies:

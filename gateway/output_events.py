@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from pagedserve.gateway.logprobs import TokenLogprob
 from pagedserve.gateway.schemas import ToolCall, Usage
-from pagedserve.v1 import engine_pb2 as pb
 
 if TYPE_CHECKING:
     from pagedserve.gateway.request_plan import Plan
@@ -66,7 +65,7 @@ class Step:
     choice: int
     events: list[Event]
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[pb.TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -79,7 +78,7 @@ class Outcome:
     tool_calls: list[ToolCall]
     finish: Finish
     logprobs: list[TokenLogprob]
-    prompt_logprobs: list[pb.TokenLogprobs] | None
+    prompt_logprobs: list[TokenLogprob] | None
 
 
 @dataclass(slots=True)
@@ -113,7 +112,7 @@ async def collect(plan: Plan) -> Collected:
     """Every choice's whole output (ordered by choice) and the usage."""
     texts: list[list[str]] = [[] for _ in plan.choices]
     logprobs: list[list[TokenLogprob]] = [[] for _ in plan.choices]
-    prompts: list[list[pb.TokenLogprobs] | None] = [None] * len(plan.choices)
+    prompts: list[list[TokenLogprob] | None] = [None] * len(plan.choices)
     finals = []
     async with aclosing(plan.generation.events()) as generated:
         async for event in generated:

@@ -45,7 +45,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if req.stream:
             raise bad_request("`prompt_logprobs` on chat completions is returned without `stream` only; "
                               "remove one of them.", param="prompt_logprobs")
-        prompt_lp = PromptLogprobs(p.tokenizer, p.prompts, vllm=True, echo=False)
+        prompt_lp = PromptLogprobs(vllm=True, echo=False)
     wire = ChatResponses(p.id, p.model, len(p.choices), p.include_usage, neutral.logprobs is not None, p.options,
                          prompt_lp)
     return await run(request, p, wire)
@@ -69,8 +69,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echo = [await _echo_text(gateway, p, given[c.index // req.n]) for c in p.choices]
     prompt_lp = None
     if prompt_logprobs is not None:
-        prompt_lp = PromptLogprobs(p.tokenizer, [c.prompt_token_ids for c in p.choices],
-                                   vllm=req.prompt_logprobs is not None, echo=bool(req.echo and req.logprobs is not None))
+        prompt_lp = PromptLogprobs(vllm=req.prompt_logprobs is not None,
+                                   echo=bool(req.echo and req.logprobs is not None))
     wire = CompletionResponses(p.id, p.model, len(p.choices), p.include_usage, req.logprobs is not None,
                                echo, prompt_lp)
     return await run(request, p, wire)

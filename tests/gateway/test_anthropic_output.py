@@ -15,7 +15,7 @@ DELTAS = {"text_delta": ("text", "text"), "thinking_delta": ("thinking", "thinki
 
 
 def streamed(events: list) -> list[dict]:
-    wire = MessageWire("msg_1", "m", 7)
+    wire = MessageWire("msg_1", "m", lambda: USAGE)
     out = wire.openings() + wire.step(Step(0, events)) + wire.closing(USAGE)
     return [msgspec.to_builtins(e) for e in out]
 
@@ -39,7 +39,7 @@ def blocks(stream: list[dict]) -> list[dict]:
 
 
 def whole(outcome: Outcome) -> dict:
-    return msgspec.to_builtins(MessageWire("msg_1", "m", 7).body(Collected([outcome], USAGE)))
+    return msgspec.to_builtins(MessageWire("msg_1", "m", lambda: USAGE).body(Collected([outcome], USAGE)))
 
 
 def outcome(content, reasoning, calls, finish) -> Outcome:
