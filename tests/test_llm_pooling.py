@@ -39,7 +39,7 @@ def all_blocks_free(llm: LLM) -> bool:
 def test_embeddings_equal_sentence_transformers(tmp_path, pooling, normalize, arch):
     path = make_sentence_transformer(tmp_path / "st", pooling=pooling, normalize=normalize, arch=arch)
     expected = SentenceTransformer(str(path), device="cpu").encode(TEXTS, convert_to_numpy=True)
-    llm = LLM(str(path))
+    llm = LLM(str(path), device="cpu")
     assert llm.pooling.tasks == ["embed"] and llm.worker.runner_kind == "pooling"
     outs = llm.embed(TEXTS, use_tqdm=False)
     assert_close([o.outputs.embedding for o in outs], expected)
@@ -57,7 +57,7 @@ def test_embeddings_equal_sentence_transformers(tmp_path, pooling, normalize, ar
 def test_matryoshka_dimensions_truncate_then_normalise(tmp_path):
     path = make_sentence_transformer(tmp_path / "st", matryoshka_dimensions=[64, 32, 16])
     model = SentenceTransformer(str(path), device="cpu")
-    llm = LLM(str(path))
+    llm = LLM(str(path), device="cpu")
     assert (llm.pooling.matryoshka_dimensions, llm.pooling.is_matryoshka) == ([64, 32, 16], True)
     expected = model.encode(TEXTS, convert_to_numpy=True, truncate_dim=16, normalize_embeddings=True)
     outs = llm.embed(TEXTS, PoolingParams(dimensions=16), use_tqdm=False)
@@ -70,7 +70,7 @@ def test_matryoshka_dimensions_truncate_then_normalise(tmp_path):
 def test_bi_encoder_score_is_the_cosine_of_the_embeddings(tmp_path):
     path = make_sentence_transformer(tmp_path / "st", normalize=False)
     model = SentenceTransformer(str(path), device="cpu")
-    llm = LLM(str(path))
+    llm = LLM(str(path), device="cpu")
     scores = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)]
     query, docs = model.encode(TEXTS[:1], convert_to_tensor=True), model.encode(TEXTS[1:], convert_to_tensor=True)
     expected = torch.nn.functional.cosine_similarity(query, docs).numpy()
@@ -80,7 +80,7 @@ def test_bi_encoder_score_is_the_cosine_of_the_embeddings(tmp_path):
 @pytest.mark.parametrize("arch", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification"])
 def test_cross_encoder_scores_equal_transformers_sigmoid_of_the_logit(tmp_path, arch):
     path = make_tiny_encoder(arch, tmp_path / "ce")
-    llm = LLM(str(path))
+    llm = LLM(str(path), device="cpu")
     assert llm.pooling.tasks == ["classify"] and llm.pooling.num_labels == 1
     outs = llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)
     expected = CrossEncoder(str(path), device="cpu").predict([(TEXTS[0], t) for t in TEXTS[1:]])
@@ -101,7 +101,7 @@ def test_a_classifier_of_several_labels_returns_softmax_probabilities(tmp_path):
     with torch.inference_mode():
         expected = [model(input_ids=torch.tensor([i]), token_type_ids=torch.tensor([t])).logits[0].softmax(-1)
                     for i, t in zip(ids, types)]
-    llm = LLM(str(path))
+    llm = LLM(str(path), device="cpu")
     # Pairs' token types reach the encoder: through _pool, as score() sends them.
     got = llm._pool(list(zip(ids, types)), PoolingParams("classify"), use_tqdm=False)[2]
     np.testing.assert_allclose(got, torch.stack(expected).numpy(), atol=TOL)
@@ -121,7 +121,7 @@ def test_decoder_embeddings_are_its_pooled_final_hidden_states(tmp_path, arch, p
     hidden = hf_hidden(path, prompts)
     pooled = torch.stack([h[-1] if pooling_type == "LAST" else h.mean(0) for h in hidden])
     # A small block size, so prompts span several blocks of the paged prefill.
-    llm = LLM(str(path), runner="pooling", pooler_config={"pooling_type": pooling_type}, block_size=4)
+    llm = LLM(str(path), device="cpu", runner="pooling", pooler_config={"pooling_type": pooling_type}, block_size=4)
     outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
     expected = torch.nn.functional.normalize(pooled, dim=-1).numpy()
     assert_close([o.outputs.embedding for o in outs], expected)
@@ -145,7 +145,7 @@ def test_qwen3_reranker_scores_are_the_yes_no_softmax(tmp_path):
     save_word_tokenizer(path, words)
     overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
                  "is_original_qwen3_reranker": True}
-    llm = LLM(str(path), hf_overrides=overrides, block_size=4)
+    llm = LLM(str(path), device="cpu", hf_overrides=overrides, block_size=4)
     assert llm.pooling.tasks == ["classify"] and llm.worker.runner_kind == "pooling"
     query = TEXTS[0] + " "
     outs = llm.score(query, TEXTS[1:], use_tqdm=False)
@@ -165,10 +165,10 @@ def test_qwen3_reranker_scores_are_the_yes_no_softmax(tmp_path):
 def test_a_pooling_model_refuses_generation_and_a_generator_refuses_pooling(tmp_path):
     path = make_sentence_transformer(tmp_path / "st")
     with pytest.raises(ValueError, match="--runner pooling: it embeds"):
-        LLM(str(path)).generate(["paris"], use_tqdm=False)
+        LLM(str(path), device="cpu").generate(["paris"], use_tqdm=False)
     with pytest.raises(ValueError, match="is an encoder, which only pools"):
-        LLM(str(path), runner="generate")
-    decoder = LLM(str(make_tiny_model("LlamaForCausalLM", tmp_path / "m")))
+        LLM(str(path), device="cpu", runner="generate")
+    decoder = LLM(str(make_tiny_model("LlamaForCausalLM", tmp_path / "m")), device="cpu")
     with pytest.raises(ValueError, match="start the engine with --runner pooling"):
         decoder.embed([{"prompt_token_ids": [5, 6]}], use_tqdm=False)
     assert all_blocks_free(decoder)
@@ -176,7 +176,7 @@ def test_a_pooling_model_refuses_generation_and_a_generator_refuses_pooling(tmp_
 
 def test_smollm2_embeddings_are_its_normalised_last_hidden_states():
     path = smollm2_path()
-    llm = LLM(str(path), runner="pooling", max_model_len=256)
+    llm = LLM(str(path), device="cpu", runner="pooling", max_model_len=256)
     assert llm.pooling.tasks == ["embed"] and llm.pooling.embedding_size == 576
     outs = llm.embed(list(RAW_PROMPTS), use_tqdm=False)
     model = smollm2_transformers_model()
@@ -189,23 +189,23 @@ def test_smollm2_embeddings_are_its_normalised_last_hidden_states():
 
 def test_task_and_flag_values_pick_the_runner_or_are_refused(tmp_path):
     path = make_tiny_model("LlamaForCausalLM", tmp_path / "m")
-    llm = LLM(str(path), task="embed")
+    llm = LLM(str(path), device="cpu", task="embed")
     assert llm.worker.runner_kind == "pooling" and llm.pooling.tasks == ["embed"]
     with pytest.raises(ValueError, match="does not support the 'classify' task; it serves embed"):
         llm.classify([{"prompt_token_ids": [5, 6]}], use_tqdm=False)
     with pytest.raises(ValueError, match="pooler_config='MEAN': must be a JSON object"):
-        LLM(str(path), pooler_config="MEAN")
+        LLM(str(path), device="cpu", pooler_config="MEAN")
     with pytest.raises(ValueError, match="runner='embed': choose from auto, generate, pooling"):
-        LLM(str(path), runner="embed")
+        LLM(str(path), device="cpu", runner="embed")
     seq_cls = {"architectures": ["LlamaForSequenceClassification"]}
     with pytest.raises(ValueError, match="unsupported architecture .'LlamaForSequenceClassification'."):
-        LLM(str(path), hf_overrides=seq_cls)
+        LLM(str(path), device="cpu", hf_overrides=seq_cls)
     with pytest.raises(ValueError, match="has no classifier: a decoder classifies with"):
-        LLM(str(path), hf_overrides={**seq_cls, "classifier_from_token": ["yes"]})
+        LLM(str(path), device="cpu", hf_overrides={**seq_cls, "classifier_from_token": ["yes"]})
 
 
 def test_a_token_type_past_the_encoders_table_fails_that_input_alone(tmp_path):
-    llm = LLM(str(make_tiny_encoder("XLMRobertaForSequenceClassification", tmp_path / "ce")))
+    llm = LLM(str(make_tiny_encoder("XLMRobertaForSequenceClassification", tmp_path / "ce")), device="cpu")
     ids, _ = random_inputs([4, 6], seed=3, cls_id=0)
     with pytest.raises(ValueError, match="token_type_ids must be below this model's type_vocab_size 1"):
         llm._pool([(ids[0], [0, 1, 0, 0]), (ids[1], [])], PoolingParams("classify"), use_tqdm=False)
