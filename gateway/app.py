@@ -1,4 +1,6 @@
 """The aiohttp application: routes and middlewares."""
+import asyncio
+
 from aiohttp import web
 
 from pagedserve.gateway import ops_routes, routes, tokenize_routes
@@ -8,7 +10,8 @@ from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
 from pagedserve.gateway.hosts import host_middleware
 from pagedserve.gateway.request_id import request_id_middleware
-from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway
+from pagedserve.gateway.state import (DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway,
+                                      ModelEngines)
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.version import __version__
 
@@ -17,14 +20,15 @@ SERVER = f"pagedserve/{__version__}"
 
 async def _startup(app: web.Application) -> None:
     gateway = app[GATEWAY]
-    gateway.engines.start()
+    for model in gateway.models:
+        model.engines.start()
     if gateway.trust_request_chat_template:
         gateway.templates.start()
 
 
 async def _cleanup(app: web.Application) -> None:
     gateway = app[GATEWAY]
-    await gateway.engines.close()
+    await asyncio.gather(*(model.engines.close() for model in gateway.models))
     await gateway.templates.close()
     gateway.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -44,11 +48,14 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
               body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
               trust_request_chat_template: bool = False,
               max_concurrent_requests: int | None = None,
-              prompt_tokens_details: bool = False) -> web.Application:
+              prompt_tokens_details: bool = False,
+              also_serve: list[ModelEngines] | None = None) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     `scheduler_address` is one scheduler's address or several, comma-separated: each prompt goes
-    to one of those in rotation (see engine_pool).
+    to one of those in rotation (see engine_pool). They serve the main model, whose `tokenizer`,
+    `served_model_names` and `sampling_defaults` these are; `also_serve` adds other models, each
+    with its own (see Gateway.served_for for how a request finds its model).
 
     With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
     With `allowed_hosts` (see hosts.allowed_hosts), other Host headers get a 421.
@@ -59,9 +66,9 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     Past `max_concurrent_requests` generation requests in flight, new ones get a 503.
     `prompt_tokens_details` puts cached_tokens in usage (vLLM's --enable-prompt-tokens-details).
     """
-    gateway = Gateway(EnginePool(scheduler_address), tokenizer,
-                      served_model_names=list(served_model_names or ()), stream_interval=stream_interval,
-                      log_requests=log_requests, sampling_defaults=sampling_defaults or {},
+    main = ModelEngines(EnginePool(scheduler_address), tokenizer, list(served_model_names or ()),
+                        sampling_defaults or {})
+    gateway = Gateway([main, *(also_serve or ())], stream_interval=stream_interval, log_requests=log_requests,
                       tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                       max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout,
                       trust_request_chat_template=trust_request_chat_template,

@@ -14,7 +14,7 @@ from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsP
 from pagedserve.gateway import params, reasoning
 from pagedserve.gateway.chat_output import ChatOutputOptions
 from pagedserve.gateway.chat_prompt import chat_prompt
-from pagedserve.gateway.errors import APIError, bad_request, internal, model_not_found, overloaded, request_timeout
+from pagedserve.gateway.errors import APIError, bad_request, internal, overloaded, request_timeout
 from pagedserve.gateway.generation import Choice, ChoiceEvent, Generation, fan_out
 from pagedserve.gateway.logprobs import TokenLogprob
 from pagedserve.gateway.metrics import rejection_reason
@@ -23,7 +23,7 @@ from pagedserve.gateway.responses import ChatResponses, CompletionResponses, Pro
 from pagedserve.gateway.schemas import (ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields,
                              decode_request)
 from pagedserve.gateway.sse import SSEWriter
-from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
+from pagedserve.gateway.state import GATEWAY, SERVED, Gateway, ServedModel
 from pagedserve.gateway.structured import checked, request_constraint
 from pagedserve.gateway.tools import tool_options
 from pagedserve.common.log import get_logger, loggable
@@ -55,17 +55,20 @@ def _card(gateway: Gateway, served: ServedModel) -> Model:
     return Model(id=served.name, created=gateway.started, max_model_len=served.spec.max_model_len)
 
 
+async def served_for(request: web.Request, model: str | None, runner: str | None = None) -> ServedModel:
+    """Gateway.served_for, remembered on the request so that its rejections count under its name."""
+    served = await request.app[GATEWAY].served_for(model, runner)
+    request[SERVED] = served
+    return served
+
+
 async def list_models(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
-    return json_response(ModelList([_card(gateway, await gateway.model())]))
+    return json_response(ModelList([_card(gateway, served) for served in await gateway.served_models()]))
 
 
 async def get_model(request: web.Request) -> web.Response:
-    gateway = request.app[GATEWAY]
-    served = await gateway.model()
-    if served.resolve(request.match_info["model"]) != served.name:
-        raise model_not_found(request.match_info["model"])
-    return json_response(_card(gateway, served))
+    return json_response(_card(request.app[GATEWAY], await served_for(request, request.match_info["model"])))
 
 
 def _counts_rejections(handler: Handler) -> Handler:
@@ -77,9 +80,11 @@ def _counts_rejections(handler: Handler) -> Handler:
         except (APIError, web.HTTPException) as e:
             reason = rejection_reason(e.status, e.info.code if isinstance(e, APIError) else None)
             if reason is not None:
-                # Until the scheduler has answered once, the model name (the label) is unknown.
+                # Until the scheduler has answered once, the model name (the label) is unknown; with
+                # several models, so is the model of a request refused before naming one.
                 with suppress(APIError):
-                    (await request.app[GATEWAY].model()).metrics.request_rejected[reason].inc()
+                    served = request.get(SERVED) or await request.app[GATEWAY].served_for(None)
+                    served.metrics.request_rejected[reason].inc()
             raise
     return counted
 
@@ -106,19 +111,18 @@ def _admitted(handler: Handler) -> Handler:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, ChatCompletionRequest)
     gateway = request.app[GATEWAY]
-    served = await gateway.model()
-    model = params.resolve_model(served.resolve(req.model), served.name)
+    served = await served_for(request, req.model, "generate")
     params.check_chat_options(req)
     params.check_fan_out(1, req.n, gateway.max_client_batch_size)
     options = ChatOutputOptions(reasoning=gateway.reasoning_parser is not None)
     constraint = await _checked(gateway, _chat_constraint(req, gateway, options))
     chat = params.chat_input(req.messages, req.tools, req.chat_template_kwargs, req.chat_template,
                              gateway.trust_request_chat_template)
-    prompt = await chat_prompt(gateway, chat, req.add_generation_prompt)
-    if options.reasoning and reasoning.ended_in_prompt(gateway.tokenizer.decode(prompt, False)):
+    prompt = await chat_prompt(gateway, served.tokenizer, chat, req.add_generation_prompt)
+    if options.reasoning and reasoning.ended_in_prompt(served.tokenizer.decode(prompt, False)):
         options.reasoning = False
     if options.reasoning and constraint is not None:
-        _free_thinking(constraint, gateway.tokenizer)
+        _free_thinking(constraint, served.tokenizer)
     rid = _new_id()
     logprobs = params.chat_logprobs(req)
     choices = _choices(rid, req, [prompt], req.max_completion_tokens or req.max_tokens, logprobs, served,
@@ -128,8 +132,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if req.stream:
             raise bad_request("`prompt_logprobs` on chat completions is returned without `stream` only; "
                               "remove one of them.", param="prompt_logprobs")
-        prompt_lp = PromptLogprobs(gateway.tokenizer, [c.prompt_token_ids for c in choices], vllm=True, echo=False)
-    builder = ChatResponses(rid, model, len(choices), _include_usage(req), logprobs is not None, options,
+        prompt_lp = PromptLogprobs(served.tokenizer, [c.prompt_token_ids for c in choices], vllm=True, echo=False)
+    builder = ChatResponses(rid, served.name, len(choices), _include_usage(req), logprobs is not None, options,
                             prompt_lp)
     return await _generate(request, builder, choices, req.stream, served)
 
@@ -168,14 +172,13 @@ async def _checked(gateway: Gateway,
 async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, CompletionRequest)
     gateway = request.app[GATEWAY]
-    served = await gateway.model()
-    model = params.resolve_model(served.resolve(req.model), served.name)
+    served = await served_for(request, req.model, "generate")
     params.check_completion_options(req)
     given = params.split_prompts(req.prompt)
     params.check_fan_out(len(given), req.n, gateway.max_client_batch_size)
     prompts = given
     if isinstance(given[0], str):
-        prompts = await gateway.offload(sum(map(len, given)), params.encode_prompts, gateway.tokenizer, given)
+        prompts = await gateway.offload(sum(map(len, given)), params.encode_prompts, served.tokenizer, given)
     rid = _new_id()
     # Echo with logprobs shows the prompt's tokens as OpenAI does, prompt_logprobs as vLLM does.
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
@@ -185,20 +188,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
                        prompt_logprobs)
     echo = [""] * len(choices)
     if req.echo:
-        echo = [await _echo_text(gateway, given[c.index // req.n]) for c in choices]
+        echo = [await _echo_text(gateway, served.tokenizer, given[c.index // req.n]) for c in choices]
     prompt_lp = None
     if prompt_logprobs is not None:
-        prompt_lp = PromptLogprobs(gateway.tokenizer, [c.prompt_token_ids for c in choices],
+        prompt_lp = PromptLogprobs(served.tokenizer, [c.prompt_token_ids for c in choices],
                                    vllm=req.prompt_logprobs is not None, echo=bool(req.echo and req.logprobs is not None))
-    builder = CompletionResponses(rid, model, len(choices), _include_usage(req), req.logprobs is not None,
+    builder = CompletionResponses(rid, served.name, len(choices), _include_usage(req), req.logprobs is not None,
                                   echo, prompt_lp)
     return await _generate(request, builder, choices, req.stream, served)
 
 
-async def _echo_text(gateway: Gateway, prompt: str | list[int]) -> str:
+async def _echo_text(gateway: Gateway, tokenizer: Tokenizer, prompt: str | list[int]) -> str:
     if isinstance(prompt, str):
         return prompt
-    return await gateway.offload(len(prompt), gateway.tokenizer.decode, prompt)
+    return await gateway.offload(len(prompt), tokenizer.decode, prompt)
 
 
 def _new_id() -> str:
@@ -233,7 +236,7 @@ async def _generate(request: web.Request, builder: ResponseBuilder, choices: lis
                     stream: bool, served: ServedModel) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     start = time.monotonic()
-    generation = Generation(gateway.engines, gateway.tokenizer, choices, current_request_id(),
+    generation = Generation(served.engines, served.tokenizer, choices, current_request_id(),
                             served.metrics, start, gateway.stream_interval, gateway.log_requests,
                             gateway.prompt_tokens_details)
     try:
