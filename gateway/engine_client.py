@@ -19,8 +19,6 @@ class ModelSpec:
     served_model_name: str
     max_model_len: int
     vocab_size: int
-    # "generate" or "pooling" (--runner): which endpoints the model answers.
-    runner: str = "generate"
 
     @classmethod
     def of(cls, info: pb.ModelInfo) -> "ModelSpec":

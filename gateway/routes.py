@@ -55,9 +55,9 @@ def _card(gateway: Gateway, served: ServedModel) -> Model:
     return Model(id=served.name, created=gateway.started, max_model_len=served.spec.max_model_len)
 
 
-async def served_for(request: web.Request, model: str | None, runner: str | None = None) -> ServedModel:
+async def served_for(request: web.Request, model: str | None) -> ServedModel:
     """Gateway.served_for, remembered on the request so that its rejections count under its name."""
-    served = await request.app[GATEWAY].served_for(model, runner)
+    served = await request.app[GATEWAY].served_for(model)
     request[SERVED] = served
     return served
 
@@ -111,7 +111,7 @@ def _admitted(handler: Handler) -> Handler:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, ChatCompletionRequest)
     gateway = request.app[GATEWAY]
-    served = await served_for(request, req.model, "generate")
+    served = await served_for(request, req.model)
     params.check_chat_options(req)
     params.check_fan_out(1, req.n, gateway.max_client_batch_size)
     options = ChatOutputOptions(reasoning=gateway.reasoning_parser is not None)
@@ -172,7 +172,7 @@ async def _checked(gateway: Gateway,
 async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, CompletionRequest)
     gateway = request.app[GATEWAY]
-    served = await served_for(request, req.model, "generate")
+    served = await served_for(request, req.model)
     params.check_completion_options(req)
     given = params.split_prompts(req.prompt)
     params.check_fan_out(len(given), req.n, gateway.max_client_batch_size)

@@ -54,10 +54,6 @@ class ServedModel:
     metrics: ModelMetrics
     sampling_defaults: dict
 
-    @property
-    def runner(self) -> str:
-        return self.spec.runner
-
 
 @dataclass(slots=True)
 class Gateway:
@@ -86,19 +82,13 @@ class Gateway:
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "gateway-cpu"))
     started: int = field(default_factory=lambda: int(time.time()))
 
-    async def served_for(self, requested: str | None, runner: str | None = None) -> ServedModel:
+    async def served_for(self, requested: str | None) -> ServedModel:
         """The model a request's `model` names (any of its names; omitted: the only one served).
         Raises an APIError: 503 until its schedulers have answered, 404 for a name no model has,
-        400 for none while several models are served, or one whose runner is not `runner`."""
+        400 for none while several models are served."""
         if len(self.models) == 1 or not requested:
-            served = await self._only(requested)
-        else:
-            served = await self._named(requested)
-        if runner is not None and served.runner != runner:
-            raise bad_request(f"The model `{served.name}` is served with --runner {served.runner}, which does not "
-                              f"answer this endpoint; send it to a model served with --runner {runner} "
-                              "(GET /v1/models lists them).", param="model")
-        return served
+            return await self._only(requested)
+        return await self._named(requested)
 
     async def served_models(self) -> list[ServedModel]:
         """Every model whose schedulers have answered, main model first; a 503 APIError while none has."""
@@ -127,7 +117,7 @@ class Gateway:
                 return await self._served(model)
         # Only now the models whose names are not known yet: their schedulers have not answered.
         error = None
-        for model in (m for m in self.models if not m.names()):
+        for model in [m for m in self.models if not m.names()]:
             try:
                 served = await self._served(model)
             except APIError as e:
