@@ -15,7 +15,7 @@ from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_de
 from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
 from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
                                               resolve_kv_cache_dtype)
-from pagedserve.executor_svc.memory_profile import profile_peak_bytes
+from pagedserve.executor_svc.memory_profile import profile_peak_bytes, used_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.model_runner import Launched, ModelRunner
 from pagedserve.executor_svc.models import build_model
@@ -67,6 +67,8 @@ class Worker:
             raise
 
     def _build(self, config: EngineConfig) -> None:
+        # Before the model loads: the memory profile leaves out what was in use here already.
+        self.used_at_start = used_bytes(self.device) if self.device.type == "cuda" else 0
         backend = get_backend(self.device)
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = build_model(self.rank_config, backend, self.max_model_len, self.tp)
