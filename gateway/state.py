@@ -92,14 +92,10 @@ class Gateway:
 
     async def served_models(self) -> list[ServedModel]:
         """Every model whose schedulers have answered, main model first; a 503 APIError while none has."""
-        served, error = [], None
-        for model in self.models:
-            try:
-                served.append(await self._served(model))
-            except APIError as e:
-                error = error or e
+        found = [await self._try_served(model) for model in self.models]
+        served = [s for s in found if isinstance(s, ServedModel)]
         if not served:
-            raise error
+            raise found[0]
         return served
 
     async def _only(self, requested: str | None) -> ServedModel:
@@ -115,17 +111,20 @@ class Gateway:
         for model in self.models:
             if requested in model.names():
                 return await self._served(model)
-        # Only now the models whose names are not known yet: their schedulers have not answered.
-        error = None
-        for model in [m for m in self.models if not m.names()]:
-            try:
-                served = await self._served(model)
-            except APIError as e:
-                error = error or e
-                continue
-            if requested in served.aliases:
-                return served
-        raise error or model_not_found(requested)
+        # Only now the models whose names are not known yet, since their schedulers have not answered:
+        # the first of their 503s if none of them has the name either.
+        unknown = [m for m in self.models if not m.names()]
+        found = [await self._try_served(model) for model in unknown]
+        named = [s for s in found if isinstance(s, ServedModel) and requested in s.aliases]
+        if named:
+            return named[0]
+        raise next((e for e in found if isinstance(e, APIError)), model_not_found(requested))
+
+    async def _try_served(self, model: ModelEngines) -> ServedModel | APIError:
+        try:
+            return await self._served(model)
+        except APIError as e:
+            return e
 
     async def _served(self, model: ModelEngines) -> ServedModel:
         spec = await model.engines.model_spec()
