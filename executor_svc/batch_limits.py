@@ -36,12 +36,17 @@ def gpu_table(total_memory: int, name: str) -> tuple[BatchDefaults, BatchDefault
     return LARGE_GPU if large else GPU
 
 
-def resolve_batch_limits(config: EngineConfig, defaults: BatchDefaults, max_model_len: int) -> EngineConfig:
+def resolve_batch_limits(config: EngineConfig, defaults: BatchDefaults, max_model_len: int,
+                         pooling: bool = False) -> EngineConfig:
     """`config` with its unset limits filled in; as in vLLM, a default token budget is no more than
-    max_num_seqs full-length sequences, and default max_num_seqs no more than that budget."""
+    max_num_seqs full-length sequences, and default max_num_seqs no more than that budget. With
+    `pooling` (whose prompts are computed whole) the default budget is at least max_model_len,
+    as vLLM sets it for pooling models."""
     max_num_seqs = config.max_num_seqs or defaults.max_num_seqs
     max_num_batched_tokens = config.max_num_batched_tokens or min(defaults.max_num_batched_tokens,
                                                                   max_num_seqs * max_model_len)
+    if pooling and config.max_num_batched_tokens is None:
+        max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
     if config.max_num_seqs is None:
         max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
     return replace(config, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)

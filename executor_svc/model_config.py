@@ -39,12 +39,12 @@ class ModelConfig:
     hf_config: dict = field(default_factory=dict)
 
 
-def load_model_config(model: str | Path) -> ModelConfig:
+def load_model_config(model: str | Path, hf_overrides: dict | None = None) -> ModelConfig:
     """Reads a GGUF file's metadata, or a Hugging Face model directory's `config.json` (and
-    `generation_config.json` when present)."""
+    `generation_config.json` when present), updated by `hf_overrides` (--hf-overrides)."""
     gguf_path = find_gguf(model)
     if gguf_path is not None:
-        return model_config_from_dict(read_gguf_config(gguf_path))
+        return model_config_from_dict(apply_hf_overrides(read_gguf_config(gguf_path), hf_overrides))
     model_dir = Path(model)
     path = model_dir / "config.json"
     if not path.is_file():
@@ -52,17 +52,31 @@ def load_model_config(model: str | Path) -> ModelConfig:
                                 "holding config.json, or a .gguf file")
     generation_path = model_dir / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
-    return model_config_from_dict(json.loads(path.read_text()), generation)
+    return model_config_from_dict(apply_hf_overrides(json.loads(path.read_text()), hf_overrides), generation)
+
+
+def apply_hf_overrides(config: dict, overrides: dict | None) -> dict:
+    """config.json updated by --hf-overrides. A decoder made a yes/no-token reranker (vLLM's
+    classifier_from_token, with a *ForSequenceClassification architecture) runs as its causal LM,
+    whose lm_head rows the pooler's classifier is built from (executor_svc/pooler.py)."""
+    config = {**config, **(overrides or {})}
+    if config.get("classifier_from_token"):
+        config["architectures"] = [name.replace("ForSequenceClassification", "ForCausalLM")
+                                   for name in config.get("architectures") or []]
+    return config
 
 
 def model_config_from_dict(config: dict, generation_config: dict | None = None) -> ModelConfig:
     """Builds a ModelConfig from config.json's contents (e.g. a named shape for dummy weights)."""
     architecture = _architecture(config)
-    config = _model_class(architecture).read_hf_config(config)
+    model_class = _model_class(architecture)
+    config = model_class.read_hf_config(config)
     hidden_act = config.get("hidden_act", "silu")
-    if hidden_act not in ACTIVATIONS:
+    # An encoder's MLP is not gated: its class names the activations it implements.
+    activations = getattr(model_class, "hidden_acts", ACTIVATIONS)
+    if hidden_act not in activations:
         raise ValueError(f"{architecture} with hidden_act={hidden_act!r} is not supported; pagedserve "
-                         f"implements {', '.join(ACTIVATIONS)}")
+                         f"implements {', '.join(activations)}")
     heads = config["num_attention_heads"]
     qwen2 = architecture == "Qwen2ForCausalLM"
     bias = bool(config.get("attention_bias", False))
@@ -126,16 +140,17 @@ def _longest_context(model: ModelConfig) -> tuple[int, str]:
 
 def _architecture(config: dict) -> str:
     # Imported here, not at the top: the model files import this module for ModelConfig.
-    from pagedserve.executor_svc.models import MODELS
+    from pagedserve.executor_svc.models import ENCODERS, MODELS
     architectures = config.get("architectures") or []
-    if len(architectures) != 1 or architectures[0] not in MODELS:
-        raise ValueError(f"unsupported architecture {architectures}: pagedserve runs {', '.join(MODELS)}")
+    if len(architectures) != 1 or (architectures[0] not in MODELS and architectures[0] not in ENCODERS):
+        raise ValueError(f"unsupported architecture {architectures}: pagedserve runs "
+                         f"{', '.join([*MODELS, *ENCODERS])}")
     return architectures[0]
 
 
 def _model_class(architecture: str) -> type:
-    from pagedserve.executor_svc.models import MODELS  # imported here, as in _architecture
-    return MODELS[architecture]
+    from pagedserve.executor_svc.models import ENCODERS, MODELS  # imported here, as in _architecture
+    return MODELS.get(architecture) or ENCODERS[architecture]
 
 
 def _eos_token_ids(config: dict, generation_config: dict | None) -> list[int]:

@@ -118,7 +118,7 @@ def dummy_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Checkpoint
         if target is None:
             continue
         shape, dtype = target.checkpoint_shape, target.param.dtype
-        if name.endswith("norm.weight"):
+        if name.lower().endswith("norm.weight"):
             whole = torch.ones(shape, dtype=dtype, device=device)
         elif len(shape) == 1:
             whole = torch.zeros(shape, dtype=dtype, device=device)

@@ -18,13 +18,16 @@ from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block
 from pagedserve.executor_svc.memory_profile import profile_peak_bytes, used_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.model_runner import Launched, ModelRunner
-from pagedserve.executor_svc.models import build_model
+from pagedserve.executor_svc.models import ENCODERS, build_model
 from pagedserve.executor_svc.parallel import init_group, rank_device, shard_config
+from pagedserve.executor_svc.pooler_config import load_pooler_config
+from pagedserve.executor_svc.pooling_model import build_pooler, pooling_info, resolve_runner
+from pagedserve.executor_svc.pooling_runner import PoolingRunner
 from pagedserve.executor_svc.tp_workers import start_workers
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
-from pagedserve.common.plan import ExecutorInfo, StepPlan, StepResult
+from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, ExecutorInfo, PoolingInfo, StepPlan, StepResult
 
 log = get_logger(__name__)
 
@@ -43,7 +46,10 @@ class Worker:
     def __init__(self, config: EngineConfig, offline: bool = False, rank: int = 0) -> None:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
-        self.model_config: ModelConfig = load_model_config(config.model)
+        self.model_config: ModelConfig = load_model_config(config.model, config.hf_overrides)
+        self.runner_kind = resolve_runner(config, self.model_config)
+        if self.runner_kind == "pooling" and config.tensor_parallel_size > 1:
+            raise ValueError("--runner pooling runs on one GPU: drop --tensor-parallel-size (-tp)")
         # The shapes this rank holds: its share of the heads, KV heads, MLP width and vocabulary.
         self.rank_config = shard_config(self.model_config, config.tensor_parallel_size)
         self.quantization = config.quantization or self.model_config.quantization
@@ -53,7 +59,7 @@ class Worker:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         self.config = resolve_batch_limits(config, batch_defaults(self.device, offline),
-                                           self.max_model_len)
+                                           self.max_model_len, self.runner_kind == "pooling")
         self.block_size = self.config.block_size
         self.tp = self.ranks = None
         if config.tensor_parallel_size > 1:
@@ -73,6 +79,10 @@ class Worker:
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = build_model(self.rank_config, backend, self.max_model_len, self.tp)
         self._load_weights(backend.per_token_quant_fp8 if self.quantization else None)
+        self.pooling = PoolingInfo()
+        if self.runner_kind == "pooling":
+            self._build_pooling(config)
+            return
         self.runner = ModelRunner(self.model, config, self.model_config, self.max_model_len, self.device,
                                   self.dtype, self.kv_dtype, self.tp)
         block_bytes = bytes_per_block(self.rank_config, self.block_size, self.kv_dtype)
@@ -88,6 +98,24 @@ class Worker:
                  max_model_len=self.max_model_len, num_blocks=self.num_blocks,
                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                  cuda_graphs=bool(self.runner.graphs.graphs), tensor_parallel_size=config.tensor_parallel_size)
+
+    def _build_pooling(self, config: EngineConfig) -> None:
+        """The pooling runner; a decoder's KV cache holds the steps in flight, which the scheduler
+        frees as each ends (an encoder's blocks are only the scheduler's count: it has no cache)."""
+        pooler_config = load_pooler_config(config.model, config.pooler_config, config.hf_overrides)
+        self.pooling = pooling_info(self.model_config, pooler_config)
+        encoder = self.model_config.architecture in ENCODERS
+        pooler = build_pooler(self.model, self.model_config, pooler_config, config.model)
+        self.runner = PoolingRunner(self.model, pooler, self.block_size, self.device, encoder)
+        self.num_blocks = config.num_gpu_blocks_override or (
+            MAX_STEPS_IN_FLIGHT * (-(-config.max_num_batched_tokens // self.block_size) + config.max_num_seqs) + 1)
+        if not encoder:
+            self.runner.kv_caches = allocate_kv_cache(self.rank_config, self.num_blocks, self.block_size,
+                                                      self.kv_dtype, self.device)
+        log.info("worker_ready", architecture=self.model_config.architecture, runner="pooling",
+                 device=str(self.device), dtype=dtype_name(self.dtype), max_model_len=self.max_model_len,
+                 num_blocks=self.num_blocks, max_num_seqs=config.max_num_seqs,
+                 max_num_batched_tokens=config.max_num_batched_tokens, tasks=self.pooling.tasks)
 
     def _warm_up(self, config: EngineConfig) -> None:
         runner = self.runner
@@ -129,7 +157,8 @@ class Worker:
                             eos_token_ids=list(self.model_config.eos_token_ids),
                             max_num_seqs=self.config.max_num_seqs,
                             max_num_batched_tokens=self.config.max_num_batched_tokens,
-                            gpu_memory_utilization=self.config.gpu_memory_utilization)
+                            gpu_memory_utilization=self.config.gpu_memory_utilization,
+                            runner=self.runner_kind, pooling=self.pooling)
 
     def launch(self, plan: StepPlan) -> Launched:
         """Queues the plan's step on the device (see ModelRunner.launch); every rank does too."""

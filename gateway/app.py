@@ -3,7 +3,7 @@ import asyncio
 
 from aiohttp import web
 
-from pagedserve.gateway import ops_routes, routes, tokenize_routes
+from pagedserve.gateway import ops_routes, pooling_routes, routes, tokenize_routes
 from pagedserve.gateway.auth import auth_middleware
 from pagedserve.gateway.cors import CORS
 from pagedserve.gateway.engine_pool import EnginePool
@@ -97,6 +97,12 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app.router.add_get("/v1/models/{model:.+}", routes.get_model)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_post("/v1/embeddings", pooling_routes.embeddings)
+    for path in ("/rerank", "/v1/rerank"):
+        app.router.add_post(path, pooling_routes.rerank)
+    app.router.add_post("/v2/rerank", pooling_routes.rerank_v2)
+    for path in ("/score", "/v1/score"):
+        app.router.add_post(path, pooling_routes.score)
     app.router.add_post("/tokenize", tokenize_routes.tokenize)
     app.router.add_post("/detokenize", tokenize_routes.detokenize)
     return app

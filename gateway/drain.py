@@ -2,11 +2,11 @@
 import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from typing import Protocol
 
 from aiohttp import web
 
 from pagedserve.gateway.errors import APIError, unavailable
-from pagedserve.gateway.generation import Generation
 from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
@@ -15,6 +15,12 @@ log = get_logger(__name__)
 _OPEN_WHILE_DRAINING = frozenset({"/metrics"})
 # How long interrupted requests get to write their error and close.
 _INTERRUPT_GRACE_S = 2.0
+
+
+class Interruptible(Protocol):
+    """A request's engine work (a Generation, a Pooling) that a shutdown can end with an error."""
+
+    def interrupt(self, error: Exception) -> None: ...
 
 
 def shutting_down() -> APIError:
@@ -31,7 +37,7 @@ class Drain:
         self.draining = False
         self.expired = False
         self.active = 0
-        self.generations: set[Generation] = set()
+        self.generations: set[Interruptible] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -49,8 +55,8 @@ class Drain:
                 self._idle.set()
 
     @contextmanager
-    def track(self, generation: Generation) -> Iterator[None]:
-        """Registers a generation for the duration of its request, so that drain() can interrupt it."""
+    def track(self, generation: Interruptible) -> Iterator[None]:
+        """Registers a generation (or a pooling) for the duration of its request, so that drain() can interrupt it."""
         if self.expired:
             raise shutting_down()
         self.generations.add(generation)

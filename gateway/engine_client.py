@@ -19,10 +19,20 @@ class ModelSpec:
     served_model_name: str
     max_model_len: int
     vocab_size: int
+    # "generate" or "pooling" (a scheduler that does not say runs generate), and a pooling model's facts.
+    runner: str = "generate"
+    pooling_tasks: tuple[str, ...] = ()
+    embedding_size: int = 0
+    matryoshka_dimensions: tuple[int, ...] = ()
+    is_matryoshka: bool = False
+    num_labels: int = 0
+    default_prompt: str = ""
 
     @classmethod
     def of(cls, info: pb.ModelInfo) -> "ModelSpec":
-        return cls(info.served_model_name, info.max_model_len, info.vocab_size)
+        return cls(info.served_model_name, info.max_model_len, info.vocab_size, info.runner or "generate",
+                   tuple(info.pooling_tasks), info.embedding_size, tuple(info.matryoshka_dimensions),
+                   info.is_matryoshka, info.num_labels, info.default_prompt)
 
 
 # A call the gateway cancels itself never raises (a client that leaves cancels the handler), so a
@@ -47,7 +57,7 @@ def api_error(code: grpc.StatusCode, details: str | None) -> APIError:
 
 
 class EngineClient:
-    """Calls GenerateStream, GetModelInfo and health on `address` (host:port or unix:///path)."""
+    """Calls GenerateStream, Pool, GetModelInfo and health on `address` (host:port or unix:///path)."""
 
     def __init__(self, address: str) -> None:
         self._channel = service.channel(address)
@@ -71,6 +81,15 @@ class EngineClient:
         try:
             return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout,
                                                   metadata=service.call_metadata())
+        except grpc.aio.AioRpcError as e:
+            raise api_error(e.code(), e.details()) from e
+
+    async def pool(self, request: pb.PoolRequest, trace_id: str) -> pb.PoolResponse:
+        """One input's pooled data (a Pool call); raises the APIError of the scheduler's status.
+        Cancelling the call aborts the request on the scheduler."""
+        metadata = (*(service.call_metadata() or ()), ("x-request-id", trace_id))
+        try:
+            return await self._stub.Pool(request, metadata=metadata)
         except grpc.aio.AioRpcError as e:
             raise api_error(e.code(), e.details()) from e
 

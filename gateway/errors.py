@@ -80,8 +80,9 @@ _encoder = msgspec.json.Encoder()
 
 # Statuses aiohttp raises itself (routing, body size, methods) with messages that tell the client what to do.
 _HTTP_MESSAGES = {
-    404: "Not found: this server serves /v1/models, /v1/completions, /v1/chat/completions, /tokenize, "
-         "/detokenize, /version, /health and /metrics.",
+    404: "Not found: this server serves /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, "
+         "/rerank, /v1/rerank, /v2/rerank, /score, /v1/score, /tokenize, /detokenize, /version, /health and "
+         "/metrics.",
     405: "Method not allowed on this path.",
     413: f"Request body too large: the limit is {MAX_BODY_BYTES} bytes.",
 }

@@ -23,6 +23,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length")
 REJECT_REASONS = ("queue_full", "too_long", "invalid")
+# The pooling routes, by the label their series carry: /v1/embeddings, the /rerank routes, the /score routes.
+POOLING_ENDPOINTS = ("embeddings", "rerank", "score")
 # ModelInfo field, metric name and help of the scheduler's per-step histograms.
 STEP_HISTOGRAMS = (
     ("step_schedule", "step_schedule_seconds", "Scheduler CPU seconds per step (schedule and update)."),
@@ -79,6 +81,8 @@ class ModelMetrics:
     request_success: dict[str, Counter]
     client_disconnected: Counter
     request_rejected: dict[str, Counter]
+    pooling_requests: dict[str, Counter]
+    pooling_prompt_tokens: dict[str, Counter]
 
 
 def _create(registry: CollectorRegistry, model_name: str, max_model_len: int) -> ModelMetrics:
@@ -117,6 +121,10 @@ def _create(registry: CollectorRegistry, model_name: str, max_model_len: int) ->
                                     registry=registry).labels(model_name),
         request_rejected=counters("request_rejected", "Requests refused before generation.", "reason",
                                   REJECT_REASONS),
+        pooling_requests=counters("pooling_requests", "Pooling requests that finished, by endpoint.", "endpoint",
+                                  POOLING_ENDPOINTS),
+        pooling_prompt_tokens=counters("pooling_prompt_tokens", "Prompt tokens of finished pooling requests, by "
+                                       "endpoint (also counted in prompt_tokens).", "endpoint", POOLING_ENDPOINTS),
     )
 
 

@@ -151,8 +151,9 @@ def check_prompt_chars(size: int, param: str) -> None:
                           param=param)
 
 
-def split_prompts(prompt: str | list) -> list[str] | list[list[int]]:
-    """The prompts of a completions request: texts, or token id lists."""
+def split_prompts(prompt: str | list, param: str = "prompt") -> list[str] | list[list[int]]:
+    """The prompts of a completions request (or the inputs of another, named `param`): texts, or
+    token id lists."""
     if isinstance(prompt, str):
         prompt = [prompt]
     kinds = {type(p) for p in prompt}
@@ -162,11 +163,11 @@ def split_prompts(prompt: str | list) -> list[str] | list[list[int]]:
         return prompt
     if kinds == {str}:
         if not all(prompt):
-            raise bad_request("The prompt is empty; send some text.", param="prompt")
-        check_prompt_chars(sum(map(len, prompt)), "prompt")
+            raise bad_request(f"The {param} is empty; send some text.", param=param)
+        check_prompt_chars(sum(map(len, prompt)), param)
         return prompt
-    raise bad_request("`prompt` must be a string, a list of strings, a list of token ids or a list of "
-                      "lists of token ids, not a mix.", param="prompt")
+    raise bad_request(f"`{param}` must be a string, a list of strings, a list of token ids or a list of "
+                      "lists of token ids, not a mix.", param=param)
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: list[str]) -> list[list[int]]:

@@ -1,29 +1,28 @@
 """HTTP handlers of the OpenAI routes: /v1/models, /v1/completions and /v1/chat/completions."""
 import asyncio
 import dataclasses
-import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, suppress
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import msgspec
 from aiohttp import web
 
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.gateway import params, reasoning
+from pagedserve.gateway.admission import admitted, check_runner, counts_rejections, served_for
 from pagedserve.gateway.chat_output import ChatOutputOptions
 from pagedserve.gateway.chat_prompt import chat_prompt
-from pagedserve.gateway.errors import APIError, bad_request, internal, overloaded, request_timeout
+from pagedserve.gateway.errors import APIError, bad_request, internal, request_timeout
 from pagedserve.gateway.generation import Choice, ChoiceEvent, Generation, fan_out
 from pagedserve.gateway.logprobs import TokenLogprob
-from pagedserve.gateway.metrics import rejection_reason
 from pagedserve.gateway.request_id import current_request_id
 from pagedserve.gateway.responses import ChatResponses, CompletionResponses, PromptLogprobs, ResponseBuilder
 from pagedserve.gateway.schemas import (ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields,
                              decode_request)
 from pagedserve.gateway.sse import SSEWriter
-from pagedserve.gateway.state import GATEWAY, SERVED, Gateway, ServedModel
+from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
 from pagedserve.gateway.structured import checked, request_constraint
 from pagedserve.gateway.tools import tool_options
 from pagedserve.common.log import get_logger, loggable
@@ -31,7 +30,6 @@ from pagedserve.common.tokenizer import Tokenizer
 
 log = get_logger(__name__)
 _encoder = msgspec.json.Encoder()
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def json_response(body: msgspec.Struct) -> web.Response:
@@ -55,13 +53,6 @@ def _card(gateway: Gateway, served: ServedModel) -> Model:
     return Model(id=served.name, created=gateway.started, max_model_len=served.spec.max_model_len)
 
 
-async def served_for(request: web.Request, model: str | None) -> ServedModel:
-    """Gateway.served_for, remembered on the request so that its rejections count under its name."""
-    served = await request.app[GATEWAY].served_for(model)
-    request[SERVED] = served
-    return served
-
-
 async def list_models(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
     return json_response(ModelList([_card(gateway, served) for served in await gateway.served_models()]))
@@ -71,47 +62,13 @@ async def get_model(request: web.Request) -> web.Response:
     return json_response(_card(request.app[GATEWAY], await served_for(request, request.match_info["model"])))
 
 
-def _counts_rejections(handler: Handler) -> Handler:
-    """Counts what a generation route refuses before generating, as request_rejected{reason}."""
-    @functools.wraps(handler)
-    async def counted(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except (APIError, web.HTTPException) as e:
-            reason = rejection_reason(e.status, e.info.code if isinstance(e, APIError) else None)
-            if reason is not None:
-                # Until the scheduler has answered once, the model name (the label) is unknown; with
-                # several models, so is the model of a request refused before naming one.
-                with suppress(APIError):
-                    served = request.get(SERVED) or await request.app[GATEWAY].served_for(None)
-                    served.metrics.request_rejected[reason].inc()
-            raise
-    return counted
-
-
-def _admitted(handler: Handler) -> Handler:
-    """Answers 503 server_overloaded while --max-concurrent-requests generation requests are in flight."""
-    @functools.wraps(handler)
-    async def admitted(request: web.Request) -> web.StreamResponse:
-        gateway = request.app[GATEWAY]
-        limit = gateway.max_concurrent_requests
-        if limit is not None and gateway.generating >= limit:
-            raise overloaded(f"This server already serves {limit} requests, its limit "
-                             "(--max-concurrent-requests); retry shortly.")
-        gateway.generating += 1
-        try:
-            return await handler(request)
-        finally:
-            gateway.generating -= 1
-    return admitted
-
-
-@_counts_rejections
-@_admitted
+@counts_rejections
+@admitted
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, ChatCompletionRequest)
     gateway = request.app[GATEWAY]
     served = await served_for(request, req.model)
+    check_runner(served, "generate", "/v1/chat/completions")
     params.check_chat_options(req)
     params.check_fan_out(1, req.n, gateway.max_client_batch_size)
     options = ChatOutputOptions(reasoning=gateway.reasoning_parser is not None)
@@ -167,12 +124,13 @@ async def _checked(gateway: Gateway,
     return await gateway.in_pool(checked, constraint, param)
 
 
-@_counts_rejections
-@_admitted
+@counts_rejections
+@admitted
 async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, CompletionRequest)
     gateway = request.app[GATEWAY]
     served = await served_for(request, req.model)
+    check_runner(served, "generate", "/v1/completions")
     params.check_completion_options(req)
     given = params.split_prompts(req.prompt)
     params.check_fan_out(len(given), req.n, gateway.max_client_batch_size)

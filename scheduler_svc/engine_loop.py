@@ -7,6 +7,7 @@ import grpc
 from pagedserve.common import service
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import StepPlan, StepResult, plan_to_proto, result_from_proto
+from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import executor_pb2_grpc
 from pagedserve.scheduler_svc.request import Request, RequestDelta
@@ -56,9 +57,10 @@ class EngineLoop:
         self.error: ExecutorLost | None = None
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            queue: asyncio.Queue | None = None, cache_salt: str = "") -> tuple[int, asyncio.Queue]:
+            queue: asyncio.Queue | None = None, cache_salt: str = "", pooling: PoolingParams | None = None,
+            token_type_ids: list[int] | None = None) -> tuple[int, asyncio.Queue]:
         """Queues a request whose outputs go to `queue` (a new one by default, which several requests
-        may share); raises ValueError for one the scheduler cannot take, QueueFull when the queue is
+        may share), a pooling one with `pooling`; raises ValueError for one the scheduler cannot take, QueueFull when the queue is
         full, and ExecutorLost while the executor is away."""
         if self.error:
             raise self.error
@@ -66,7 +68,8 @@ class EngineLoop:
             raise ValueError(f"request id {request_id!r} is already running; use a unique id")
         seq_id = next(self.seq_counter)
         self.scheduler.add(Request(seq_id=seq_id, request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                   sampling=params, cache_salt=cache_salt))
+                                   sampling=params, cache_salt=cache_salt, pooling=pooling,
+                                   token_type_ids=token_type_ids or []))
         queue = asyncio.Queue() if queue is None else queue
         self.outputs[seq_id] = queue
         self.seq_ids[request_id] = seq_id

@@ -4,6 +4,7 @@ from enum import Enum
 
 import msgspec
 
+from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 
 
@@ -45,6 +46,9 @@ class Request:
     # With prompt_logprobs: those received so far (token 1 on), and whether they went out.
     prompt_logprobs: list["TokenLogprobs"] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # Set: a pooling request (prefill only), which ends with its pooled data instead of tokens.
+    pooling: PoolingParams | None = None
+    token_type_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -86,3 +90,5 @@ class RequestDelta(msgspec.Struct, gc=False):
     # When the executor failed the request (finish_reason "error"): the gRPC status code and why.
     error_code: int = 0
     error: str | None = None
+    # A pooling request's result: its embedding or its scores, one per label.
+    pooled: list[float] | None = None

@@ -4,11 +4,12 @@ from collections import deque
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
-from pagedserve.common.plan import (ContinuingRequest, ExecutorInfo, NewRequest, PromptLogprobs, RequestError,
-                                   StepPlan, StepResult, StepLogprobs)
+from pagedserve.common.plan import ContinuingRequest, ExecutorInfo, NewRequest, RequestError, StepPlan, StepResult
 from pagedserve.common.sampling_params import MAX_CACHE_SALT_CHARS, check_request
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
-from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
+from pagedserve.scheduler_svc.logprobs import attach_logprobs, gather_prompt_logprobs
+from pagedserve.scheduler_svc.pooling import check_pooling
+from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus
 from pagedserve.scheduler_svc.step_stats import StepStats
 
 log = get_logger(__name__)
@@ -44,6 +45,8 @@ class Scheduler:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.eos_token_ids = frozenset(info.eos_token_ids)
+        # "pooling": every request is a pooling one (scheduler_svc/pooling.py), else none is.
+        self.runner, self.pooling = info.runner, info.pooling
         self.block_manager = BlockManager(info.num_blocks, info.block_size, config.enable_prefix_caching)
         self.kv_capacity = self.block_manager.num_usable_blocks * self.block_size
         # A sequence of n tokens needs KV for its first n - 1 only, so a pool smaller than the
@@ -95,15 +98,10 @@ class Scheduler:
         n = len(request.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty: send at least one token")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                f"has {n} tokens; shorten it to at most {self.max_model_len - 1} tokens to leave room "
-                f"for output")
-        if n >= self.max_len:
-            raise ValueError(
-                f"the KV cache holds {self.kv_capacity} tokens, but the prompt has {n} tokens; "
-                f"shorten it to at most {self.max_len - 1} tokens or give the server more KV cache memory")
+        check_pooling(request, self.runner, self.pooling, self.max_model_len,
+                      min(self.max_num_batched_tokens, self.kv_capacity))
+        if request.pooling is None:
+            self._check_generation_length(n)
         check_request(request.prompt_token_ids, request.sampling, self.vocab_size)
         if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise ValueError(f"cache_salt holds {len(request.cache_salt)} characters; at most "
@@ -118,14 +116,28 @@ class Scheduler:
         if not params.ignore_eos:
             request.stop_ids |= self.eos_token_ids
         request.max_num_tokens = self.max_len
-        if params.max_tokens is not None:
+        if request.pooling is not None:
+            # Computed whole at admission, so _schedule_running never plans it again.
+            request.max_num_tokens = n
+        elif params.max_tokens is not None:
             request.max_num_tokens = min(n + params.max_tokens, self.max_len)
-        if self.block_manager.enable_prefix_caching:
+        if self.block_manager.enable_prefix_caching and request.pooling is None:
             hash_blocks(request.block_hashes, request.token_ids, self.block_size, request.cache_salt)
         request.status = RequestStatus.WAITING
         self.requests[request.seq_id] = request
         self.request_ids[request.request_id] = request
         self.waiting.append(request)
+
+    def _check_generation_length(self, n: int) -> None:
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                f"has {n} tokens; shorten it to at most {self.max_model_len - 1} tokens to leave room "
+                f"for output")
+        if n >= self.max_len:
+            raise ValueError(
+                f"the KV cache holds {self.kv_capacity} tokens, but the prompt has {n} tokens; "
+                f"shorten it to at most {self.max_len - 1} tokens or give the server more KV cache memory")
 
     def _num_queued(self) -> int:
         # Waiting requests that the next step can admit into free running slots are not queued.
@@ -221,6 +233,8 @@ class Scheduler:
                 # Prompt logprobs need every prompt position computed, cached or not.
                 cached, num_cached = [], 0
             n = min(num_tokens - num_cached, budget)
+            if request.pooling is not None and n < num_tokens:
+                break  # a pooling prompt runs whole (scheduler_svc/pooling.py): it waits for a step
             num_new = (num_cached + n + block_size - 1) // block_size - len(cached)
             # Head-of-line blocking: when the oldest waiting request does not fit, nothing behind
             # it is admitted either. Strict FIFO keeps a long prompt from starving behind a stream
@@ -237,7 +251,8 @@ class Scheduler:
             self.prefix_cache_hits += num_cached
             plan.new_requests.append(NewRequest(request.seq_id, list(request.token_ids), num_cached, n,
                                                 list(request.block_ids), request.sampling,
-                                                request.num_prompt_tokens, request.min_tokens_mask_ids()))
+                                                request.num_prompt_tokens, request.min_tokens_mask_ids(),
+                                                request.pooling, request.token_type_ids))
             request.num_computed_tokens = num_cached + n
             request.num_registered_blocks = len(cached)
             if block_manager.enable_prefix_caching:
@@ -273,12 +288,14 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} does not match plan {plan.step_id}")
         if result.prompt_logprobs is not None:
-            self._gather_prompt_logprobs(result.prompt_logprobs)
+            gather_prompt_logprobs(self.requests, result.prompt_logprobs)
         failed = self._fail(result.errors) if result.errors else []
+        if result.pooled_seq_ids:
+            failed += self._finish_pooled(result.pooled())
         seq_ids, token_ids = self._defer(result) if result.deferred else (result.seq_ids, result.token_ids)
         outputs = self._append_tokens(seq_ids, token_ids)
         if result.logprobs is not None:
-            _attach_logprobs(outputs, result)
+            attach_logprobs(outputs, result)
         outputs += failed
         self.stats.observe(plan.schedule_ns + time.perf_counter_ns() - start, result.forward_ns,
                            0 if plan.after_pause else result.idle_ns)
@@ -298,6 +315,21 @@ class Scheduler:
             outputs.append(RequestDelta(e.seq_id, request.request_id, [], True, "error", None,
                                         request.num_prompt_tokens, len(request.output_token_ids),
                                         request.num_cached_tokens, error_code=e.code, error=e.message))
+        return outputs
+
+    def _finish_pooled(self, pooled: dict[int, list[float]]) -> list[RequestDelta]:
+        """Ends each pooling request whose prompt the step computed, with its pooled data; one
+        preempted since (waiting again) is computed again."""
+        outputs = []
+        for seq_id, data in pooled.items():
+            request = self.requests.get(seq_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            self._finish(request, "stop")
+            self.num_prompt_tokens += request.num_prompt_tokens
+            outputs.append(RequestDelta(seq_id, request.request_id, [], True, "stop", None,
+                                        request.num_prompt_tokens, 0, 0, pooled=data))
+        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
 
     def _defer(self, result: StepResult) -> tuple[list[int], list[int]]:
@@ -350,20 +382,6 @@ class Scheduler:
         self.num_generation_tokens += len(outputs)
         return outputs
 
-    def _gather_prompt_logprobs(self, prompt: PromptLogprobs) -> None:
-        """Keeps each request's prompt logprobs until its first output; a preempted request's
-        recomputed prompt brings entries it has already, which are skipped."""
-        entries = _unpack(prompt.logprobs)
-        end = 0
-        for seq_id, start, count in zip(prompt.seq_ids, prompt.starts, prompt.counts):
-            first, end = end, end + count
-            request = self.requests.get(seq_id)
-            if request is None or request.prompt_logprobs_sent:
-                continue
-            have = len(request.prompt_logprobs) + 1
-            if start <= have:
-                request.prompt_logprobs += entries[first + have - start:end]
-
     def _finish(self, request: Request, reason: str, stop_token_id: int | None = None) -> None:
         if request.status is RequestStatus.RUNNING:
             self.dropped.append(request.seq_id)
@@ -375,22 +393,3 @@ class Scheduler:
         del self.requests[request.seq_id]
         del self.request_ids[request.request_id]
 
-
-def _unpack(lp: StepLogprobs) -> list[TokenLogprobs]:
-    """One TokenLogprobs per entry of the packed form, in its order."""
-    tokens = []
-    end = 0
-    for i in range(len(lp.rows)):
-        start, end = end, end + lp.num_top[i]
-        tokens.append(TokenLogprobs(lp.logprobs[i], lp.ranks[i], lp.top_token_ids[start:end],
-                                    lp.top_logprobs[start:end]))
-    return tokens
-
-
-def _attach_logprobs(outputs: list[RequestDelta], result: StepResult) -> None:
-    lp = result.logprobs
-    by_seq = {result.seq_ids[row]: token for row, token in zip(lp.rows, _unpack(lp))}
-    for out in outputs:
-        token = by_seq.get(out.seq_id)
-        if token is not None:
-            out.logprobs = [token]

@@ -16,7 +16,8 @@ from pagedserve.common import aio, service
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import ExecutorInfo, info_from_proto
-from pagedserve.common.sampling_params import sampling_from_proto
+from pagedserve.common.pooling_params import pooling_from_proto
+from pagedserve.common.sampling_params import SamplingParams, sampling_from_proto
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
 from pagedserve.scheduler_svc.generate_stream import StreamCall
@@ -51,11 +52,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.draining = False
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        # Each RPC runs in its own task, so the bound id stays with this request's events.
-        trace_id = dict(context.invocation_metadata() or ()).get("x-request-id", request.request_id)
-        structlog.contextvars.bind_contextvars(request_id=trace_id)
-        log.debug("request_received", engine_request_id=request.request_id,
-                  prompt_tokens=len(request.prompt_token_ids))
+        _bind_trace_id(request, context)
         try:
             params = sampling_from_proto(request.params)
             _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params,
@@ -74,6 +71,31 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 if outs[-1].error is not None:
                     await context.abort(status_code(outs[-1].error_code), outs[-1].error)
                 yield response_from_outputs(outs)
+        finally:
+            # Runs on cancellation too (client gone, deadline): the abort frees the request's blocks.
+            if not finished:
+                self.loop.abort(request.request_id)
+            log.debug("request_finished" if finished else "request_aborted",
+                      engine_request_id=request.request_id)
+
+    async def Pool(self, request: engine_pb2.PoolRequest,
+                   context: grpc.aio.ServicerContext) -> engine_pb2.PoolResponse:
+        _bind_trace_id(request, context)
+        try:
+            _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), SamplingParams(),
+                                     pooling=pooling_from_proto(request.params),
+                                     token_type_ids=list(request.token_type_ids))
+        except (ValueError, QueueFull, ExecutorLost) as e:
+            await context.abort(refusal_code(e), str(e))
+        finished = False
+        try:
+            out = await queue.get()
+            finished = True
+            if isinstance(out, ExecutorLost):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(out))
+            if out.error is not None:
+                await context.abort(status_code(out.error_code), out.error)
+            return engine_pb2.PoolResponse(data=out.pooled, prompt_tokens=out.num_prompt_tokens)
         finally:
             # Runs on cancellation too (client gone, deadline): the abort frees the request's blocks.
             if not finished:
@@ -110,7 +132,25 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             enable_prefix_caching=self.config.enable_prefix_caching,
             gpu_memory_utilization=self.info.gpu_memory_utilization,
             step_schedule=histogram_to_proto(stats.scheduler),
-            step_forward=histogram_to_proto(stats.forward), step_idle=histogram_to_proto(stats.idle))
+            step_forward=histogram_to_proto(stats.forward), step_idle=histogram_to_proto(stats.idle),
+            **_pooling_fields(self.info))
+
+
+def _bind_trace_id(request: engine_pb2.GenerateRequest | engine_pb2.PoolRequest,
+                   context: grpc.aio.ServicerContext) -> None:
+    # Each RPC runs in its own task, so the bound id stays with this request's events.
+    trace_id = dict(context.invocation_metadata() or ()).get("x-request-id", request.request_id)
+    structlog.contextvars.bind_contextvars(request_id=trace_id)
+    log.debug("request_received", engine_request_id=request.request_id,
+              prompt_tokens=len(request.prompt_token_ids))
+
+
+def _pooling_fields(info: ExecutorInfo) -> dict:
+    """ModelInfo's fields about pooling, from the executor's Describe."""
+    p = info.pooling
+    return dict(runner=info.runner, pooling_tasks=p.tasks, embedding_size=p.embedding_size,
+                matryoshka_dimensions=p.matryoshka_dimensions, is_matryoshka=p.is_matryoshka,
+                num_labels=p.num_labels, default_prompt=p.default_prompt)
 
 
 def histogram_to_proto(h: Histogram) -> engine_pb2.StepHistogram:

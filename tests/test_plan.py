@@ -1,5 +1,7 @@
-from pagedserve.common.plan import (ContinuingRequest, NewRequest, StepLogprobs, StepPlan, StepResult,
-                                    plan_from_proto, plan_to_proto, result_from_proto, result_to_proto)
+from pagedserve.common.plan import (ContinuingRequest, ExecutorInfo, NewRequest, PoolingInfo, StepLogprobs,
+                                    StepPlan, StepResult, info_from_proto, info_to_proto, plan_from_proto,
+                                    plan_to_proto, result_from_proto, result_to_proto)
+from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import executor_pb2 as pb
 
@@ -38,3 +40,17 @@ def test_result_survives_the_wire():
     result.logprobs = StepLogprobs([1], [-0.5], [2], [2], [40, 30], [-0.25, -0.5])
     wire = pb.StepResult.FromString(result_to_proto(result).SerializeToString())
     assert result_from_proto(wire) == result
+
+
+def test_pooling_requests_and_pooled_data_survive_the_wire():
+    plan = StepPlan(2, new_requests=[NewRequest(3, [5, 6], 0, 2, [4], SamplingParams(),
+                                                pooling=PoolingParams("embed", False, 8), token_type_ids=[0, 1]),
+                                     NewRequest(4, [8], 0, 1, [9], SamplingParams(),
+                                                pooling=PoolingParams("classify", activation=False))])
+    assert plan_from_proto(pb.StepPlan.FromString(plan_to_proto(plan).SerializeToString())) == plan
+    result = StepResult(2, pooled_seq_ids=[3, 4], pooled_sizes=[2, 1], pooled_data=[0.5, -0.25, 2.0])
+    back = result_from_proto(pb.StepResult.FromString(result_to_proto(result).SerializeToString()))
+    assert back == result and back.pooled() == {3: [0.5, -0.25], 4: [2.0]}
+    info = ExecutorInfo(8, 16, "float32", "cpu", 100, 64, [2], 4, 64, runner="pooling",
+                        pooling=PoolingInfo(["embed"], 32, [16, 8], True, 0, "query: "))
+    assert info_from_proto(info_to_proto(info)) == info

@@ -3,6 +3,7 @@
 Each type takes the flag's text or, for the offline LLM's keyword arguments, a Python value, and
 raises argparse.ArgumentTypeError with a one-line reason; argparse prefixes the flag's name."""
 import argparse
+import json
 import re
 from collections.abc import Callable
 
@@ -72,6 +73,20 @@ def only(supported: object, feature: str, what_runs: str) -> Callable[[object], 
             raise argparse.ArgumentTypeError(f"{feature} is not built yet ({what_runs}); drop {value!r}")
         return supported
     return check
+
+
+def json_object(value: str | dict) -> dict:
+    """A JSON object, as --pooler-config and --hf-overrides take (a dict from the offline LLM)."""
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"normalize\": false}}', "
+                                         f"got {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {value!r}")
+    return parsed
 
 
 def _integer(value: str | int) -> int:

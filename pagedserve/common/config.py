@@ -7,6 +7,7 @@ max_num_seqs, max_num_batched_tokens), and the scheduler plans with that report.
 owns batching policy (prefix caching, async scheduling) and the served name."""
 import argparse
 import difflib
+import json
 from dataclasses import dataclass, fields
 
 from pagedserve.common import arg_types
@@ -37,6 +38,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     async_scheduling: bool = True
     disable_log_stats: bool = False
+    # vLLM's: auto = pooling for an encoder, a sequence classifier or a sentence-transformers
+    # directory, else generate; --task (older) picks the runner too.
+    runner: str = "auto"
+    task: str | None = None
+    pooler_config: dict | None = None
+    hf_overrides: dict | None = None
 
     @property
     def name(self) -> str:
@@ -49,7 +56,7 @@ SCHEDULER_FLAGS = ("served_model_name", "max_num_queued_reqs", "enable_prefix_ca
 EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes", "dtype",
                   "kv_cache_dtype", "seed", "load_format", "quantization", "device", "enforce_eager",
-                  "tensor_parallel_size")
+                  "tensor_parallel_size", "runner", "task", "pooler_config", "hf_overrides")
 # Executor flags whose value Describe reports back; a scheduler given one checks it against that.
 GEOMETRY_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "num_gpu_blocks_override", "dtype")
@@ -58,6 +65,10 @@ GEOMETRY_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "bl
 COMPAT_FLAGS = ("trust_remote_code",)
 ENGINE_FLAGS = SCHEDULER_FLAGS + EXECUTOR_FLAGS + COMPAT_FLAGS
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+RUNNERS = ("auto", "generate", "pooling")
+# vLLM's older --task values, each of which picks a runner.
+TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling", "score": "pooling",
+                "classify": "pooling", "reward": "pooling"}
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -124,6 +135,22 @@ def _flag_specs() -> dict[str, dict]:
         "kv_cache_dtype": dict(default=d.kv_cache_dtype, type=arg_types.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                                help="KV-cache storage: auto (the model's dtype) or fp8 (also fp8_e4m3: "
                                     "float8_e4m3fn with per-layer K and V scales, twice the tokens)"),
+        "runner": dict(default=d.runner, choices=RUNNERS,
+                       help="generate: text generation; pooling: embeddings and classifier scores "
+                            "(/v1/embeddings, /rerank, /score), prompts computed whole, no sampling; "
+                            "auto: pooling for an encoder, a *ForSequenceClassification model or a "
+                            "sentence-transformers directory, else generate"),
+        "task": dict(default=d.task, choices=list(TASK_RUNNERS),
+                     help="vLLM's older form of --runner: generate, or embed/embedding/score/classify/"
+                          "reward for pooling"),
+        "pooler_config": dict(type=arg_types.json_object, default=d.pooler_config,
+                              help="JSON overriding the model's pooling (vLLM's keys): pooling_type "
+                                   "LAST|MEAN|CLS, normalize, dimensions, activation"),
+        "hf_overrides": dict(type=arg_types.json_object, default=d.hf_overrides,
+                             help="JSON merged into config.json, e.g. for Qwen3-Reranker "
+                                  "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                                  "\"classifier_from_token\": [\"no\", \"yes\"], "
+                                  "\"is_original_qwen3_reranker\": true}'"),
         "trust_remote_code": dict(action="store_true",
                                   help="accepted for vLLM's commands; pagedserve never runs code from a "
                                        "model directory, so it changes nothing"),
@@ -203,6 +230,8 @@ def config_to_argv(config: EngineConfig, names: tuple[str, ...]) -> list[str]:
             argv.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, list):
             argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
         else:
             argv += [flag, str(value)]
     return argv

@@ -32,3 +32,32 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then each one's and the
     # top tokens' (as for outputs).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """One probability (or raw score, with activation off) per label."""
+    probs: list[float]
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """What LLM.embed, .classify and .score return per input, with vLLM's names."""
+    request_id: str
+    outputs: EmbeddingOutput | ClassificationOutput | ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+# vLLM's names of the one class above, by the output it holds.
+EmbeddingRequestOutput = ClassificationRequestOutput = ScoringRequestOutput = PoolingRequestOutput

@@ -3,6 +3,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pagedserve.common.pooling_params import PoolingParams, pooling_from_proto, pooling_to_proto
 from pagedserve.common.sampling_params import SamplingParams, sampling_from_proto, sampling_to_proto
 from pagedserve.v1 import executor_pb2 as pb
 
@@ -25,6 +26,10 @@ class NewRequest:
     # What the sampler masks while the request has fewer than sampling.min_tokens outputs (EOS
     # unless ignore_eos, and stop_token_ids); empty without min_tokens.
     min_tokens_mask_ids: list[int] = field(default_factory=list)
+    # Set: a pooling request, its whole prompt scheduled in this one step, which returns its pooled
+    # data rather than a token; token_type_ids: one per prompt token (empty = all zeros).
+    pooling: PoolingParams | None = None
+    token_type_ids: list[int] = field(default_factory=list)
 
 
 # A msgspec Struct rather than a dataclass: built in C at half the cost and untracked by the garbage
@@ -105,6 +110,29 @@ class StepResult:
     # Requests that sampled before their grammar was ready: their tokens here are void, and the
     # executor computes their last position again in the next step that schedules them.
     deferred: list[int] = field(default_factory=list)
+    # Pooling requests whose last prompt token this step computed: pooled_seq_ids[i]'s
+    # pooled_sizes[i] values follow the previous requests' in pooled_data.
+    pooled_seq_ids: list[int] = field(default_factory=list)
+    pooled_sizes: list[int] = field(default_factory=list)
+    pooled_data: list[float] = field(default_factory=list)
+
+    def pooled(self) -> dict[int, list[float]]:
+        """Each pooled request's data by seq_id."""
+        out, end = {}, 0
+        for seq_id, size in zip(self.pooled_seq_ids, self.pooled_sizes):
+            out[seq_id], end = self.pooled_data[end:end + size], end + size
+        return out
+
+
+@dataclass(slots=True)
+class PoolingInfo:
+    """What a pooling engine serves (ModelInfo's fields of the same names)."""
+    tasks: list[str] = field(default_factory=list)
+    embedding_size: int = 0
+    matryoshka_dimensions: list[int] = field(default_factory=list)
+    is_matryoshka: bool = False
+    num_labels: int = 0
+    default_prompt: str = ""
 
 
 @dataclass(slots=True)
@@ -120,6 +148,8 @@ class ExecutorInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     gpu_memory_utilization: float = 0.0
+    runner: str = "generate"
+    pooling: PoolingInfo = field(default_factory=PoolingInfo)
 
 
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
@@ -128,7 +158,8 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
         m.new_requests.add(seq_id=r.seq_id, token_ids=r.token_ids, num_computed_tokens=r.num_computed_tokens,
                            num_scheduled_tokens=r.num_scheduled_tokens, block_ids=r.block_ids,
                            sampling=sampling_to_proto(r.sampling), num_prompt_tokens=r.num_prompt_tokens,
-                           min_tokens_mask_ids=r.min_tokens_mask_ids)
+                           min_tokens_mask_ids=r.min_tokens_mask_ids, token_type_ids=r.token_type_ids,
+                           pooling=None if r.pooling is None else pooling_to_proto(r.pooling))
     # Runs once per running request per step: add() in place is 2x cheaper than building each
     # message and copying it in, and an empty repeated field passed as a keyword costs as much again.
     add = m.continuing.add
@@ -147,7 +178,9 @@ def plan_from_proto(m: pb.StepPlan) -> StepPlan:
         new_requests=[NewRequest(r.seq_id, r.token_ids[:], r.num_computed_tokens, r.num_scheduled_tokens,
                                  r.block_ids[:], sampling_from_proto(r.sampling),
                                  r.num_prompt_tokens if r.HasField("num_prompt_tokens") else None,
-                                 r.min_tokens_mask_ids[:])
+                                 r.min_tokens_mask_ids[:],
+                                 pooling_from_proto(r.pooling) if r.HasField("pooling") else None,
+                                 r.token_type_ids[:])
                       for r in m.new_requests],
         continuing=[ContinuingRequest(r.seq_id, r.num_scheduled_tokens, r.new_block_ids[:])
                     for r in m.continuing],
@@ -161,7 +194,9 @@ def result_to_proto(r: StepResult) -> pb.StepResult:
                       logprobs=None if r.logprobs is None else logprobs_to_proto(r.logprobs),
                       prompt_logprobs=None if prompt is None else pb.PromptLogprobs(
                           seq_ids=prompt.seq_ids, starts=prompt.starts, counts=prompt.counts,
-                          logprobs=logprobs_to_proto(prompt.logprobs)), deferred=r.deferred)
+                          logprobs=logprobs_to_proto(prompt.logprobs)), deferred=r.deferred,
+                      pooled_seq_ids=r.pooled_seq_ids, pooled_sizes=r.pooled_sizes,
+                      pooled_data=r.pooled_data)
     for e in r.errors:
         m.errors.add(seq_id=e.seq_id, code=e.code, message=e.message)
     return m
@@ -174,7 +209,8 @@ def result_from_proto(m: pb.StepResult) -> StepResult:
         prompt = PromptLogprobs(p.seq_ids[:], p.starts[:], p.counts[:], logprobs_from_proto(p.logprobs))
     return StepResult(m.step_id, list(m.seq_ids), list(m.token_ids), m.forward_ns, m.idle_ns,
                       logprobs_from_proto(m.logprobs) if m.HasField("logprobs") else None, prompt,
-                      [RequestError(e.seq_id, e.code, e.message) for e in m.errors], m.deferred[:])
+                      [RequestError(e.seq_id, e.code, e.message) for e in m.errors], m.deferred[:],
+                      m.pooled_seq_ids[:], m.pooled_sizes[:], m.pooled_data[:])
 
 
 def logprobs_to_proto(lp: StepLogprobs) -> pb.StepLogprobs:
@@ -188,14 +224,20 @@ def logprobs_from_proto(m: pb.StepLogprobs) -> StepLogprobs:
 
 
 def info_to_proto(i: ExecutorInfo) -> pb.ExecutorInfo:
+    p = i.pooling
     return pb.ExecutorInfo(num_blocks=i.num_blocks, block_size=i.block_size, dtype=i.dtype,
                            device=i.device, vocab_size=i.vocab_size, max_model_len=i.max_model_len,
                            eos_token_ids=i.eos_token_ids, max_num_seqs=i.max_num_seqs,
                            max_num_batched_tokens=i.max_num_batched_tokens,
-                           gpu_memory_utilization=i.gpu_memory_utilization)
+                           gpu_memory_utilization=i.gpu_memory_utilization, runner=i.runner,
+                           pooling_tasks=p.tasks, embedding_size=p.embedding_size,
+                           matryoshka_dimensions=p.matryoshka_dimensions, is_matryoshka=p.is_matryoshka,
+                           num_labels=p.num_labels, default_prompt=p.default_prompt)
 
 
 def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
+    pooling = PoolingInfo(list(m.pooling_tasks), m.embedding_size, list(m.matryoshka_dimensions),
+                          m.is_matryoshka, m.num_labels, m.default_prompt)
     return ExecutorInfo(m.num_blocks, m.block_size, m.dtype, m.device, m.vocab_size,
                         m.max_model_len, list(m.eos_token_ids), m.max_num_seqs,
-                        m.max_num_batched_tokens, m.gpu_memory_utilization)
+                        m.max_num_batched_tokens, m.gpu_memory_utilization, m.runner or "generate", pooling)

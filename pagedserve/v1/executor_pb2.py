@@ -22,34 +22,35 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from pagedserve.v1 import engine_pb2 as pagedserve_dot_v1_dot_engine__pb2
 from pagedserve.v1 import sampling_pb2 as pagedserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/executor.proto\x12\rpagedserve.v1\x1a\x1cpagedserve/v1/sampling.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xed\x01\n\x0c\x45xecutorInfo\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x1e\n\x16gpu_memory_utilization\x18\x08 \x01(\x02\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\x05\"\x81\x02\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\x05\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x1e\n\x11num_prompt_tokens\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x13min_tokens_mask_ids\x18\x08 \x03(\x05\x42\x14\n\x12_num_prompt_tokens\"X\n\x11\x43ontinuingRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\x05\"\x93\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12\x34\n\ncontinuing\x18\x03 \x03(\x0b\x32 .pagedserve.v1.ContinuingRequest\x12\x0f\n\x07\x64ropped\x18\x04 \x03(\x03\"\x92\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\nforward_ns\x18\x04 \x01(\x03\x12\x0f\n\x07idle_ns\x18\x06 \x01(\x03\x12-\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1b.pagedserve.v1.StepLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x08 \x01(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\x12+\n\x06\x65rrors\x18\t \x03(\x0b\x32\x1b.pagedserve.v1.RequestError\x12\x10\n\x08\x64\x65\x66\x65rred\x18\n \x03(\x03J\x04\x08\x05\x10\x06\"=\n\x0cRequestError\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"p\n\x0ePromptLogprobs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x03\x12\x0e\n\x06starts\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.StepLogprobs\"{\n\x0cStepLogprobs\x12\x0c\n\x04rows\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05ranks\x18\x03 \x03(\x05\x12\x0f\n\x07num_top\x18\x04 \x03(\x05\x12\x15\n\rtop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x32\x92\x01\n\x08\x45xecutor\x12G\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x1b.pagedserve.v1.ExecutorInfo\x12=\n\x03Run\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/executor.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/engine.proto\x1a\x1cpagedserve/v1/sampling.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x8e\x03\n\x0c\x45xecutorInfo\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x1e\n\x16gpu_memory_utilization\x18\x08 \x01(\x02\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\x05\x12\x0e\n\x06runner\x18\x0b \x01(\t\x12\x15\n\rpooling_tasks\x18\x0c \x03(\t\x12\x16\n\x0e\x65mbedding_size\x18\r \x01(\x05\x12\x1d\n\x15matryoshka_dimensions\x18\x0e \x03(\x05\x12\x15\n\ris_matryoshka\x18\x0f \x01(\x08\x12\x12\n\nnum_labels\x18\x10 \x01(\x05\x12\x16\n\x0e\x64\x65\x66\x61ult_prompt\x18\x11 \x01(\t\"\xc8\x02\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\x05\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x1e\n\x11num_prompt_tokens\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x13min_tokens_mask_ids\x18\x08 \x03(\x05\x12-\n\x07pooling\x18\t \x01(\x0b\x32\x1c.pagedserve.v1.PoolingParams\x12\x16\n\x0etoken_type_ids\x18\n \x03(\x05\x42\x14\n\x12_num_prompt_tokens\"X\n\x11\x43ontinuingRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\x05\"\x93\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12\x34\n\ncontinuing\x18\x03 \x03(\x0b\x32 .pagedserve.v1.ContinuingRequest\x12\x0f\n\x07\x64ropped\x18\x04 \x03(\x03\"\xd5\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\nforward_ns\x18\x04 \x01(\x03\x12\x0f\n\x07idle_ns\x18\x06 \x01(\x03\x12-\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1b.pagedserve.v1.StepLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x08 \x01(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\x12+\n\x06\x65rrors\x18\t \x03(\x0b\x32\x1b.pagedserve.v1.RequestError\x12\x10\n\x08\x64\x65\x66\x65rred\x18\n \x03(\x03\x12\x16\n\x0epooled_seq_ids\x18\x0b \x03(\x03\x12\x14\n\x0cpooled_sizes\x18\x0c \x03(\x05\x12\x13\n\x0bpooled_data\x18\r \x03(\x02J\x04\x08\x05\x10\x06\"=\n\x0cRequestError\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"p\n\x0ePromptLogprobs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x03\x12\x0e\n\x06starts\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.StepLogprobs\"{\n\x0cStepLogprobs\x12\x0c\n\x04rows\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05ranks\x18\x03 \x03(\x05\x12\x0f\n\x07num_top\x18\x04 \x03(\x05\x12\x15\n\rtop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x32\x92\x01\n\x08\x45xecutor\x12G\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x1b.pagedserve.v1.ExecutorInfo\x12=\n\x03Run\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.executor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DESCRIBEREQUEST']._serialized_start=77
-  _globals['_DESCRIBEREQUEST']._serialized_end=94
-  _globals['_EXECUTORINFO']._serialized_start=97
-  _globals['_EXECUTORINFO']._serialized_end=334
-  _globals['_NEWREQUEST']._serialized_start=337
-  _globals['_NEWREQUEST']._serialized_end=594
-  _globals['_CONTINUINGREQUEST']._serialized_start=596
-  _globals['_CONTINUINGREQUEST']._serialized_end=684
-  _globals['_STEPPLAN']._serialized_start=687
-  _globals['_STEPPLAN']._serialized_end=834
-  _globals['_STEPRESULT']._serialized_start=837
-  _globals['_STEPRESULT']._serialized_end=1111
-  _globals['_REQUESTERROR']._serialized_start=1113
-  _globals['_REQUESTERROR']._serialized_end=1174
-  _globals['_PROMPTLOGPROBS']._serialized_start=1176
-  _globals['_PROMPTLOGPROBS']._serialized_end=1288
-  _globals['_STEPLOGPROBS']._serialized_start=1290
-  _globals['_STEPLOGPROBS']._serialized_end=1413
-  _globals['_EXECUTOR']._serialized_start=1416
-  _globals['_EXECUTOR']._serialized_end=1562
+  _globals['_DESCRIBEREQUEST']._serialized_start=105
+  _globals['_DESCRIBEREQUEST']._serialized_end=122
+  _globals['_EXECUTORINFO']._serialized_start=125
+  _globals['_EXECUTORINFO']._serialized_end=523
+  _globals['_NEWREQUEST']._serialized_start=526
+  _globals['_NEWREQUEST']._serialized_end=854
+  _globals['_CONTINUINGREQUEST']._serialized_start=856
+  _globals['_CONTINUINGREQUEST']._serialized_end=944
+  _globals['_STEPPLAN']._serialized_start=947
+  _globals['_STEPPLAN']._serialized_end=1094
+  _globals['_STEPRESULT']._serialized_start=1097
+  _globals['_STEPRESULT']._serialized_end=1438
+  _globals['_REQUESTERROR']._serialized_start=1440
+  _globals['_REQUESTERROR']._serialized_end=1501
+  _globals['_PROMPTLOGPROBS']._serialized_start=1503
+  _globals['_PROMPTLOGPROBS']._serialized_end=1615
+  _globals['_STEPLOGPROBS']._serialized_start=1617
+  _globals['_STEPLOGPROBS']._serialized_end=1740
+  _globals['_EXECUTOR']._serialized_start=1743
+  _globals['_EXECUTOR']._serialized_end=1889
 # @@protoc_insertion_point(module_scope)

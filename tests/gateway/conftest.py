@@ -91,3 +91,19 @@ def openai_spec() -> dict:
         pytest.skip(f"{SPEC_NAME} not found in any parent directory of the tests; the OpenAI spec "
                     "checks need it (see shared/specs/README.md)")
     return yaml.load(SPEC.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@pytest.fixture
+def embedder(engine):
+    """The fake engine as a pooling engine that embeds (8 components, Matryoshka sizes 2 and 4)."""
+    engine.runner = "pooling"
+    engine.pooling = dict(pooling_tasks=["embed"], embedding_size=8, matryoshka_dimensions=[2, 4])
+    return engine
+
+
+@pytest.fixture
+def reranker(engine):
+    """The fake engine as a pooling engine with a one-label classifier (a cross-encoder)."""
+    engine.runner = "pooling"
+    engine.pooling = dict(pooling_tasks=["classify"], embedding_size=8, num_labels=1)
+    return engine

@@ -2,6 +2,7 @@
 grpc.aio, and the gateway on loopback."""
 import asyncio
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -77,6 +78,33 @@ def fake_logprobs(i: int, token: int, k: int, vocab_size: int) -> pb.TokenLogpro
                             top_logprobs=[logprob - j for j in range(k)])
 
 
+def fake_pooled(request: pb.PoolRequest, embedding_size: int) -> list[float]:
+    """The fake engine's pooled data. embed: component j sums sin((t + 1) * (j + 1) + type) over the
+    tokens t, cut to `dimensions` and then normalized unless normalize is false; classify: one score,
+    (sum of ids mod 17 - 8) / 4, through a sigmoid unless activation is false."""
+    p = request.params
+    ids, types = request.prompt_token_ids, list(request.token_type_ids) or [0] * len(request.prompt_token_ids)
+    if p.task == "classify":
+        logit = (sum(ids) % 17 - 8) / 4
+        return [logit if p.HasField("activation") and not p.activation else 1 / (1 + math.exp(-logit))]
+    vector = [sum(math.sin((t + 1) * (j + 1) + k) for t, k in zip(ids, types)) for j in range(embedding_size)]
+    vector = vector[:p.dimensions or None]
+    if p.HasField("normalize") and not p.normalize:
+        return vector
+    norm = math.sqrt(sum(x * x for x in vector))
+    return [x / norm for x in vector]
+
+
+def embedded(ids: list[int], size: int = 8, **params) -> list[float]:
+    """fake_pooled's embedding of `ids`; `params` are PoolingParams fields."""
+    return fake_pooled(pb.PoolRequest(prompt_token_ids=ids, params=pb.PoolingParams(task="embed", **params)), size)
+
+
+def classified(ids: list[int]) -> float:
+    """fake_pooled's score of `ids` as a one-label classifier."""
+    return fake_pooled(pb.PoolRequest(prompt_token_ids=ids, params=pb.PoolingParams(task="classify")), 0)[0]
+
+
 class Refused(Exception):
     """Ends a fake request with a gRPC status, as the scheduler would."""
 
@@ -105,6 +133,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.address = ""
         self.model = MODEL
         self.steps = ENGINE_STEPS
+        # What ModelInfo says of the runner; a pooling engine answers Pool with fake_pooled.
+        self.runner = "generate"
+        self.pooling = dict(pooling_tasks=[], embedding_size=8)
+        self.pool_requests: list[pb.PoolRequest] = []
 
     async def Generate(self, request, context):
         self.metadata.append(dict(context.invocation_metadata()))
@@ -186,7 +218,20 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.info_calls += 1
         return pb.ModelInfo(served_model_name=self.model, max_model_len=self.max_model_len,
                             vocab_size=self.vocab_size, eos_token_ids=[self.eos], **ENGINE_STATS,
-                            **self.steps)
+                            **self.steps, runner=self.runner, **self.pooling)
+
+    async def Pool(self, request, context):
+        self.pool_requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        if self.reject is not None:
+            await context.abort(self.reject, "rejected by the fake engine")
+        try:
+            await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.cancelled[request.request_id] = time.monotonic()
+            raise
+        return pb.PoolResponse(data=fake_pooled(request, self.pooling["embedding_size"]),
+                               prompt_tokens=len(request.prompt_token_ids))
 
     async def wait_cancelled(self, count: int = 1, timeout: float = 2.0) -> None:
         deadline = time.monotonic() + timeout

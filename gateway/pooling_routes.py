@@ -1,0 +1,164 @@
+"""HTTP handlers of the pooling routes: /v1/embeddings (OpenAI), /rerank, /v1/rerank (Jina, Cohere v1),
+/v2/rerank (Cohere v2) and /score, /v1/score (vLLM). Each input is one Pool call (see pooling)."""
+import asyncio
+import time
+import uuid
+
+from aiohttp import web
+
+from pagedserve.common.log import get_logger
+from pagedserve.gateway import params
+from pagedserve.gateway.admission import admitted, check_runner, counts_rejections, served_for
+from pagedserve.gateway.errors import bad_request
+from pagedserve.gateway.pooling import Pooling, PoolInput
+from pagedserve.gateway.pooling_inputs import (check_count, check_lengths, check_task, check_token_input, check_top_n,
+                                               embed_params, encode_texts, pair_inputs, score_pairs, split_inputs,
+                                               text_inputs, truncation)
+from pagedserve.gateway.pooling_outputs import cosine, encode_embedding, ranked
+from pagedserve.gateway.pooling_schemas import (BilledUnits, Embedding, EmbeddingRequest, EmbeddingResponse,
+                                                EmbeddingUsage, MetaTokens, RerankMeta, RerankRequest,
+                                                RerankResponse, RerankResult, RerankUsage, RerankV2Response,
+                                                ScoreData, ScoreRequest, ScoreResponse)
+from pagedserve.gateway.request_id import current_request_id
+from pagedserve.gateway.routes import json_response, read_json
+from pagedserve.gateway.schemas import Usage
+from pagedserve.gateway.state import GATEWAY, ServedModel
+from pagedserve.v1 import engine_pb2 as pb
+
+log = get_logger(__name__)
+# Cohere bills a rerank by search units of up to this many documents.
+_DOCUMENTS_PER_SEARCH_UNIT = 100
+
+
+@counts_rejections
+@admitted
+async def embeddings(request: web.Request) -> web.Response:
+    req = await read_json(request, EmbeddingRequest)
+    gateway = request.app[GATEWAY]
+    served = await served_for(request, req.model)
+    check_runner(served, "pooling", "/v1/embeddings")
+    check_task(served, "embed", "/v1/embeddings")
+    pooling = embed_params(req, served)
+    inputs = await _embedding_inputs(request, served, req)
+    vectors, tokens = await _pool(request, served, "embeddings", inputs, pooling)
+    data = [Embedding(i, encode_embedding(v, req.encoding_format)) for i, v in enumerate(vectors)]
+    return json_response(EmbeddingResponse(f"embd-{uuid.uuid4().hex}", int(time.time()), served.name, data,
+                                           EmbeddingUsage(tokens, tokens)))
+
+
+async def _embedding_inputs(request: web.Request, served: ServedModel, req: EmbeddingRequest) -> list[PoolInput]:
+    gateway = request.app[GATEWAY]
+    spec = served.spec
+    given = split_inputs(req.input, gateway.max_client_batch_size)
+    keep = truncation(req.truncate_prompt_tokens, spec.max_model_len)
+    token_input = not isinstance(given[0], str)
+    if token_input:
+        prompts = check_token_input(given, spec.vocab_size, keep)
+    else:
+        prompts = await gateway.offload(sum(map(len, given)), encode_texts, served.tokenizer, given,
+                                        spec.default_prompt, req.add_special_tokens, keep)
+    check_lengths(prompts, spec.max_model_len, token_input)
+    return [PoolInput(p) for p in prompts]
+
+
+@counts_rejections
+@admitted
+async def rerank(request: web.Request) -> web.Response:
+    """Jina's and Cohere's v1 rerank, as vLLM answers it on /rerank and /v1/rerank."""
+    req, model, results, tokens = await _rerank(request, return_documents=True)
+    return json_response(RerankResponse(f"rerank-{uuid.uuid4().hex}", model, RerankUsage(tokens, tokens), results))
+
+
+@counts_rejections
+@admitted
+async def rerank_v2(request: web.Request) -> web.Response:
+    """Cohere's v2 rerank."""
+    req, model, results, tokens = await _rerank(request, return_documents=False)
+    units = -(-len(req.documents) // _DOCUMENTS_PER_SEARCH_UNIT)
+    meta = RerankMeta(BilledUnits(units), MetaTokens(tokens))
+    return json_response(RerankV2Response(str(uuid.uuid4()), results, meta, model, RerankUsage(tokens, tokens)))
+
+
+async def _rerank(request: web.Request,
+                  return_documents: bool) -> tuple[RerankRequest, str, list[RerankResult], int]:
+    req = await read_json(request, RerankRequest)
+    gateway = request.app[GATEWAY]
+    served = await served_for(request, req.model)
+    if not req.documents:
+        raise bad_request("`documents` is empty; send at least one document to rank.", param="documents")
+    check_count(len(req.documents), gateway.max_client_batch_size, "documents")
+    check_top_n(req.top_n)
+    documents = [d if isinstance(d, str) else d.text for d in req.documents]
+    pairs = [(req.query, d) for d in documents]
+    scores, tokens = await _scores(request, served, "rerank", pairs, "documents", req.use_activation)
+    keep = return_documents if req.return_documents is None else req.return_documents
+    return req, served.name, ranked(scores, documents, req.top_n, keep), tokens
+
+
+@counts_rejections
+@admitted
+async def score(request: web.Request) -> web.Response:
+    """vLLM's /score: text_1 against text_2, paired 1:1, 1:N or N:N."""
+    req = await read_json(request, ScoreRequest)
+    gateway = request.app[GATEWAY]
+    served = await served_for(request, req.model)
+    pairs = score_pairs(req.text_1, req.text_2)
+    check_count(len(pairs), gateway.max_client_batch_size, "text_2")
+    scores, tokens = await _scores(request, served, "score", pairs, "text_2", req.use_activation)
+    data = [ScoreData(i, s) for i, s in enumerate(scores)]
+    return json_response(ScoreResponse(f"score-{uuid.uuid4().hex}", int(time.time()), served.name, data,
+                                       Usage(prompt_tokens=tokens, completion_tokens=0, total_tokens=tokens)))
+
+
+async def _scores(request: web.Request, served: ServedModel, endpoint: str, pairs: list[tuple[str, str]],
+                  param: str, activation: bool | None) -> tuple[list[float], int]:
+    """Each pair's score and the prompt tokens run: a cross-encoder's (a one-label classifier)
+    classifies each pair, a bi-encoder's (embed only) is the cosine of the two embeddings."""
+    gateway = request.app[GATEWAY]
+    spec = served.spec
+    check_runner(served, "pooling", f"/{endpoint}")
+    size = sum(len(q) + len(d) for q, d in pairs)
+    params.check_prompt_chars(size, param)
+    if "classify" in spec.pooling_tasks:
+        if spec.num_labels != 1:
+            raise bad_request(f"The model `{served.name}` classifies into {spec.num_labels} labels; scoring needs a "
+                              "one-label classifier (a cross-encoder) or an embedding model.", param="model")
+        inputs = await gateway.offload(size, pair_inputs, served.tokenizer, pairs, spec, param)
+        outputs, tokens = await _pool(request, served, endpoint, inputs,
+                                      pb.PoolingParams(task="classify", activation=activation))
+        return [o[0] for o in outputs], tokens
+    check_task(served, "embed", f"/{endpoint}")
+    # Each distinct text is embedded once: a rerank's query serves every document.
+    texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+    inputs = await gateway.offload(size, text_inputs, served.tokenizer, texts, spec, param)
+    vectors, tokens = await _pool(request, served, endpoint, inputs, pb.PoolingParams(task="embed"))
+    by_text = dict(zip(texts, vectors))
+    return [cosine(by_text[q], by_text[d]) for q, d in pairs], tokens
+
+
+async def _pool(request: web.Request, served: ServedModel, endpoint: str, inputs: list[PoolInput],
+                pooling_params: pb.PoolingParams) -> tuple[list[list[float]], int]:
+    """Each input's pooled data and their prompt tokens, counted in the metrics and logged."""
+    gateway = request.app[GATEWAY]
+    start = time.monotonic()
+    pooling = Pooling(served.engines, inputs, pooling_params, current_request_id())
+    try:
+        with gateway.drain.track(pooling):
+            outputs = await pooling.run()
+    except asyncio.CancelledError:
+        served.metrics.client_disconnected.inc()
+        _log_end("client_disconnected", gateway.log_requests, endpoint, pooling, start)
+        raise
+    metrics, tokens = served.metrics, pooling.prompt_tokens
+    metrics.pooling_requests[endpoint].inc()
+    metrics.pooling_prompt_tokens[endpoint].inc(tokens)
+    metrics.prompt_tokens.inc(tokens)
+    _log_end("request_finished", gateway.log_requests, endpoint, pooling, start)
+    return outputs, tokens
+
+
+def _log_end(event: str, log_requests: bool, endpoint: str, pooling: Pooling, start: float) -> None:
+    # Debug unless asked for (--enable-log-requests): a line per request slows serving under load.
+    emit = log.info if log_requests else log.debug
+    emit(event, endpoint=endpoint, inputs=len(pooling.inputs), prompt_tokens=pooling.prompt_tokens,
+         elapsed_s=round(time.monotonic() - start, 3))
