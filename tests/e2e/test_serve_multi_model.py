@@ -1,72 +1,76 @@
-"""`pagedserve serve CHAT --also-serve OTHER`: two tiny models of different architectures and
-vocabularies behind one base URL. Each answers under its own names with its own greedy tokens, and
-/v1/models lists both. (Issue 27's bar is SmolLM2 chat beside an embedding model and a reranker;
-this is its generate-only form.)"""
-import subprocess
-import sys
-
+"""One `pagedserve serve` of SmolLM2 for chat `--also-serve` a tiny sentence-transformers embedder and
+a tiny BERT cross-encoder: one base URL answers chat, /v1/embeddings and /v1/rerank, each model with
+its own tokenizer and engine, and /v1/models lists all three (issue 27's bar)."""
 import openai
 import psutil
 import pytest
-import torch
+import requests
 
 from pagedserve import LLM
-from pagedserve.common.model_shapes import write_tokenizer
-from tests.serving import free_port, wait_http
-from tests.tiny_models import llm_greedy, make_tiny_model
+from tests.serving import free_port, pagedserve
+from tests.tiny_encoders import make_sentence_transformer, make_tiny_encoder
 
-NEW_TOKENS = 8
-PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
-GEOMETRY = dict(block_size=4, num_gpu_blocks_override=40, max_model_len=128)
+CHAT, EMBEDDER, RERANKER = "smollm2", "tiny-embedder", "tiny-reranker"
+TEXTS = ["what is the capital of france", "paris", "the river in the city of berlin is a river of germany"]
+QUERY = "the capital of germany"
+# Float32 on both sides; the server batches the inputs differently than LLM does.
+TOL = 1e-5
+
+
+def healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=1).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    chat = make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("chat"))
-    write_tokenizer(chat, 512)
-    other = make_tiny_model("Qwen3ForCausalLM", tmp_path_factory.mktemp("other"), vocab_size=256)
-    write_tokenizer(other, 256)
-    return chat, other
+def models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("rag")
+    return {EMBEDDER: make_sentence_transformer(root / "embedder"),
+            RERANKER: make_tiny_encoder("BertForSequenceClassification", root / "reranker")}
 
 
 @pytest.fixture(scope="module")
 def server(models):
-    chat, other = models
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve", "serve", str(chat), "--port", str(port), "--device", "cpu",
-         "--served-model-name", "chat", "--block-size", "4", "--num-gpu-blocks-override", "40",
-         "--max-model-len", "128", "--log-level", "warning",
-         "--also-serve", f"{other},served-model-name=second,second-alias,max-model-len=64"])
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", process, timeout=180)
-        yield process, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0,
-                                     timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    url = f"http://127.0.0.1:{port}"
+    argv = ["serve", "--served-model-name", CHAT, "--port", str(port), "--device", "cpu",
+            "--num-gpu-blocks-override", "256", "--max-model-len", "1024", "--log-level", "warning",
+            *(f"--also-serve={path},served-model-name={name}" for name, path in models.items())]
+    with pagedserve(argv, lambda: healthy(url)) as process:
+        yield process, url
 
 
-def greedy_text(client: openai.OpenAI, model: str) -> tuple[str, list[list[int]]]:
-    reply = client.completions.create(model=model, prompt=PROMPTS, max_tokens=NEW_TOKENS, temperature=0,
-                                      extra_body={"ignore_eos": True})
-    tokens = [[int(word[1:]) for word in c.text.split()] for c in sorted(reply.choices, key=lambda c: c.index)]
-    return reply.model, tokens
+def test_one_base_url_answers_chat_embeddings_and_rerank(models, server):
+    process, url = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == [CHAT, EMBEDDER, RERANKER]
+    reply = client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "What is the "
+                                                                  "capital of France?"}], temperature=0)
+    assert reply.model == CHAT and "Paris" in reply.choices[0].message.content
+    embedder, reranker = LLM(str(models[EMBEDDER])), LLM(str(models[RERANKER]))
+    expected = [o.outputs.embedding for o in embedder.embed(TEXTS, use_tqdm=False)]
+    embeddings = client.embeddings.create(model=EMBEDDER, input=TEXTS)
+    assert embeddings.model == EMBEDDER
+    assert [d.embedding for d in embeddings.data] == [pytest.approx(e, abs=TOL) for e in expected]
+    scores = [o.outputs.score for o in reranker.score(QUERY, TEXTS, use_tqdm=False)]
+    ranked = requests.post(f"{url}/v1/rerank", json={"model": RERANKER, "query": QUERY, "documents": TEXTS},
+                           timeout=60).json()
+    assert [r["index"] for r in ranked["results"]] == sorted(range(3), key=lambda i: -scores[i])
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(
+        [scores[r["index"]] for r in ranked["results"]], abs=TOL)
+    assert len(psutil.Process(process.pid).children()) == 7, "the gateway, and an executor and scheduler per model"
 
 
-def test_one_base_url_serves_both_models(models, server):
-    process, client = server
-    assert [(m.id, m.max_model_len) for m in client.models.list().data] == [("chat", 128), ("second", 64)]
-    threads = torch.get_num_threads()
-    expected = [llm_greedy(LLM(str(path), **GEOMETRY), PROMPTS, NEW_TOKENS) for path in models]
-    torch.set_num_threads(threads)
-    assert greedy_text(client, "chat") == ("chat", expected[0])
-    assert greedy_text(client, "second-alias") == ("second", expected[1])
-    assert expected[0] != expected[1]
+def test_routes_refuse_a_model_of_the_other_runner_and_an_unknown_or_missing_model(server):
+    _, url = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        client.chat.completions.create(model=EMBEDDER, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="--runner generate"):
+        client.embeddings.create(model=CHAT, input="hi")
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model=str(models[1]), prompt="w5", max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="several models"):
-        client.completions.create(model="", prompt="w5", max_tokens=1)
-    children = psutil.Process(process.pid).children()
-    assert len(children) == 5, "the gateway, and an executor and a scheduler per model"
+        client.embeddings.create(model="text-embedding-3-small", input="hi")
+    reply = requests.post(f"{url}/v1/embeddings", json={"input": "hi"}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "model"
