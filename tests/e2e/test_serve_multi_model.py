@@ -7,6 +7,7 @@ import pytest
 import requests
 
 from pagedserve import LLM
+from pagedserve.entrypoints.launcher import http_ready
 from tests.serving import free_port, pagedserve
 from tests.tiny_encoders import make_sentence_transformer, make_tiny_encoder
 
@@ -15,13 +16,6 @@ TEXTS = ["what is the capital of france", "paris", "the river in the city of ber
 QUERY = "the capital of germany"
 # Float32 on both sides; the server batches the inputs differently than LLM does.
 TOL = 1e-5
-
-
-def healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=1).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +32,7 @@ def server(models):
     argv = ["serve", "--served-model-name", CHAT, "--port", str(port), "--device", "cpu",
             "--num-gpu-blocks-override", "256", "--max-model-len", "1024", "--log-level", "warning",
             *(f"--also-serve={path},served-model-name={name}" for name, path in models.items())]
-    with pagedserve(argv, lambda: healthy(url)) as process:
+    with pagedserve(argv, http_ready(f"{url}/health")) as process:
         yield process, url
 
 
