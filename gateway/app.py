@@ -38,6 +38,15 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
     response.headers["Server"] = SERVER
 
 
+def _check_names(models: list[set[str]]) -> None:
+    """Raises ValueError when two models are given one name: a request could not tell them apart."""
+    names = [name for model in models for name in model]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise ValueError(f"the served model name {twice!r} is given twice; give each model its own names "
+                         "(--served-model-name, served-model-name= in --also-serve)")
+
+
 def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: list[str] | None = None, *,
               api_key: str | None = None, protect_metrics: bool = False,
               allowed_hosts: frozenset[str] | None = None,
@@ -66,9 +75,11 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     Past `max_concurrent_requests` generation requests in flight, new ones get a 503.
     `prompt_tokens_details` puts cached_tokens in usage (vLLM's --enable-prompt-tokens-details).
     """
+    also_serve = also_serve or []
+    _check_names([set(served_model_names or ()), *(set(model.served_model_names) for model in also_serve)])
     main = ModelEngines(EnginePool(scheduler_address), tokenizer, list(served_model_names or ()),
                         sampling_defaults or {})
-    gateway = Gateway([main, *(also_serve or ())], stream_interval=stream_interval, log_requests=log_requests,
+    gateway = Gateway([main, *also_serve], stream_interval=stream_interval, log_requests=log_requests,
                       tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                       max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout,
                       trust_request_chat_template=trust_request_chat_template,

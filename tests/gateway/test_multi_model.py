@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.state import ModelEngines
-from tests.gateway.fake_engine import MODEL, FakeEngine, add_fake_engine, build_tiny_tokenizer, serve_gateway
+from tests.gateway.fake_engine import LEAK, MODEL, FakeEngine, add_fake_engine, build_tiny_tokenizer, serve_gateway
 
 OTHER = "other-model"
 TEXT = "Hello world! The quick brown fox."
@@ -163,3 +163,25 @@ async def test_a_model_whose_schedulers_are_down_does_not_hold_up_the_other(http
     assert status == 503
     async with http.get(f"{url}/health") as r:
         assert r.status == 200
+
+
+async def test_two_models_may_not_share_a_name(tokenizer, other_tokenizer, engines):
+    also = ModelEngines(EnginePool(engines[1].address), other_tokenizer, ["shared", "b"])
+    with pytest.raises(ValueError, match="'shared' is given twice"):
+        await serve_gateway(tokenizer, engines[0].address, served_model_names=["shared"], also_serve=[also])
+    await also.engines.close()
+
+
+async def test_health_names_each_models_engines_when_none_serves(http, tokenizer, other_tokenizer,
+                                                                  unused_tcp_port_factory):
+    dead = [f"127.0.0.1:{unused_tcp_port_factory()}" for _ in range(3)]
+    also = ModelEngines(EnginePool(dead[2]), other_tokenizer)
+    runner, url = await serve_gateway(tokenizer, f"{dead[0]},{dead[1]}", also_serve=[also])
+    try:
+        async with http.get(f"{url}/health") as r:
+            status, message = r.status, (await r.json())["error"]["message"]
+    finally:
+        await runner.cleanup()
+    assert status == 503
+    assert message.startswith("No scheduler is serving. Model 0 engine 0: ")
+    assert "Model 0 engine 1: " in message and "Model 1 engine 0: " in message and not LEAK.search(message)
