@@ -186,7 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.entrypoints.launcher import serve
     return serve(args.model, argv, listener, scheduler_addresses, args.startup_timeout,
                  args.shutdown_timeout, args.data_parallel_size, config.tensor_parallel_size, key,
-                 [_also_served(spec, args, shared) for spec in args.also_serve])
+                 [_also_engine(extra, shared) for extra in also])
 
 
 def also_serve_arg(value: str) -> AlsoServe:
@@ -222,15 +222,16 @@ def check_memory_shares(main: EngineConfig, also: list[EngineConfig]) -> None:
                      "MODEL,gpu-memory-utilization=0.3")
 
 
-def _also_served(spec: AlsoServe, main: argparse.Namespace, shared: list[str]) -> "AlsoEngine":
+def _also_engine(args: argparse.Namespace, shared: list[str]) -> "AlsoEngine":
+    """What the launcher starts for an --also-serve model (`args`: its also_serve_args), and what its
+    gateway is told of it."""
     from pagedserve.entrypoints.launcher import AlsoEngine
-    args = also_serve_args(spec, main)
     config = config_from_args(args)
     gateway = {"served-model-name": ",".join(config.served_model_name or [config.name]),
                "generation-config": args.generation_config}
     if args.tokenizer:
         gateway["tokenizer"] = args.tokenizer
-    return AlsoEngine(spec.model, {"executor": config_to_argv(config, EXECUTOR_FLAGS) + shared,
+    return AlsoEngine(args.model, {"executor": config_to_argv(config, EXECUTOR_FLAGS) + shared,
                                    "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + shared}, gateway)
 
 
