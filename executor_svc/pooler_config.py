@@ -123,16 +123,23 @@ def _apply_st_modules(config: PoolerConfig, model_dir: Path, overrides: dict) ->
         return
     config.normalize = "Normalize" in names
     path = model_dir / modules[names.index("Pooling")]["path"] / "config.json"
+    config.pooling_type = _st_pooling_type(path, config.pooling_type, "pooling_type" in overrides)
+
+
+def _st_pooling_type(path: Path, default: str, overridden: bool) -> str:
+    """The pooling type a sentence-transformers Pooling config names (in either format); for one
+    pagedserve does not compute, `default` if --pooler-config sets the pooling type, else raises."""
     pooling = _read_json(path)
     modes = pooling.get("pooling_mode")
     modes = [modes] if isinstance(modes, str) else [mode for key, mode in ST_POOLING_FLAGS.items() if pooling.get(key)]
     whole = pooling.get("include_prompt", True)
     if len(modes) == 1 and modes[0] in ST_POOLING_MODES and whole:
-        config.pooling_type = ST_POOLING_MODES[modes[0]]
-    elif "pooling_type" not in overrides:
-        what = f"pooling {'+'.join(modes) or 'none'}" + ("" if whole else " without the prompt")
-        raise ValueError(f"{path} asks for {what}; pagedserve pools one of {', '.join(ST_POOLING_MODES)} over "
-                         "every token: set --pooler-config '{\"pooling_type\": \"MEAN\"}' (or CLS, LAST)")
+        return ST_POOLING_MODES[modes[0]]
+    if overridden:
+        return default
+    what = f"pooling {'+'.join(modes) or 'none'}" + ("" if whole else " without the prompt")
+    raise ValueError(f"{path} asks for {what}; pagedserve pools one of {', '.join(ST_POOLING_MODES)} over "
+                     "every token: set --pooler-config '{\"pooling_type\": \"MEAN\"}' (or CLS, LAST)")
 
 
 def _pooling_type(value: object) -> str:

@@ -21,6 +21,11 @@ def cosine(a: list[float], b: list[float]) -> float:
     return sum(map(mul, a, b)) / norms if norms else 0.0
 
 
+def cosines(pairs: list[tuple[str, str]], vectors: dict[str, list[float]]) -> list[float]:
+    """The cosine of each pair's two texts, by their embeddings in `vectors`."""
+    return [cosine(vectors[first], vectors[second]) for first, second in pairs]
+
+
 def ranked(scores: list[float], documents: list[str], top_n: int | None,
            return_documents: bool) -> list[RerankResult]:
     """The documents by relevance_score, highest first (ties in their order), the top_n of them

@@ -14,7 +14,7 @@ from pagedserve.gateway.pooling import Pooling, PoolInput
 from pagedserve.gateway.pooling_inputs import (check_count, check_lengths, check_task, check_token_input, check_top_n,
                                                embed_params, encode_texts, pair_inputs, score_pairs, split_inputs,
                                                text_inputs, truncation)
-from pagedserve.gateway.pooling_outputs import cosine, encode_embedding, ranked
+from pagedserve.gateway.pooling_outputs import cosines, encode_embedding, ranked
 from pagedserve.gateway.pooling_schemas import (BilledUnits, Embedding, EmbeddingRequest, EmbeddingResponse,
                                                 EmbeddingUsage, MetaTokens, RerankMeta, RerankRequest,
                                                 RerankResponse, RerankResult, RerankUsage, RerankV2Response,
@@ -52,11 +52,13 @@ async def _embedding_inputs(request: web.Request, served: ServedModel, req: Embe
     given = split_inputs(req.input, gateway.max_client_batch_size)
     keep = truncation(req.truncate_prompt_tokens, spec.max_model_len)
     token_input = not isinstance(given[0], str)
+    # Characters or token ids: either takes long enough past OFFLOAD_SIZE to hold other requests up.
+    size = sum(map(len, given))
     if token_input:
-        prompts = check_token_input(given, spec.vocab_size, keep)
+        prompts = await gateway.offload(size, check_token_input, given, spec.vocab_size, keep)
     else:
-        prompts = await gateway.offload(sum(map(len, given)), encode_texts, served.tokenizer, given,
-                                        spec.default_prompt, req.add_special_tokens, keep)
+        prompts = await gateway.offload(size, encode_texts, served.tokenizer, given, spec.default_prompt,
+                                        req.add_special_tokens, keep)
     check_lengths(prompts, spec.max_model_len, token_input)
     return [PoolInput(p) for p in prompts]
 
@@ -132,8 +134,9 @@ async def _scores(request: web.Request, served: ServedModel, endpoint: str, pair
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     inputs = await gateway.offload(size, text_inputs, served.tokenizer, texts, spec, param)
     vectors, tokens = await _pool(request, served, endpoint, inputs, pb.PoolingParams(task="embed"))
-    by_text = dict(zip(texts, vectors))
-    return [cosine(by_text[q], by_text[d]) for q, d in pairs], tokens
+    # A thousand documents of a large model are a million products: off the event loop.
+    scores = await gateway.offload(len(pairs) * len(vectors[0]), cosines, pairs, dict(zip(texts, vectors)))
+    return scores, tokens
 
 
 async def _pool(request: web.Request, served: ServedModel, endpoint: str, inputs: list[PoolInput],

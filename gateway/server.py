@@ -113,11 +113,12 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                        help="seconds running requests get to finish after SIGTERM/SIGINT; then streams end "
                             "with an error event and `data: [DONE]`, other requests with a 503")
     group.add_argument("--max-concurrent-requests", type=arg_types.positive_int, default=None,
-                       help="most completions and chat completions this gateway serves at once (TGI's "
-                            "flag); more get 503 server_overloaded with Retry-After (default: no limit "
-                            "here, the schedulers' --max-num-queued-reqs bounds the wait)")
+                       help="most model requests (completions, chat, embeddings, rerank, score) this gateway "
+                            "serves at once (TGI's flag); more get 503 server_overloaded with Retry-After "
+                            "(default: no limit here, the schedulers' --max-num-queued-reqs bounds the wait)")
     group.add_argument("--max-client-batch-size", type=int, default=DEFAULT_MAX_CLIENT_BATCH_SIZE,
-                       help="most completions one request may ask for (prompts x n); more is a 400")
+                       help="most completions one request may ask for (prompts x n), embedding inputs, rerank "
+                            "documents or score pairs; more is a 400")
     group.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
                        help="seconds a connection may stay idle, or take to send a request's headers, "
                             "before it is closed")

@@ -2,7 +2,7 @@
 
 from pagedserve.common.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "PoolingParams", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -10,6 +10,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from pagedserve.entrypoints.llm import LLM
         return LLM
+    if name == "PoolingParams":
+        from pagedserve.common.pooling_params import PoolingParams
+        return PoolingParams
     if name == "SamplingParams":
         from pagedserve.common.sampling_params import SamplingParams
         return SamplingParams

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pagedserve import LLM
 from pagedserve.common.pooling_params import PoolingParams
+from tests.real_model import RAW_PROMPTS, smollm2_path, smollm2_transformers_model
 from tests.tiny_encoders import make_sentence_transformer, make_tiny_encoder, random_inputs
 from tests.tiny_models import make_tiny_model, mixed_prompts
 
@@ -171,3 +172,33 @@ def test_a_pooling_model_refuses_generation_and_a_generator_refuses_pooling(tmp_
     with pytest.raises(ValueError, match="start the engine with --runner pooling"):
         decoder.embed([{"prompt_token_ids": [5, 6]}], use_tqdm=False)
     assert all_blocks_free(decoder)
+
+
+def test_smollm2_embeddings_are_its_normalised_last_hidden_states():
+    path = smollm2_path()
+    llm = LLM(str(path), runner="pooling", max_model_len=256)
+    assert llm.pooling.tasks == ["embed"] and llm.pooling.embedding_size == 576
+    outs = llm.embed(list(RAW_PROMPTS), use_tqdm=False)
+    model = smollm2_transformers_model()
+    with torch.inference_mode():
+        hidden = [model.model(torch.tensor([o.prompt_token_ids])).last_hidden_state[0, -1] for o in outs]
+    expected = torch.nn.functional.normalize(torch.stack(hidden), dim=-1).numpy()
+    assert_close([o.outputs.embedding for o in outs], expected)
+    assert all_blocks_free(llm)
+
+
+def test_task_and_flag_values_pick_the_runner_or_are_refused(tmp_path):
+    path = make_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    llm = LLM(str(path), task="embed")
+    assert llm.worker.runner_kind == "pooling" and llm.pooling.tasks == ["embed"]
+    with pytest.raises(ValueError, match="does not support the 'classify' task; it serves embed"):
+        llm.classify([{"prompt_token_ids": [5, 6]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="pooler_config='MEAN': must be a JSON object"):
+        LLM(str(path), pooler_config="MEAN")
+    with pytest.raises(ValueError, match="runner='embed': choose from auto, generate, pooling"):
+        LLM(str(path), runner="embed")
+    seq_cls = {"architectures": ["LlamaForSequenceClassification"]}
+    with pytest.raises(ValueError, match="unsupported architecture .'LlamaForSequenceClassification'."):
+        LLM(str(path), hf_overrides=seq_cls)
+    with pytest.raises(ValueError, match="has no classifier: a decoder classifies with"):
+        LLM(str(path), hf_overrides={**seq_cls, "classifier_from_token": ["yes"]})

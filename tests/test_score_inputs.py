@@ -15,8 +15,9 @@ DOCUMENTS = ["paris is the capital of france", "berlin", "the river of the city 
 # vLLM's score template for Qwen3-Reranker (examples/pooling/score/template/qwen3_reranker.jinja), shortened.
 SCORE_TEMPLATE = ('<|im_start|>system\nJudge whether the Document meets the requirements.<|im_end|>\n'
                   '<|im_start|>user\n<Query>: {{ messages | selectattr("role", "eq", "query") | '
-                  'map(attribute="content") | first }}\n<Document>: {{ messages | selectattr("role", "eq", "document") | '
-                  'map(attribute="content") | first }}<|im_end|>\n<|im_start|>assistant\n')
+                  'map(attribute="content") | first }}\n<Document>: {{ messages | '
+                  'selectattr("role", "eq", "document") | map(attribute="content") | first }}<|im_end|>\n'
+                  '<|im_start|>assistant\n')
 
 
 @pytest.fixture(scope="module", params=["bert", "xlm-roberta"])

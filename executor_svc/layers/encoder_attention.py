@@ -52,7 +52,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSequ
     """q, k, v [T, heads, head_dim] of packed sequences -> [T, heads, head_dim], softmax scale
     head_dim ** -0.5."""
     if packed.padded_rows is None:
-        # Positional arguments only: the keyword ones changed between torch 2.9 and 2.13.
+        # Positional arguments only: the keyword ones changed between torch 2.9 and 2.13. q, k
+        # and v are views of the fused projection; contiguous copies cost <1% of the layer and
+        # spare relying on each backend's (flash, cuDNN) stride support.
+        q, k, v = (x.contiguous() for x in (q, k, v))
         return varlen_attn(q, k, v, packed.cu_seqlens, packed.cu_seqlens, packed.max_len, packed.max_len)
     batch = packed.key_mask.shape[0]
     q, k, v = (_padded(x, packed, batch) for x in (q, k, v))

@@ -41,6 +41,21 @@ SHAPES = {
         hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
         attention_bias=False, tie_word_embeddings=True, torch_dtype="bfloat16", bos_token_id=2,
         eos_token_id=1, pad_token_id=0),
+    # BAAI/bge-m3's config.json (XLM-RoBERTa large: 8192 positions past the padding id's 2). Its
+    # checkpoint is float32, which --dtype auto keeps on a GPU (vLLM's auto halves it): pass
+    # --dtype bfloat16.
+    "bge-m3": dict(
+        architectures=["XLMRobertaModel"], model_type="xlm-roberta", vocab_size=250002, hidden_size=1024,
+        intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, max_position_embeddings=8194,
+        type_vocab_size=1, layer_norm_eps=1e-5, hidden_act="gelu", position_embedding_type="absolute",
+        torch_dtype="float32", bos_token_id=0, eos_token_id=2, pad_token_id=1),
+    # BAAI/bge-reranker-v2-m3's: the same encoder with RoBERTa's one-label classification head.
+    "bge-reranker-v2-m3": dict(
+        architectures=["XLMRobertaForSequenceClassification"], model_type="xlm-roberta", vocab_size=250002,
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+        max_position_embeddings=8194, type_vocab_size=1, layer_norm_eps=1e-5, hidden_act="gelu",
+        position_embedding_type="absolute", torch_dtype="float32", bos_token_id=0, eos_token_id=2,
+        pad_token_id=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}),
 }
 
 

@@ -112,3 +112,11 @@ async def test_errors(http, base_url, engine, validate):
     engine.fail_after = 2
     status, raw = await _post(http, f"{base_url}/v1/completions", {"prompt": "x", "stream": True})
     validate("ErrorResponse", _events(raw)[-1])
+
+
+async def test_embeddings(http, embedder, serve, validate):
+    url = await serve()
+    for given in ("Say hello", ["Say hello", "Hello"], [[5, 6, 7]]):
+        status, text = await _post(http, f"{url}/v1/embeddings", {"input": given, "encoding_format": "float"})
+        assert status == 200
+        validate("CreateEmbeddingResponse", json.loads(text))

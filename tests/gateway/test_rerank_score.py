@@ -7,6 +7,7 @@ import cohere
 import pytest
 import requests
 
+from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.gateway.pooling_outputs import cosine
 from pagedserve.gateway.state import GATEWAY
 from tests.gateway.fake_engine import LEAK, MODEL, classified, embedded, serve_gateway
@@ -243,3 +244,21 @@ async def test_log_requests_logs_each_pooling_request(reranker, serve, http, cap
     captured = capsys.readouterr()
     line, = [line for line in (captured.out + captured.err).splitlines() if "request_finished" in line]
     assert "endpoint=rerank" in line and "inputs=2" in line and "prompt_tokens=" in line
+
+
+async def test_a_decoder_reranker_gets_its_pairs_from_the_score_template(reranker, tokenizer_dir, http):
+    # vLLM's score template for Qwen3-Reranker, passed as --chat-template (see common.score_inputs).
+    template = ('<|im_start|>user\n<Query>: {{ messages | selectattr("role", "eq", "query") | map(attribute="content")'
+                ' | first }}\n<Document>: {{ messages | selectattr("role", "eq", "document") | '
+                'map(attribute="content") | first }}<|im_end|>\n<|im_start|>assistant\n')
+    scorer = Tokenizer.from_dir(tokenizer_dir, chat_template=template)
+    runner, url = await serve_gateway(scorer, reranker.address)
+    try:
+        async with http.post(url + "/rerank", json={"query": "q", "documents": ["a", "b"]}) as r:
+            assert r.status == 200
+    finally:
+        await runner.cleanup()
+    # (Jinja drops a template's final newline, as in transformers.)
+    rendered = [f"<|im_start|>user\n<Query>: q\n<Document>: {d}<|im_end|>\n<|im_start|>assistant" for d in "ab"]
+    assert sorted(list(r.prompt_token_ids) for r in reranker.pool_requests) == sorted(
+        scorer.encode(text, add_special_tokens=False) for text in rendered)
