@@ -16,7 +16,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -186,7 +186,7 @@ def start_also(launcher: Launcher, index: int, engine: AlsoEngine, env: dict[str
 
 def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, scheduler_addresses: list[str] | None,
           startup_timeout: float, shutdown_timeout: float = 0.0, data_parallel_size: int = 1,
-          tensor_parallel_size: int = 1, api_key: str | None = None, also: list[AlsoEngine] = ()) -> int:
+          tensor_parallel_size: int = 1, api_key: str | None = None, also: Sequence[AlsoEngine] = ()) -> int:
     """Runs the whole stack on this machine until a signal; returns the exit code. `argv` holds each
     child's own flags, by child ("executor", "scheduler", "gateway"); the gateway serves on
     `listener`, bound already, so that only it can answer on that port, and drains for
