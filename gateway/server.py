@@ -35,7 +35,8 @@ DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0
 # A burst of connections waits in the kernel's queue rather than being reset (the default is 128).
 LISTEN_BACKLOG = 2048
 # What an --also-serve model tells a gateway.
-ALSO_SERVE_KEYS = frozenset({"scheduler-address", "served-model-name", "tokenizer", "generation-config"})
+ALSO_SERVE_KEYS = frozenset({"scheduler-address", "served-model-name", "tokenizer", "chat-template",
+                             "generation-config"})
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +54,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                    help="another model to route to (repeatable): a request goes to the model its `model` "
                         "names. Keys: scheduler-address (its schedulers, required), served-model-name "
                         "(names clients may send, comma-separated; default the scheduler's), tokenizer, "
-                        "generation-config (as the flags of the same names; default the model's)")
+                        "chat-template (a file), generation-config (as the flags of the same names; default "
+                        "the model's)")
     # The scheduler reports its served name; the gateway's flag, when given, overrides it.
     add_engine_args(parser, ("served_model_name",))
     add_serving_args(g)
@@ -172,6 +174,8 @@ def also_serve_spec(value: str) -> AlsoServe:
         if "scheduler-address" not in spec.options:
             raise ValueError(f"--also-serve {spec.model}: give its schedulers as scheduler-address=A[,B...]")
         split_addresses(spec.options["scheduler-address"])
+        if "chat-template" in spec.options:
+            chat_template(spec.options["chat-template"])
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return spec
@@ -181,8 +185,10 @@ def also_served(spec: AlsoServe) -> ModelEngines:
     """The engines, tokenizer, names and sampling defaults of one --also-serve model."""
     options = spec.options
     names = options["served-model-name"].split(",") if "served-model-name" in options else []
-    return ModelEngines(EnginePool(options["scheduler-address"]), Tokenizer.load(options.get("tokenizer", spec.model)),
-                        names, sampling_defaults(spec.model, options.get("generation-config", "auto")))
+    template = chat_template(options["chat-template"]) if "chat-template" in options else None
+    return ModelEngines(EnginePool(options["scheduler-address"]),
+                        Tokenizer.load(options.get("tokenizer", spec.model), template), names,
+                        sampling_defaults(spec.model, options.get("generation-config", "auto")))
 
 
 def chat_template(value: str) -> str:

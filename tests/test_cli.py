@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.common.config import EXECUTOR_FLAGS, SCHEDULER_FLAGS, config_from_args, config_to_argv
-from pagedserve.entrypoints.cli import also_serve_args, build_parser, check_memory_shares
+from pagedserve.entrypoints.cli import also_engine, also_serve_args, build_parser, check_memory_shares
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,6 +129,21 @@ def test_an_also_served_model_takes_its_keys_and_the_machines_flags_of_the_main_
     assert (also.device, also.dtype, also.max_num_seqs, also.enforce_eager, also.max_model_len) == (
         "cpu", "bfloat16", 8, True, None)
     check_memory_shares(config_from_args(main), [also])
+
+
+def test_the_gateway_is_told_each_also_served_models_scheduler_names_and_templates(tmp_path):
+    template = tmp_path / "score.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    main = parse("/models/chat", "--also-serve", "/models/rerank,served-model-name=rr,reranker,max-model-len=512,"
+                 f"chat-template={template},runner=pooling")
+    engine = also_engine(also_serve_args(main.also_serve[0], main), ["--log-level", "info"])
+    spec = engine.gateway_spec("unix:///run/s.sock")
+    assert spec == ("/models/rerank,scheduler-address=unix:///run/s.sock,served-model-name=rr,reranker,"
+                    f"generation-config=auto,chat-template={template}")
+    gateway = build_parser().parse_args(["gateway", "/models/chat", "--also-serve", spec]).also_serve[0]
+    assert gateway.options["served-model-name"] == "rr,reranker"
+    assert engine.argv["executor"] == ["--max-model-len", "512", "--runner", "pooling", "--log-level", "info"]
+    assert engine.argv["scheduler"] == ["--served-model-name", "rr", "reranker", "--log-level", "info"]
 
 
 def test_engines_sharing_a_gpu_may_not_ask_for_more_than_all_its_memory():

@@ -141,10 +141,10 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="start another model behind the same gateway (repeatable), e.g. an embedding "
                             "model or a reranker: requests go to the model their `model` names. Keys are "
                             "engine flags without dashes (served-model-name=A,B, gpu-memory-utilization=0.2, "
-                            "max-model-len=512, ...) and tokenizer, generation-config; device, dtype, "
-                            "load-format, seed, block-size and the like follow the main model's. Its engine "
-                            "shares the main engine's GPU(s): --gpu-memory-utilization plus every "
-                            "gpu-memory-utilization here must be at most 1")
+                            "max-model-len=512, ...) and tokenizer, chat-template (a file), generation-config; "
+                            "device, dtype, load-format, seed, block-size and the like follow the main "
+                            "model's. Its engine shares the main engine's GPU(s): --gpu-memory-utilization "
+                            "plus every gpu-memory-utilization here must be at most 1")
     serve.add_argument("--startup-timeout", type=float, default=900.0,
                        help="seconds each process may take to become ready")
     from pagedserve.gateway.server import add_serving_args
@@ -186,7 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.entrypoints.launcher import serve
     return serve(args.model, argv, listener, scheduler_addresses, args.startup_timeout,
                  args.shutdown_timeout, args.data_parallel_size, config.tensor_parallel_size, key,
-                 [_also_engine(extra, shared) for extra in also])
+                 [also_engine(extra, shared) for extra in also])
 
 
 def also_serve_arg(value: str) -> AlsoServe:
@@ -202,12 +202,21 @@ def also_serve_args(spec: AlsoServe, main: argparse.Namespace) -> argparse.Names
     defaults. Exits with a one-line error on an unknown key or a bad value."""
     parser = Parser(prog=f"pagedserve serve --also-serve {spec.model}", add_help=False)
     add_engine_args(parser)
+    # The gateway's flags for this model, passed on to it as they are.
     parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--chat-template", type=template_file, default=None)
     parser.add_argument("--generation-config", default="auto")
     inherited = {name: getattr(main, name) for name in INHERITED_FLAGS}
     args = parser.parse_args(spec.argv(), argparse.Namespace(**inherited))
     args.model = spec.model
     return args
+
+
+def template_file(value: str) -> str:
+    """An --also-serve chat-template, checked here and passed on as given (its gateway reads it)."""
+    from pagedserve.gateway.server import chat_template
+    chat_template(value)
+    return value
 
 
 def check_memory_shares(main: EngineConfig, also: list[EngineConfig]) -> None:
@@ -222,15 +231,16 @@ def check_memory_shares(main: EngineConfig, also: list[EngineConfig]) -> None:
                      "MODEL,gpu-memory-utilization=0.3")
 
 
-def _also_engine(args: argparse.Namespace, shared: list[str]) -> "AlsoEngine":
+def also_engine(args: argparse.Namespace, shared: list[str]) -> "AlsoEngine":
     """What the launcher starts for an --also-serve model (`args`: its also_serve_args), and what its
     gateway is told of it."""
     from pagedserve.entrypoints.launcher import AlsoEngine
     config = config_from_args(args)
     gateway = {"served-model-name": ",".join(config.served_model_name or [config.name]),
                "generation-config": args.generation_config}
-    if args.tokenizer:
-        gateway["tokenizer"] = args.tokenizer
+    for key in ("tokenizer", "chat_template"):
+        if getattr(args, key):
+            gateway[key.replace("_", "-")] = getattr(args, key)
     return AlsoEngine(args.model, {"executor": config_to_argv(config, EXECUTOR_FLAGS) + shared,
                                    "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + shared}, gateway)
 

@@ -7,6 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.gateway.engine_pool import EnginePool
+from pagedserve.gateway.server import also_serve_spec, also_served
 from pagedserve.gateway.state import ModelEngines
 from tests.gateway.fake_engine import LEAK, MODEL, FakeEngine, add_fake_engine, build_tiny_tokenizer, serve_gateway
 
@@ -185,3 +186,16 @@ async def test_health_names_each_models_engines_when_none_serves(http, tokenizer
     assert status == 503
     assert message.startswith("No scheduler is serving. Model 0 engine 0: ")
     assert "Model 0 engine 1: " in message and "Model 1 engine 0: " in message and not LEAK.search(message)
+
+
+async def test_a_gateways_also_serve_loads_the_models_tokenizer_names_and_chat_template(tokenizer_dir, tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    model = also_served(also_serve_spec(f"{tokenizer_dir},scheduler-address=127.0.0.1:1,served-model-name=x,y,"
+                                        f"chat-template={template}"))
+    try:
+        assert model.served_model_names == ["x", "y"]
+        variables = model.tokenizer.chat_variables([{"role": "user", "content": "hi"}], False, None, None)
+        assert model.tokenizer.render_chat(variables) == "[hi]"
+    finally:
+        await model.engines.close()
