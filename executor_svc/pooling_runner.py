@@ -5,13 +5,14 @@ cache that only this step reads; an encoder runs with none. It shares the ModelR
 clock and the model's attention metadata, and has its launch/collect interface, so the Worker and
 the step loop drive either."""
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
-from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, NewRequest, StepPlan, StepResult
+from pagedserve.common.plan import (INVALID_ARGUMENT, MAX_STEPS_IN_FLIGHT, NewRequest, RequestError, StepPlan,
+                                    StepResult)
 from pagedserve.executor_svc.attention_backend import AttentionMetadata
 from pagedserve.executor_svc.kv_cache import KVCache
 from pagedserve.executor_svc.pooler import Pooler
@@ -29,6 +30,7 @@ class PoolingLaunched:
     start: object = None
     end: object = None
     after: object = None
+    errors: list[RequestError] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -43,12 +45,12 @@ class PackedPrompts:
 class PoolingRunner:
     """Turns step plans of pooling requests into their pooled data on `model`: a CausalLM (paged
     prefill into `kv_caches`, which the Worker allocates) or, with `encoder`, a bidirectional
-    encoder with no KV cache."""
+    encoder with no KV cache, whose token type ids go below `type_vocab_size`."""
 
     def __init__(self, model: nn.Module, pooler: Pooler, block_size: int, device: torch.device,
-                 encoder: bool) -> None:
+                 encoder: bool, type_vocab_size: int = 1) -> None:
         self.model, self.pooler, self.block_size = model, pooler, block_size
-        self.device, self.encoder = device, encoder
+        self.device, self.encoder, self.type_vocab_size = device, encoder, type_vocab_size
         self.kv_caches: list[KVCache] = []
         self.clock = StepClock(device)
         self.launched: deque[PoolingLaunched] = deque()
@@ -65,8 +67,8 @@ class PoolingRunner:
         if len(self.launched) == MAX_STEPS_IN_FLIGHT:
             raise ValueError(f"{MAX_STEPS_IN_FLIGHT} steps are in flight already: collect the oldest "
                              "result before launching another step")
-        requests = plan.new_requests
         _check_plan(plan)
+        requests, errors = self._valid(plan.new_requests)
         if not requests:
             launched = PoolingLaunched(plan.step_id, [], [], torch.zeros(0))
         else:
@@ -80,6 +82,7 @@ class PoolingRunner:
             launched = PoolingLaunched(plan.step_id, [r.seq_id for r in requests], [len(o) for o in outputs],
                                        data, start, self.clock.mark(), self.last_end)
             self.last_end = launched.end
+        launched.errors = errors
         self.launched.append(launched)
         return launched
 
@@ -98,8 +101,19 @@ class PoolingRunner:
         if step.end is not None:
             forward_ns = self.clock.elapsed_ns(step.start, step.end)
             idle_ns = 0 if step.after is None else max(0, self.clock.elapsed_ns(step.after, step.start))
-        return StepResult(step.step_id, forward_ns=forward_ns, idle_ns=idle_ns, pooled_seq_ids=step.seq_ids,
-                          pooled_sizes=step.sizes, pooled_data=step.data.tolist())
+        return StepResult(step.step_id, forward_ns=forward_ns, idle_ns=idle_ns, errors=step.errors,
+                          pooled_seq_ids=step.seq_ids, pooled_sizes=step.sizes, pooled_data=step.data.tolist())
+
+    def _valid(self, requests: list[NewRequest]) -> tuple[list[NewRequest], list[RequestError]]:
+        """The requests an encoder can embed, and an error for each with a token type id past its
+        table (which would index out of bounds on the device)."""
+        if not self.encoder:
+            return requests, []
+        bad = {r.seq_id for r in requests if any(not 0 <= t < self.type_vocab_size for t in r.token_type_ids)}
+        errors = [RequestError(seq_id, INVALID_ARGUMENT, f"token_type_ids must be below this model's "
+                                                         f"type_vocab_size {self.type_vocab_size}")
+                  for seq_id in bad]
+        return [r for r in requests if r.seq_id not in bad], errors
 
     def _forward(self, packed: PackedPrompts, requests: list[NewRequest]) -> torch.Tensor:
         def upload(array: np.ndarray) -> torch.Tensor:

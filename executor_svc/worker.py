@@ -38,7 +38,8 @@ SPLIT_WARM_UP_TOKENS = 64
 class Worker:
     """Serves step plans on one device: what the executor server and the offline LLM hold.
     `offline`: the batch limits a config leaves unset take vLLM's defaults for its LLM class
-    rather than for its API server.
+    rather than for its API server. With --runner pooling (executor_svc/pooling_model.py picks it)
+    its runner is a PoolingRunner, which computes whole prompts into pooled data and samples nothing.
 
     With --tensor-parallel-size N, rank 0's worker starts ranks 1..N-1 (`ranks`), whose workers
     repeat its launch, collect and reset calls (executor_svc/tp_worker.py); `rank` is this one's."""
@@ -106,7 +107,8 @@ class Worker:
         self.pooling = pooling_info(self.model_config, pooler_config)
         encoder = self.model_config.architecture in ENCODERS
         pooler = build_pooler(self.model, self.model_config, pooler_config, config.model)
-        self.runner = PoolingRunner(self.model, pooler, self.block_size, self.device, encoder)
+        self.runner = PoolingRunner(self.model, pooler, self.block_size, self.device, encoder,
+                                    self.model_config.hf_config.get("type_vocab_size", 1))
         self.num_blocks = config.num_gpu_blocks_override or (
             MAX_STEPS_IN_FLIGHT * (-(-config.max_num_batched_tokens // self.block_size) + config.max_num_seqs) + 1)
         if not encoder:

@@ -59,9 +59,9 @@ class EngineLoop:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue | None = None, cache_salt: str = "", pooling: PoolingParams | None = None,
             token_type_ids: list[int] | None = None) -> tuple[int, asyncio.Queue]:
-        """Queues a request whose outputs go to `queue` (a new one by default, which several requests
-        may share), a pooling one with `pooling`; raises ValueError for one the scheduler cannot take, QueueFull when the queue is
-        full, and ExecutorLost while the executor is away."""
+        """Queues a request (a pooling one with `pooling`) whose outputs go to `queue` (a new one by
+        default, which several requests may share); raises ValueError for one the scheduler cannot
+        take, QueueFull when the queue is full, and ExecutorLost while the executor is away."""
         if self.error:
             raise self.error
         if request_id in self.seq_ids:

@@ -290,13 +290,12 @@ class Scheduler:
         if result.prompt_logprobs is not None:
             gather_prompt_logprobs(self.requests, result.prompt_logprobs)
         failed = self._fail(result.errors) if result.errors else []
-        if result.pooled_seq_ids:
-            failed += self._finish_pooled(result.pooled())
+        pooled = self._finish_pooled(result.pooled()) if result.pooled_seq_ids else []
         seq_ids, token_ids = self._defer(result) if result.deferred else (result.seq_ids, result.token_ids)
         outputs = self._append_tokens(seq_ids, token_ids)
         if result.logprobs is not None:
             attach_logprobs(outputs, result)
-        outputs += failed
+        outputs += failed + pooled
         self.stats.observe(plan.schedule_ns + time.perf_counter_ns() - start, result.forward_ns,
                            0 if plan.after_pause else result.idle_ns)
         if not self.has_work():

@@ -261,7 +261,7 @@ def check_geometry(expected: dict[str, int | str], info: ExecutorInfo, executor_
 
 
 # What the scheduler and its gateways keep from the first Describe; the number of blocks may change.
-MODEL_FACTS = ("block_size", "dtype", "vocab_size", "max_model_len", "eos_token_ids")
+MODEL_FACTS = ("block_size", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "runner", "pooling")
 
 
 def check_same_model(planned: ExecutorInfo, info: ExecutorInfo, executor_address: str) -> None:

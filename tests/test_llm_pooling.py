@@ -202,3 +202,11 @@ def test_task_and_flag_values_pick_the_runner_or_are_refused(tmp_path):
         LLM(str(path), hf_overrides=seq_cls)
     with pytest.raises(ValueError, match="has no classifier: a decoder classifies with"):
         LLM(str(path), hf_overrides={**seq_cls, "classifier_from_token": ["yes"]})
+
+
+def test_a_token_type_past_the_encoders_table_fails_that_input_alone(tmp_path):
+    llm = LLM(str(make_tiny_encoder("XLMRobertaForSequenceClassification", tmp_path / "ce")))
+    ids, _ = random_inputs([4, 6], seed=3, cls_id=0)
+    with pytest.raises(ValueError, match="token_type_ids must be below this model's type_vocab_size 1"):
+        llm._pool([(ids[0], [0, 1, 0, 0]), (ids[1], [])], PoolingParams("classify"), use_tqdm=False)
+    assert all_blocks_free(llm)

@@ -81,17 +81,22 @@ class Pooling:
                 self.scheduler.abort(seq_id)
             raise
         pooled: dict[int, list[float]] = {}
+        errors: list[str] = []
         bar = tqdm(total=len(inputs), desc="Processed prompts", disable=not use_tqdm)
 
         def deliver(outputs: list[RequestDelta]) -> None:
             for out in outputs:
                 if out.error is not None:
-                    raise ValueError(out.error)
+                    errors.append(out.error)
                 pooled[out.seq_id] = out.pooled
             bar.update(len(outputs))
 
+        # Every input runs to its end, so that a failed one leaves nothing queued behind it.
         self.steps.run_sync(self.transport, deliver)
         bar.close()
+        if errors:
+            # As a request the scheduler refuses: the offline API reports bad input by raising.
+            raise ValueError(errors[0])
         return request_ids, inputs, [pooled[seq_id] for seq_id in seq_ids]
 
 

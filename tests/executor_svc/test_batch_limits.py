@@ -27,3 +27,12 @@ def test_defaults_fill_only_what_is_unset_and_are_clamped_as_vllm_does():
     assert short.max_num_batched_tokens == 4000
     tiny = resolve_batch_limits(EngineConfig(max_num_batched_tokens=100), large_offline, 8192)
     assert tiny.max_num_seqs == 100
+
+
+def test_a_pooling_engines_default_budget_holds_a_whole_prompt():
+    defaults = BatchDefaults(2048, 128)
+    assert resolve_batch_limits(EngineConfig(), defaults, 8192, pooling=True).max_num_batched_tokens == 8192
+    assert resolve_batch_limits(EngineConfig(), defaults, 512, pooling=True).max_num_batched_tokens == 2048
+    # A budget the user sets stands: longer prompts are refused by the scheduler.
+    given = EngineConfig(max_num_batched_tokens=1024)
+    assert resolve_batch_limits(given, defaults, 8192, pooling=True).max_num_batched_tokens == 1024
