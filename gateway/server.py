@@ -167,18 +167,22 @@ def also_serve_spec(value: str) -> AlsoServe:
     """--also-serve, checked when parsed."""
     try:
         spec = also_serve.parse(value)
-        unknown = set(spec.options) - ALSO_SERVE_KEYS
-        if unknown:
-            raise ValueError(f"--also-serve {spec.model}: unknown key {sorted(unknown)[0]}; a gateway takes "
-                             f"{', '.join(sorted(ALSO_SERVE_KEYS))}")
-        if "scheduler-address" not in spec.options:
-            raise ValueError(f"--also-serve {spec.model}: give its schedulers as scheduler-address=A[,B...]")
-        split_addresses(spec.options["scheduler-address"])
-        if "chat-template" in spec.options:
-            chat_template(spec.options["chat-template"])
+        _check_also_serve(spec)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if "chat-template" in spec.options:
+        chat_template(spec.options["chat-template"])
     return spec
+
+
+def _check_also_serve(spec: AlsoServe) -> None:
+    unknown = sorted(set(spec.options) - ALSO_SERVE_KEYS)
+    if unknown:
+        raise ValueError(f"--also-serve {spec.model}: unknown key {unknown[0]}; a gateway takes "
+                         f"{', '.join(sorted(ALSO_SERVE_KEYS))}")
+    if "scheduler-address" not in spec.options:
+        raise ValueError(f"--also-serve {spec.model}: give its schedulers as scheduler-address=A[,B...]")
+    split_addresses(spec.options["scheduler-address"])
 
 
 def also_served(spec: AlsoServe) -> ModelEngines:
