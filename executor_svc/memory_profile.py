@@ -14,9 +14,17 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
+def used_bytes(device: torch.device) -> int:
+    """Device memory in use now, by every process on the device."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 def profile_peak_bytes(worker: "Worker") -> int:
     """The device memory in use at the peak of the largest step (weights included, its scratch
-    KV cache not), plus what the CUDA graphs will hold and what lies outside torch's allocator."""
+    KV cache not), plus what the CUDA graphs will hold and what lies outside torch's allocator
+    since the worker started (worker.used_at_start: other engines on a shared GPU, as with
+    `serve --also-serve`, are no part of this one's --gpu-memory-utilization share)."""
     device, config, runner = worker.device, worker.config, worker.runner
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -29,8 +37,9 @@ def profile_peak_bytes(worker: "Worker") -> int:
     peak = torch.cuda.max_memory_allocated(device)
     graph_bytes = _graph_bytes(worker) if runner.graph_sizes else 0
     free, total = torch.cuda.mem_get_info(device)
-    # CUDA context, cuBLAS workspaces and other memory that torch's allocator doesn't see.
-    outside_torch = total - free - torch.cuda.memory_reserved(device)
+    # cuBLAS workspaces and other memory that torch's allocator doesn't see.
+    # Never below 0: another engine may have freed memory meanwhile.
+    outside_torch = max(0, total - free - worker.used_at_start - torch.cuda.memory_reserved(device))
     torch.cuda.empty_cache()
     log.info("profile_run", weights_gib=round(before / 2**30, 2),
              activations_gib=round((peak - before - scratch_bytes) / 2**30, 2),

@@ -15,7 +15,7 @@ from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_de
 from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
 from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
                                               resolve_kv_cache_dtype)
-from pagedserve.executor_svc.memory_profile import profile_peak_bytes
+from pagedserve.executor_svc.memory_profile import profile_peak_bytes, used_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.model_runner import Launched, ModelRunner
 from pagedserve.executor_svc.models import ENCODERS, build_model
@@ -74,6 +74,8 @@ class Worker:
             raise
 
     def _build(self, config: EngineConfig) -> None:
+        # Before the model loads: the memory profile leaves out what was in use here already.
+        self.used_at_start = used_bytes(self.device) if self.device.type == "cuda" else 0
         backend = get_backend(self.device)
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = build_model(self.rank_config, backend, self.max_model_len, self.tp)
@@ -143,7 +145,7 @@ class Worker:
         start = time.perf_counter()
         load_weights(self.model, config.model, config.load_format, config.seed, quantize)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        log.info("model_loaded", weights_gib=round(weight_bytes / 2**30, 3),
+        log.info("model_loaded", model=config.model, weights_gib=round(weight_bytes / 2**30, 3),
                  parameters=sum(p.numel() for p in self.model.parameters()),
                  rank=0 if self.tp is None else self.tp.rank,
                  seconds=round(time.perf_counter() - start, 2), load_format=config.load_format,

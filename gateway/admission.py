@@ -1,5 +1,5 @@
-"""What every engine route checks before it runs: the concurrency limit, the model's runner, and the
-count of what it refuses."""
+"""What every engine route checks before it runs: the model it names, the concurrency limit, the
+model's runner, and the count of what it refuses."""
 import functools
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
@@ -8,11 +8,18 @@ from aiohttp import web
 
 from pagedserve.gateway.errors import APIError, bad_request, overloaded
 from pagedserve.gateway.metrics import rejection_reason
-from pagedserve.gateway.state import GATEWAY, ServedModel
+from pagedserve.gateway.state import GATEWAY, SERVED, ServedModel
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The flag that makes an engine serve the other kind of route.
 _RUNNER_FLAG = {"generate": "--runner generate", "pooling": "--runner pooling"}
+
+
+async def served_for(request: web.Request, model: str | None) -> ServedModel:
+    """Gateway.served_for, remembered on the request so that its rejections count under its name."""
+    served = await request.app[GATEWAY].served_for(model)
+    request[SERVED] = served
+    return served
 
 
 def counts_rejections(handler: Handler) -> Handler:
@@ -24,9 +31,11 @@ def counts_rejections(handler: Handler) -> Handler:
         except (APIError, web.HTTPException) as e:
             reason = rejection_reason(e.status, e.info.code if isinstance(e, APIError) else None)
             if reason is not None:
-                # Until the scheduler has answered once, the model name (the label) is unknown.
+                # Until the scheduler has answered once, the model name (the label) is unknown; with
+                # several models, so is the model of a request refused before naming one.
                 with suppress(APIError):
-                    (await request.app[GATEWAY].model()).metrics.request_rejected[reason].inc()
+                    served = request.get(SERVED) or await request.app[GATEWAY].served_for(None)
+                    served.metrics.request_rejected[reason].inc()
             raise
     return counted
 

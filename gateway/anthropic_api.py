@@ -6,6 +6,7 @@ from aiohttp import web
 
 from pagedserve.gateway import anthropic_request as translate
 from pagedserve.gateway import params
+from pagedserve.gateway.admission import served_for
 from pagedserve.gateway.anthropic_output import MessageWire, error_body
 from pagedserve.gateway.anthropic_schemas import (CountTokensRequest, CountTokensResponse, MessagesRequest,
                                                   event_name)
@@ -51,7 +52,7 @@ def neutral(req: MessagesRequest) -> NeutralRequest:
 async def messages(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, MessagesRequest)
     gateway = request.app[GATEWAY]
-    p = await plan(gateway, await gateway.model(), neutral(req))
+    p = await plan(gateway, await served_for(request, req.model), neutral(req))
     return await run(request, p, MessageWire(f"msg_{p.id}", p.model, p.generation.usage), MessageEvents.open)
 
 
@@ -59,9 +60,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's length in tokens: the chat template rendered with the tools, then tokenized."""
     req = await read_json(request, CountTokensRequest)
     gateway = request.app[GATEWAY]
-    served = await gateway.model()
-    params.resolve_model(served.resolve(req.model), served.name)
+    served = await served_for(request, req.model)
     chat = params.chat_input(translate.chat_messages(req), translate.chat_tools(req.tools),
                              translate.template_kwargs(req.thinking, req.output_config), None,
                              gateway.trust_request_chat_template)
-    return json_response(CountTokensResponse(len(await chat_prompt(gateway, chat, add_generation_prompt=True))))
+    return json_response(CountTokensResponse(len(await chat_prompt(gateway, served.tokenizer, chat, add_generation_prompt=True))))

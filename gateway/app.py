@@ -1,4 +1,6 @@
 """The aiohttp application: routes and middlewares."""
+import asyncio
+
 from aiohttp import web
 
 from pagedserve.gateway import (anthropic_api, ollama_api, ops_routes, pooling_routes, responses_api, routes,
@@ -11,7 +13,8 @@ from pagedserve.gateway.hosts import host_middleware
 from pagedserve.gateway.http_metrics import requests_middleware
 from pagedserve.gateway.request_id import request_id_middleware
 from pagedserve.gateway.response_store import DEFAULT_STORE_MB, DEFAULT_STORE_TTL_S, ResponseStore
-from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway
+from pagedserve.gateway.state import (DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, Gateway,
+                                      ModelEngines)
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.version import __version__
 
@@ -20,7 +23,8 @@ SERVER = f"pagedserve/{__version__}"
 
 async def _startup(app: web.Application) -> None:
     gateway = app[GATEWAY]
-    gateway.engines.start()
+    for model in gateway.models:
+        model.engines.start()
     if gateway.trust_request_chat_template:
         gateway.templates.start()
 
@@ -28,7 +32,7 @@ async def _startup(app: web.Application) -> None:
 async def _cleanup(app: web.Application) -> None:
     gateway = app[GATEWAY]
     await gateway.responses.stop()
-    await gateway.engines.close()
+    await asyncio.gather(*(model.engines.close() for model in gateway.models))
     await gateway.templates.close()
     gateway.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -36,6 +40,15 @@ async def _cleanup(app: web.Application) -> None:
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
     # How `pagedserve serve` tells another pagedserve on its port from any other server.
     response.headers["Server"] = SERVER
+
+
+def _check_names(models: list[set[str]]) -> None:
+    """Raises ValueError when two models are given one name: a request could not tell them apart."""
+    names = [name for model in models for name in model]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise ValueError(f"the served model name {twice!r} is given twice; give each model its own names "
+                         "(--served-model-name, served-model-name= in --also-serve)")
 
 
 def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: list[str] | None = None, *,
@@ -49,11 +62,14 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
               trust_request_chat_template: bool = False,
               max_concurrent_requests: int | None = None,
               prompt_tokens_details: bool = False, responses_store_mb: int = DEFAULT_STORE_MB,
-              responses_store_ttl: float = DEFAULT_STORE_TTL_S) -> web.Application:
+              responses_store_ttl: float = DEFAULT_STORE_TTL_S,
+              also_serve: list[ModelEngines] | None = None) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     `scheduler_address` is one scheduler's address or several, comma-separated: each prompt goes
-    to one of those in rotation (see engine_pool).
+    to one of those in rotation (see engine_pool). They serve the main model, whose `tokenizer`,
+    `served_model_names` and `sampling_defaults` these are; `also_serve` adds other models, each
+    with its own (see Gateway.served_for for how a request finds its model).
 
     With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
     With `allowed_hosts` (see hosts.allowed_hosts), other Host headers get a 421.
@@ -65,9 +81,11 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     `prompt_tokens_details` puts cached_tokens in usage (vLLM's --enable-prompt-tokens-details).
     Stored /v1/responses responses take up to `responses_store_mb` MiB and `responses_store_ttl` seconds.
     """
-    gateway = Gateway(EnginePool(scheduler_address), tokenizer,
-                      served_model_names=list(served_model_names or ()), stream_interval=stream_interval,
-                      log_requests=log_requests, sampling_defaults=sampling_defaults or {},
+    also_serve = also_serve or []
+    _check_names([set(served_model_names or ()), *(set(model.served_model_names) for model in also_serve)])
+    main = ModelEngines(EnginePool(scheduler_address), tokenizer, list(served_model_names or ()),
+                        sampling_defaults or {})
+    gateway = Gateway([main, *also_serve], stream_interval=stream_interval, log_requests=log_requests,
                       tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                       max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout,
                       trust_request_chat_template=trust_request_chat_template,

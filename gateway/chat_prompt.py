@@ -11,12 +11,11 @@ from pagedserve.gateway.params import ChatInput
 from pagedserve.gateway.state import Gateway
 
 
-async def chat_prompt(gateway: Gateway, chat: ChatInput, add_generation_prompt: bool,
+async def chat_prompt(gateway: Gateway, tokenizer: Tokenizer, chat: ChatInput, add_generation_prompt: bool,
                       add_special_tokens: bool = False) -> list[int]:
     """The token ids of the rendered chat; a 400 when the template refuses or fails. The template
     writes the special tokens (BOS included), so add_special_tokens=True would add them twice
     (vLLM's /tokenize offers it all the same)."""
-    tokenizer = gateway.tokenizer
     try:
         if chat.template is None:
             return await gateway.offload(chat.size, _render_and_encode, tokenizer, chat, add_generation_prompt,

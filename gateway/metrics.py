@@ -171,33 +171,51 @@ def rejection_reason(status: int, code: str | None) -> str | None:
 
 
 class _EngineCollector:
-    """Each scheduler's series, labelled engine="0", "1", ... in --scheduler-address order (as vLLM
-    labels its data-parallel engines), from the ModelInfos fetched for the scrape being rendered."""
+    """Each scheduler's series, labelled by the model it serves and engine="0", "1", ... in its
+    model's address order (as vLLM labels its data-parallel engines), from the ModelInfos fetched
+    for the scrape being rendered."""
 
     def __init__(self) -> None:
-        self.model_name = ""
-        self.infos: list[pb.ModelInfo | None] = []
+        self.infos: list[tuple[str, list[pb.ModelInfo | None]]] = []
 
     def collect(self) -> Iterator[Metric]:
-        engines = [(str(i), info) for i, info in enumerate(self.infos) if info is not None]
+        engines = [(model, str(i), info) for model, infos in self.infos
+                   for i, info in enumerate(infos) if info is not None]
         if not engines:
             return
         for kind, series in ((GaugeMetricFamily, ENGINE_GAUGES), (CounterMetricFamily, ENGINE_COUNTERS)):
             for name, field, doc in series:
                 family = kind(f"pagedserve:{name}", doc, labels=ENGINE_LABELS)
-                for engine, info in engines:
-                    family.add_metric([self.model_name, engine], getattr(info, field))
+                for model, engine, info in engines:
+                    family.add_metric([model, engine], getattr(info, field))
                 yield family
         family = GaugeMetricFamily("pagedserve:cache_config_info", "KV-cache configuration.",
                                    labels=[*ENGINE_LABELS, *CACHE_CONFIG])
-        for engine, info in engines:
-            family.add_metric([self.model_name, engine, *_cache_config(info)], 1)
+        for model, engine, info in engines:
+            family.add_metric([model, engine, *_cache_config(info)], 1)
         yield family
         for field, name, doc in STEP_HISTOGRAMS:
             # An Engine that does not time its steps leaves them out, and a histogram needs its buckets.
-            timed = [(engine, info) for engine, info in engines if info.HasField(field)]
+            timed = [(model, engine, info) for model, engine, info in engines if info.HasField(field)]
             if timed:
-                yield _histogram(f"pagedserve:{name}", doc, self.model_name, timed, field)
+                yield _histogram(f"pagedserve:{name}", doc, timed, field)
+
+
+class _ModelSeries:
+    """The gateway's own series of every model, each name one family holding every model's samples.
+    Each model has its own registry, since a token histogram's buckets follow its max_model_len."""
+
+    def __init__(self) -> None:
+        self.registries: list[CollectorRegistry] = []
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                merged = families.setdefault(family.name, family)
+                if merged is not family:
+                    merged.samples += family.samples
+        yield from families.values()
 
 
 def _cache_config(info: pb.ModelInfo) -> list[str]:
@@ -205,13 +223,12 @@ def _cache_config(info: pb.ModelInfo) -> list[str]:
             str(info.enable_prefix_caching)]
 
 
-def _histogram(name: str, doc: str, model_name: str, engines: list[tuple[str, pb.ModelInfo]],
-               field: str) -> Metric:
+def _histogram(name: str, doc: str, engines: list[tuple[str, str, pb.ModelInfo]], field: str) -> Metric:
     family = HistogramMetricFamily(name, doc, labels=ENGINE_LABELS)
-    for engine, info in engines:
+    for model, engine, info in engines:
         h = getattr(info, field)
         bounds = [floatToGoString(b) for b in h.bucket_upper_bounds_s] + ["+Inf"]
-        family.add_metric([model_name, engine], list(zip(bounds, accumulate(h.bucket_counts))), h.sum_s)
+        family.add_metric([model, engine], list(zip(bounds, accumulate(h.bucket_counts))), h.sum_s)
     return family
 
 
@@ -242,21 +259,24 @@ class Metrics:
     def __init__(self) -> None:
         self._own = CollectorRegistry()
         self._engine = _EngineCollector()
+        self._models = _ModelSeries()
         self._own.register(self._engine)
+        self._own.register(self._models)
         self.registry = CollectorRegistry()
         self.registry.register(_VllmTwins(self._own))
-        self._bound: ModelMetrics | None = None
+        self._bound: dict[str, ModelMetrics] = {}
 
     def bind(self, model_name: str, max_model_len: int) -> ModelMetrics:
         """The model's series, created on first use (their token buckets depend on max_model_len)."""
-        if self._bound is None:
-            # A gateway serves one model for its lifetime, so the first name is the only one.
-            self._bound = _create(self._own, model_name, max_model_len)
-            self._engine.model_name = model_name
-        return self._bound
+        if model_name not in self._bound:
+            registry = CollectorRegistry()
+            self._models.registries.append(registry)
+            self._bound[model_name] = _create(registry, model_name, max_model_len)
+        return self._bound[model_name]
 
-    def render(self, infos: list[pb.ModelInfo | None], accept: str | None) -> tuple[bytes, str]:
-        """The exposition body and its content type; infos[i] is engine i's, None leaves its series out."""
+    def render(self, infos: list[tuple[str, list[pb.ModelInfo | None]]], accept: str | None) -> tuple[bytes, str]:
+        """The exposition body and its content type; `infos` holds each model's name and its engines'
+        ModelInfos, None leaving an engine's series out."""
         encoder, content_type = choose_encoder(accept)
         self._engine.infos = infos
         return encoder(self.registry), content_type

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from pagedserve.gateway import ollama_request as translate
 from pagedserve.gateway import params, pooling_routes
-from pagedserve.gateway.admission import admitted, counts_rejections
+from pagedserve.gateway.admission import admitted, counts_rejections, served_for
 from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.ollama_output import Clock, Replies, error_body, timestamp
 from pagedserve.gateway.ollama_schemas import (ChatRequest, EmbeddingsRequest, EmbeddingsResponse, EmbedRequest,
@@ -79,7 +79,6 @@ def _neutral(req: GenerationFields, **chat) -> NeutralRequest:
 
 def _loaded(served: ServedModel, req: GenerationFields, chat: bool) -> web.Response:
     """What Ollama answers a request with nothing to generate from: the model is loaded (it always is)."""
-    params.resolve_model(served.resolve(_model_name(req.model)), served.name)
     return json_response(Replies("", req.model, chat, Clock()).line(end={"done_reason": "load"}))
 
 
@@ -88,7 +87,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     clock = Clock()
     req = await read_json(request, ChatRequest, any_type=True)
     gateway = request.app[GATEWAY]
-    served = await gateway.model()
+    served = await served_for(request, _model_name(req.model))
     if not req.messages:
         return _loaded(served, req, chat=True)
     neutral = _neutral(req, messages=translate.chat_messages(req.messages), tools=req.tools,
@@ -102,7 +101,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     clock = Clock()
     req = await read_json(request, GenerateRequest, any_type=True)
     gateway = request.app[GATEWAY]
-    served = await gateway.model()
+    served = await served_for(request, _model_name(req.model))
     translate.check_generate(req)
     if not req.prompt:
         return _loaded(served, req, chat=False)
@@ -121,8 +120,7 @@ async def embed(request: web.Request) -> web.Response:
     start = time.perf_counter_ns()
     req = await read_json(request, EmbedRequest, any_type=True)
     gateway = request.app[GATEWAY]
-    served = await gateway.model()
-    params.resolve_model(served.resolve(_model_name(req.model)), served.name)
+    served = await served_for(request, _model_name(req.model))
     pooling_routes.check_embedder(served, "/api/embed")
     # As Ollama: no input (absent, "" or []) loads the model, which is always loaded.
     if not req.input:
@@ -141,9 +139,7 @@ async def embed(request: web.Request) -> web.Response:
 async def embeddings(request: web.Request) -> web.Response:
     """The legacy /api/embeddings: one prompt's embedding as the model gives it."""
     req = await read_json(request, EmbeddingsRequest, any_type=True)
-    gateway = request.app[GATEWAY]
-    served = await gateway.model()
-    params.resolve_model(served.resolve(_model_name(req.model)), served.name)
+    served = await served_for(request, _model_name(req.model))
     pooling_routes.check_embedder(served, "/api/embeddings")
     if not req.prompt:
         return json_response(EmbeddingsResponse([]))
@@ -162,25 +158,23 @@ def _entry(gateway: Gateway, served: ServedModel) -> dict:
 
 async def tags(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
-    return json_response(TagsResponse([ModelEntry(**_entry(gateway, await gateway.model()))]))
+    return json_response(TagsResponse([ModelEntry(**_entry(gateway, served)) for served in await gateway.served_models()]))
 
 
 async def ps(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
-    served = await gateway.model()
-    running = RunningModel(**_entry(gateway, served), expires_at=_NEVER, size_vram=0,
-                           context_length=served.spec.max_model_len)
-    return json_response(PsResponse([running]))
+    return json_response(PsResponse([RunningModel(**_entry(gateway, served), expires_at=_NEVER, size_vram=0,
+                                                   context_length=served.spec.max_model_len)
+                                      for served in await gateway.served_models()]))
 
 
 async def show(request: web.Request) -> web.Response:
     req = await read_json(request, ModelRequest, any_type=True)
     gateway = request.app[GATEWAY]
-    served = await gateway.model()
     name = req.model or req.name
     if not name:
         raise bad_request("Name the model as `model`.", param="model")
-    params.resolve_model(served.resolve(_model_name(name)), served.name)
+    served = await served_for(request, _model_name(name))
     return json_response(ShowResponse(
         modelfile="", template="", details=ModelDetails(), modified_at=timestamp(gateway.started),
         parameters="\n".join(f"{_PARAMETER_NAMES.get(k, k):<30} {v}" for k, v in served.sampling_defaults.items()),

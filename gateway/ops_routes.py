@@ -1,4 +1,6 @@
 """Operational routes: /health for probes, /version, and /metrics for Prometheus."""
+import asyncio
+
 import msgspec
 from aiohttp import web
 
@@ -12,17 +14,24 @@ _VERSION = msgspec.json.encode({"version": __version__})
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while at least one scheduler reports SERVING; 503 while every one starts, stops, reattaches
-    to its executor or is unreachable, and while this gateway shuts down. The states are at most
-    1 s old (see EnginePool.health)."""
-    states = await request.app[GATEWAY].engines.health()
-    if all(states):
-        if len(states) == 1:
-            raise unavailable(states[0])
-        # Engines by index (the order of --scheduler-address): addresses are for the logs only.
-        down = " ".join(f"Engine {i}: {reason}" for i, reason in enumerate(states))
-        raise unavailable(f"No scheduler is serving. {down}")
+    """200 while at least one scheduler, of any model, reports SERVING; 503 while every one starts,
+    stops, reattaches to its executor or is unreachable, and while this gateway shuts down. The
+    states are at most 1 s old (see EnginePool.health)."""
+    models = await asyncio.gather(*(m.engines.health() for m in request.app[GATEWAY].models))
+    if all(all(states) for states in models):
+        raise unavailable(_none_serving(models))
     return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+
+def _none_serving(models: list[list[str]]) -> str:
+    """Why no scheduler serves: engines by index (the order of --scheduler-address), and with several
+    models by model index too (0 the main model, then --also-serve's order); addresses are for the logs only."""
+    if len(models) == 1 and len(models[0]) == 1:
+        return models[0][0]
+    prefix = "Engine" if len(models) == 1 else "Model {m} engine"
+    down = " ".join(f"{prefix.format(m=m)} {i}: {reason}" for m, states in enumerate(models)
+                    for i, reason in enumerate(states))
+    return f"No scheduler is serving. {down}"
 
 
 async def version_info(request: web.Request) -> web.Response:
@@ -34,8 +43,7 @@ async def metrics(request: web.Request) -> web.Response:
     0.5 s ago: a scrape calls no scheduler), left out while it is down."""
     gateway = request.app[GATEWAY]
     try:
-        await gateway.model()
-        infos = gateway.engines.infos()
+        infos = [(served.name, served.engines.infos()) for served in await gateway.served_models()]
     except APIError as e:
         log.warning("metrics_without_scheduler", message=e.info.message)
         infos = []

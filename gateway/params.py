@@ -5,7 +5,7 @@ from typing import Any
 
 import msgspec
 
-from pagedserve.gateway.errors import bad_request, model_not_found
+from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
 from pagedserve.common.tokenizer import RESERVED_VARIABLES, Tokenizer
 from pagedserve.common.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams, StructuredOutputsParams
@@ -20,12 +20,6 @@ _json = msgspec.json.Encoder()
 # Characters of one stop string (vLLM sets no limit); the longest in common use is a few words. Each
 # streamed choice keeps up to this much text back while it could still begin a stop.
 MAX_STOP_CHARS = 1024
-
-
-def resolve_model(requested: str | None, served: str) -> str:
-    if requested and requested != served:
-        raise model_not_found(requested)
-    return served
 
 
 def check_chat_options(req: ChatCompletionRequest) -> None:

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from pagedserve.common.log import get_logger
 from pagedserve.gateway import params
-from pagedserve.gateway.admission import admitted, check_runner, counts_rejections
+from pagedserve.gateway.admission import admitted, check_runner, counts_rejections, served_for
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.pooling import Pooling, PoolInput
 from pagedserve.gateway.pooling_inputs import (EmbedInputs, check_count, check_lengths, check_task, check_token_input,
@@ -35,14 +35,13 @@ _DOCUMENTS_PER_SEARCH_UNIT = 100
 async def embeddings(request: web.Request) -> web.Response:
     req = await read_json(request, EmbeddingRequest)
     gateway = request.app[GATEWAY]
-    served = await gateway.model()
-    model = params.resolve_model(served.resolve(req.model), served.name)
+    served = await served_for(request, req.model)
     check_embedder(served, "/v1/embeddings")
     pooling = embed_params(req, served)
     inputs = embedding_inputs(req, gateway.max_client_batch_size, served.spec.max_model_len)
     vectors, tokens = await embed(request, served, inputs, pooling)
     data = [Embedding(i, encode_embedding(v, req.encoding_format)) for i, v in enumerate(vectors)]
-    return json_response(EmbeddingResponse(f"embd-{uuid.uuid4().hex}", int(time.time()), model, data,
+    return json_response(EmbeddingResponse(f"embd-{uuid.uuid4().hex}", int(time.time()), served.name, data,
                                            EmbeddingUsage(tokens, tokens)))
 
 
@@ -62,7 +61,7 @@ async def embed(request: web.Request, served: ServedModel, inputs: EmbedInputs,
     # Characters or token ids: either takes long enough past OFFLOAD_SIZE to hold other requests up.
     size = sum(map(len, inputs.given))
     if isinstance(inputs.given[0], str):
-        prompts = await gateway.offload(size, encode_texts, gateway.tokenizer, inputs, spec.default_prompt)
+        prompts = await gateway.offload(size, encode_texts, served.tokenizer, inputs, spec.default_prompt)
     else:
         prompts = await gateway.offload(size, check_token_input, inputs, spec.vocab_size)
     check_lengths(prompts, spec.max_model_len, inputs.too_long)
@@ -91,8 +90,7 @@ async def _rerank(request: web.Request,
                   return_documents: bool) -> tuple[RerankRequest, str, list[RerankResult], int]:
     req = await read_json(request, RerankRequest)
     gateway = request.app[GATEWAY]
-    served = await gateway.model()
-    model = params.resolve_model(served.resolve(req.model), served.name)
+    served = await served_for(request, req.model)
     if not req.documents:
         raise bad_request("`documents` is empty; send at least one document to rank.", param="documents")
     check_count(len(req.documents), gateway.max_client_batch_size, "documents")
@@ -101,7 +99,7 @@ async def _rerank(request: web.Request,
     pairs = [(req.query, d) for d in documents]
     scores, tokens = await _scores(request, served, "rerank", pairs, "documents", req.use_activation)
     keep = return_documents if req.return_documents is None else req.return_documents
-    return req, model, ranked(scores, documents, req.top_n, keep), tokens
+    return req, served.name, ranked(scores, documents, req.top_n, keep), tokens
 
 
 @counts_rejections
@@ -110,13 +108,12 @@ async def score(request: web.Request) -> web.Response:
     """vLLM's /score: text_1 against text_2, paired 1:1, 1:N or N:N."""
     req = await read_json(request, ScoreRequest)
     gateway = request.app[GATEWAY]
-    served = await gateway.model()
-    model = params.resolve_model(served.resolve(req.model), served.name)
+    served = await served_for(request, req.model)
     pairs = score_pairs(req.text_1, req.text_2)
     check_count(len(pairs), gateway.max_client_batch_size, "text_2")
     scores, tokens = await _scores(request, served, "score", pairs, "text_2", req.use_activation)
     data = [ScoreData(i, s) for i, s in enumerate(scores)]
-    return json_response(ScoreResponse(f"score-{uuid.uuid4().hex}", int(time.time()), model, data,
+    return json_response(ScoreResponse(f"score-{uuid.uuid4().hex}", int(time.time()), served.name, data,
                                        Usage(prompt_tokens=tokens, completion_tokens=0, total_tokens=tokens)))
 
 
@@ -133,14 +130,14 @@ async def _scores(request: web.Request, served: ServedModel, endpoint: str, pair
         if spec.num_labels != 1:
             raise bad_request(f"The model `{served.name}` classifies into {spec.num_labels} labels; scoring needs a "
                               "one-label classifier (a cross-encoder) or an embedding model.", param="model")
-        inputs = await gateway.offload(size, pair_inputs, gateway.tokenizer, pairs, spec, param)
+        inputs = await gateway.offload(size, pair_inputs, served.tokenizer, pairs, spec, param)
         outputs, tokens = await _pool(request, served, endpoint, inputs,
                                       pb.PoolingParams(task="classify", activation=activation))
         return [o[0] for o in outputs], tokens
     check_task(served, "embed", f"/{endpoint}")
     # Each distinct text is embedded once: a rerank's query serves every document.
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    inputs = await gateway.offload(size, text_inputs, gateway.tokenizer, texts, spec, param)
+    inputs = await gateway.offload(size, text_inputs, served.tokenizer, texts, spec, param)
     vectors, tokens = await _pool(request, served, endpoint, inputs, pb.PoolingParams(task="embed"))
     # A thousand documents of a large model are a million products: off the event loop.
     scores = await gateway.offload(len(pairs) * len(vectors[0]), cosines, pairs, dict(zip(texts, vectors)))
@@ -152,7 +149,7 @@ async def _pool(request: web.Request, served: ServedModel, endpoint: str, inputs
     """Each input's pooled data and their prompt tokens, counted in the metrics and logged."""
     gateway = request.app[GATEWAY]
     start = time.monotonic()
-    pooling = Pooling(gateway.engines, inputs, pooling_params, current_request_id())
+    pooling = Pooling(served.engines, inputs, pooling_params, current_request_id())
     try:
         with gateway.drain.track(pooling):
             outputs = await pooling.run()

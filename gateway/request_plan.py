@@ -84,43 +84,42 @@ async def plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> Pl
 
 
 async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> Plan:
-    model = params.resolve_model(served.resolve(req.sampling.model), served.name)
     check_runner(served, "generate", "text generation")
     options = ChatOutputOptions(reasoning=req.messages is not None and gateway.reasoning_parser is not None)
     if req.messages is not None:
         params.check_fan_out(1, req.sampling.n, gateway.max_client_batch_size)
         constraint = await _checked(gateway, _chat_constraint(req, gateway, options))
-        prompts = [await _chat_prompt(gateway, req, options, constraint)]
+        prompts = [await _chat_prompt(gateway, served.tokenizer, req, options, constraint)]
     else:
         given = params.split_prompts(req.prompts)
         params.check_fan_out(len(given), req.sampling.n, gateway.max_client_batch_size)
-        prompts = await _encoded(gateway, given)
+        prompts = await _encoded(gateway, served.tokenizer, given)
         constraint = await _checked(gateway, req.constraint)
     rid = uuid.uuid4().hex
     choices = _choices(rid, req, prompts, served, constraint)
-    generation = Generation(gateway.engines, gateway.tokenizer, choices, current_request_id(), served.metrics,
+    generation = Generation(served.engines, served.tokenizer, choices, current_request_id(), served.metrics,
                             time.monotonic(), gateway.stream_interval, gateway.log_requests,
                             gateway.prompt_tokens_details)
-    return Plan(rid, model, served, gateway.tokenizer, prompts, choices, options, generation,
+    return Plan(rid, served.name, served, served.tokenizer, prompts, choices, options, generation,
                 bool(req.sampling.stream), req.include_usage)
 
 
-async def _chat_prompt(gateway: Gateway, req: NeutralRequest, options: ChatOutputOptions,
+async def _chat_prompt(gateway: Gateway, tokenizer: Tokenizer, req: NeutralRequest, options: ChatOutputOptions,
                        constraint: StructuredOutputsParams | None) -> list[int]:
     """The rendered chat's token ids; turns the reasoning split off where the prompt closed the thinking."""
     chat = params.chat_input(req.messages, req.tools, req.chat_template_kwargs, req.chat_template,
                              gateway.trust_request_chat_template)
-    prompt = await chat_prompt(gateway, chat, req.add_generation_prompt)
-    if options.reasoning and reasoning.ended_in_prompt(gateway.tokenizer.decode(prompt, False)):
+    prompt = await chat_prompt(gateway, tokenizer, chat, req.add_generation_prompt)
+    if options.reasoning and reasoning.ended_in_prompt(tokenizer.decode(prompt, False)):
         options.reasoning = False
     if options.reasoning and constraint is not None:
-        _free_thinking(constraint, gateway.tokenizer)
+        _free_thinking(constraint, tokenizer)
     return prompt
 
 
-async def _encoded(gateway: Gateway, given: list[str] | list[list[int]]) -> list[list[int]]:
+async def _encoded(gateway: Gateway, tokenizer: Tokenizer, given: list[str] | list[list[int]]) -> list[list[int]]:
     if isinstance(given[0], str):
-        return await gateway.offload(sum(map(len, given)), params.encode_prompts, gateway.tokenizer, given)
+        return await gateway.offload(sum(map(len, given)), params.encode_prompts, tokenizer, given)
     return given
 
 

@@ -11,6 +11,7 @@ from msgspec import UNSET
 
 from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.gateway import responses_background
+from pagedserve.gateway.admission import served_for
 from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.request_plan import NeutralRequest, plan
 from pagedserve.gateway.response_store import ResponseStore, StoredResponse
@@ -38,7 +39,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     history = _history(gateway.responses, req.previous_response_id)
     turn = chat_messages(req.input)
     instructions = [ChatMessage("system", req.instructions)] if req.instructions else []
-    p = await plan(gateway, await gateway.model(), neutral_request(req, instructions + history + turn))
+    p = await plan(gateway, await served_for(request, req.model), neutral_request(req, instructions + history + turn))
     output = ResponsesOutput(_in_progress(req, p.model),
                              functools.partial(_store, gateway.responses, req, turn) if req.store else _keep_nothing)
     if req.background:

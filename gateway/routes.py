@@ -3,7 +3,8 @@ from aiohttp import web
 
 from pagedserve.gateway import params
 from pagedserve.gateway.chat_responses import ChatResponses, CompletionResponses, PromptLogprobs
-from pagedserve.gateway.errors import bad_request, model_not_found
+from pagedserve.gateway.admission import served_for
+from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.request_plan import NeutralRequest, Plan, plan
 from pagedserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields
 from pagedserve.gateway.serving import generation_route, json_response, read_json, run
@@ -17,21 +18,18 @@ def _card(gateway: Gateway, served: ServedModel) -> Model:
 
 async def list_models(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
-    return json_response(ModelList([_card(gateway, await gateway.model())]))
+    return json_response(ModelList([_card(gateway, served) for served in await gateway.served_models()]))
 
 
 async def get_model(request: web.Request) -> web.Response:
-    gateway = request.app[GATEWAY]
-    served = await gateway.model()
-    if served.resolve(request.match_info["model"]) != served.name:
-        raise model_not_found(request.match_info["model"])
-    return json_response(_card(gateway, served))
+    return json_response(_card(request.app[GATEWAY], await served_for(request, request.match_info["model"])))
 
 
 @generation_route
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, ChatCompletionRequest)
     gateway = request.app[GATEWAY]
+    served = await served_for(request, req.model)
     params.check_chat_options(req)
     neutral = NeutralRequest(req, messages=req.messages, tools=req.tools, tool_choice=req.tool_choice,
                              parallel_tool_calls=req.parallel_tool_calls, constraint=request_constraint(req),
@@ -39,7 +37,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                              logprobs=params.chat_logprobs(req), prompt_logprobs=req.prompt_logprobs,
                              include_usage=_include_usage(req), chat_template_kwargs=req.chat_template_kwargs,
                              chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt)
-    p = await plan(gateway, await gateway.model(), neutral)
+    p = await plan(gateway, served, neutral)
     prompt_lp = None
     if req.prompt_logprobs is not None:
         if req.stream:
@@ -55,6 +53,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, CompletionRequest)
     gateway = request.app[GATEWAY]
+    served = await served_for(request, req.model)
     params.check_completion_options(req)
     # Echo with logprobs shows the prompt's tokens as OpenAI does, prompt_logprobs as vLLM does.
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
@@ -63,7 +62,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     neutral = NeutralRequest(req, prompts=given, constraint=request_constraint(req), max_tokens=req.max_tokens,
                              logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                              include_usage=_include_usage(req))
-    p = await plan(gateway, await gateway.model(), neutral)
+    p = await plan(gateway, served, neutral)
     echo = [""] * len(p.choices)
     if req.echo:
         echo = [await _echo_text(gateway, p, given[c.index // req.n]) for c in p.choices]

@@ -11,16 +11,17 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from pagedserve.common import aio, arg_types, service
+from pagedserve.common import aio, also_serve, arg_types, service
+from pagedserve.common.also_serve import AlsoServe
 from pagedserve.common.config import add_engine_args
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.gateway import reasoning, tool_parsers
 from pagedserve.gateway.app import build_app
-from pagedserve.gateway.engine_pool import split_addresses
+from pagedserve.gateway.engine_pool import EnginePool, split_addresses
 from pagedserve.gateway.hosts import allowed_hosts, is_loopback
 from pagedserve.gateway.response_store import DEFAULT_STORE_MB, DEFAULT_STORE_TTL_S
 from pagedserve.common.tokenizer import Tokenizer, read_chat_template
-from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY
+from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, ModelEngines
 from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
@@ -34,6 +35,9 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0
 # A burst of connections waits in the kernel's queue rather than being reset (the default is 128).
 LISTEN_BACKLOG = 2048
+# What an --also-serve model tells a gateway.
+ALSO_SERVE_KEYS = frozenset({"scheduler-address", "served-model-name", "tokenizer", "chat-template",
+                             "generation-config"})
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +50,13 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--listen-fd", type=int, default=None,
                    help="serve on this inherited, bound socket instead of binding --host/--port "
                         "(`pagedserve serve` binds the port before loading the model)")
+    g.add_argument("--also-serve", type=also_serve_spec, action="append", default=[],
+                   metavar="MODEL,scheduler-address=A[,B...][,key=value...]",
+                   help="another model to route to (repeatable): a request goes to the model its `model` "
+                        "names. Keys: scheduler-address (its schedulers, required), served-model-name "
+                        "(names clients may send, comma-separated; default the scheduler's), tokenizer, "
+                        "chat-template (a file), generation-config (as the flags of the same names; default "
+                        "the model's)")
     # The scheduler reports its served name; the gateway's flag, when given, overrides it.
     add_engine_args(parser, ("served_model_name",))
     add_serving_args(g)
@@ -158,6 +169,38 @@ def scheduler_addresses(value: str) -> str:
     return value
 
 
+def also_serve_spec(value: str) -> AlsoServe:
+    """--also-serve, checked when parsed."""
+    try:
+        spec = also_serve.parse(value)
+        _check_also_serve(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if "chat-template" in spec.options:
+        chat_template(spec.options["chat-template"])
+    return spec
+
+
+def _check_also_serve(spec: AlsoServe) -> None:
+    unknown = sorted(set(spec.options) - ALSO_SERVE_KEYS)
+    if unknown:
+        raise ValueError(f"--also-serve {spec.model}: unknown key {unknown[0]}; a gateway takes "
+                         f"{', '.join(sorted(ALSO_SERVE_KEYS))}")
+    if "scheduler-address" not in spec.options:
+        raise ValueError(f"--also-serve {spec.model}: give its schedulers as scheduler-address=A[,B...]")
+    split_addresses(spec.options["scheduler-address"])
+
+
+def also_served(spec: AlsoServe) -> ModelEngines:
+    """The engines, tokenizer, names and sampling defaults of one --also-serve model."""
+    options = spec.options
+    names = options["served-model-name"].split(",") if "served-model-name" in options else []
+    template = chat_template(options["chat-template"]) if "chat-template" in options else None
+    return ModelEngines(EnginePool(options["scheduler-address"]),
+                        Tokenizer.load(options.get("tokenizer", spec.model), template), names,
+                        sampling_defaults(spec.model, options.get("generation-config", "auto")))
+
+
 def chat_template(value: str) -> str:
     """--chat-template's text, from the file it names or as given; checked when parsed."""
     try:
@@ -222,7 +265,8 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     trust_request_chat_template=args.trust_request_chat_template,
                     max_concurrent_requests=args.max_concurrent_requests,
                     prompt_tokens_details=args.enable_prompt_tokens_details,
-                    responses_store_mb=args.responses_store_mb, responses_store_ttl=args.responses_store_ttl)
+                    responses_store_mb=args.responses_store_mb, responses_store_ttl=args.responses_store_ttl,
+                    also_serve=[also_served(spec) for spec in args.also_serve])
     # The tokenizer and everything loaded so far live as long as the process: frozen, they leave
     # the collector's full passes, which a large request's objects would otherwise trigger over
     # the whole heap (tens of milliseconds with the event loop held).
@@ -230,6 +274,7 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     sock = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
     runner = await start(app, args.host, args.port, sock, args.timeout_keep_alive)
     log.info("gateway_listening", host=args.host, port=args.port, scheduler=args.scheduler_address,
+             also_serve=[spec.model for spec in args.also_serve],
              api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins)
     if not args.api_key and not is_loopback(args.host):
         # Said on every start: vLLM's images listen on 0.0.0.0 without a key, and so may ours.

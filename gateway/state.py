@@ -1,4 +1,4 @@
-"""What the handlers share: the schedulers, the tokenizer, the metrics, the served name, the
+"""What the handlers share: each model's schedulers, tokenizer and names, the metrics, the
 limits, the shutdown drain, and the pool that keeps large inputs off the event loop."""
 import asyncio
 import time
@@ -12,6 +12,7 @@ from aiohttp import web
 from pagedserve.gateway.drain import Drain
 from pagedserve.gateway.engine_client import ModelSpec
 from pagedserve.gateway.engine_pool import EnginePool
+from pagedserve.gateway.errors import APIError, bad_request, model_not_found
 from pagedserve.gateway.metrics import Metrics, ModelMetrics
 from pagedserve.gateway.response_store import ResponseStore
 from pagedserve.gateway.template_worker import TemplateWorker
@@ -25,32 +26,45 @@ DEFAULT_MAX_CLIENT_BATCH_SIZE = 1024
 DEFAULT_BODY_READ_TIMEOUT_S = 60.0
 
 
+@dataclass(slots=True)
+class ModelEngines:
+    """One model as this gateway was told of it: the schedulers serving it (its replicas), its
+    tokenizer, the names clients may send for it, and its sampling defaults."""
+    engines: EnginePool
+    tokenizer: Tokenizer
+    # --served-model-name: overrides the scheduler's name; every one is accepted as `model`.
+    served_model_names: list[str] = field(default_factory=list)
+    sampling_defaults: dict = field(default_factory=dict)
+
+    def names(self) -> tuple[str, ...]:
+        """Every name clients may send for it; none until its schedulers have answered, unless given."""
+        if self.served_model_names:
+            return tuple(self.served_model_names)
+        return (self.engines.spec.served_model_name,) if self.engines.spec else ()
+
+
 @dataclass(slots=True, frozen=True)
 class ServedModel:
+    """The model a request addresses, with all a route needs to serve it."""
     name: str
+    # Every name clients may send as `model`; responses report `name`, the first.
+    aliases: tuple[str, ...]
     spec: ModelSpec
+    tokenizer: Tokenizer
+    engines: EnginePool
     metrics: ModelMetrics
     sampling_defaults: dict
-    # Every name clients may send as `model`; responses report `name`, the first.
-    aliases: tuple[str, ...] = ()
-
-    def resolve(self, requested: str | None) -> str | None:
-        """The served name for an alias; any other name as it was given."""
-        return self.name if requested in self.aliases else requested
 
 
 @dataclass(slots=True)
 class Gateway:
-    engines: EnginePool
-    tokenizer: Tokenizer
+    # The main model (the positional model, at --scheduler-address) first, then each --also-serve.
+    models: list[ModelEngines]
     metrics: Metrics = field(default_factory=Metrics)
-    # --served-model-name: overrides the scheduler's name; every one is accepted as `model`.
-    served_model_names: list[str] = field(default_factory=list)
     stream_interval: int = 1
     log_requests: bool = False
     # --enable-prompt-tokens-details: usage reports cached_tokens.
     prompt_tokens_details: bool = False
-    sampling_defaults: dict = field(default_factory=dict)
     # --tool-call-parser when --enable-auto-tool-choice is on (else None), and --reasoning-parser.
     tool_parser: str | None = None
     reasoning_parser: str | None = None
@@ -71,12 +85,55 @@ class Gateway:
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "gateway-cpu"))
     started: int = field(default_factory=lambda: int(time.time()))
 
-    async def model(self) -> ServedModel:
-        """The model clients address; raises a 503 APIError until a scheduler has answered once."""
-        spec = await self.engines.model_spec()
-        names = tuple(self.served_model_names) or (spec.served_model_name,)
-        return ServedModel(names[0], spec, self.metrics.bind(names[0], spec.max_model_len),
-                           self.sampling_defaults, names)
+    async def served_for(self, requested: str | None) -> ServedModel:
+        """The model a request's `model` names (any of its names; omitted: the only one served).
+        Raises an APIError: 503 until its schedulers have answered, 404 for a name no model has,
+        400 for none while several models are served."""
+        if len(self.models) == 1 or not requested:
+            return await self._only(requested)
+        return await self._named(requested)
+
+    async def served_models(self) -> list[ServedModel]:
+        """Every model whose schedulers have answered, main model first; a 503 APIError while none has."""
+        found = [await self._try_served(model) for model in self.models]
+        served = [s for s in found if isinstance(s, ServedModel)]
+        if not served:
+            raise found[0]
+        return served
+
+    async def _only(self, requested: str | None) -> ServedModel:
+        if len(self.models) > 1:
+            raise bad_request("This server serves several models; name one in `model` (GET /v1/models lists "
+                              "them).", param="model")
+        served = await self._served(self.models[0])
+        if requested and requested not in served.aliases:
+            raise model_not_found(requested)
+        return served
+
+    async def _named(self, requested: str) -> ServedModel:
+        for model in self.models:
+            if requested in model.names():
+                return await self._served(model)
+        # Only now the models whose names are not known yet, since their schedulers have not answered:
+        # the first of their 503s if none of them has the name either.
+        unknown = [m for m in self.models if not m.names()]
+        found = [await self._try_served(model) for model in unknown]
+        named = [s for s in found if isinstance(s, ServedModel) and requested in s.aliases]
+        if named:
+            return named[0]
+        raise next((e for e in found if isinstance(e, APIError)), model_not_found(requested))
+
+    async def _try_served(self, model: ModelEngines) -> ServedModel | APIError:
+        try:
+            return await self._served(model)
+        except APIError as e:
+            return e
+
+    async def _served(self, model: ModelEngines) -> ServedModel:
+        spec = await model.engines.model_spec()
+        names = model.names()
+        return ServedModel(names[0], names, spec, model.tokenizer, model.engines,
+                           self.metrics.bind(names[0], spec.max_model_len), model.sampling_defaults)
 
     async def offload(self, size: int, fn: Callable[..., T], *args) -> T:
         """fn(*args): inline for small inputs, on the pool when `size` (characters or token ids)
@@ -91,3 +148,5 @@ class Gateway:
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
+# The model a request addressed, once known: its rejections count under its name.
+SERVED = web.RequestKey("served", ServedModel)

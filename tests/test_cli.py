@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.common.config import EXECUTOR_FLAGS, SCHEDULER_FLAGS, config_from_args, config_to_argv
-from pagedserve.entrypoints.cli import build_parser
+from pagedserve.entrypoints.cli import also_engine, also_serve_args, build_parser, check_memory_shares
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,3 +115,51 @@ def test_chat_template_from_a_file_or_inline(tmp_path, capsys):
     assert parse("--chat-template", template).chat_template == template
     assert "neither a file nor a Jinja template" in refused(capsys, "--chat-template", str(tmp_path / "none.jinja"))
     assert "does not compile" in refused(capsys, "--chat-template", "{% for %}")
+
+
+def test_an_also_served_model_takes_its_keys_and_the_machines_flags_of_the_main_model():
+    main = parse("/models/chat", "--device", "cpu", "--dtype", "bfloat16", "--max-model-len", "4k",
+                 "--gpu-memory-utilization", "0.6", "--served-model-name", "chat",
+                 "--also-serve", "/models/bge,served-model-name=bge,text-embedding-3-small,"
+                                 "gpu-memory-utilization=0.3,max-num-seqs=8,enforce-eager=true")
+    also = config_from_args(also_serve_args(main.also_serve[0], main))
+    assert (also.model, also.served_model_name, also.gpu_memory_utilization) == (
+        "/models/bge", ["bge", "text-embedding-3-small"], 0.3)
+    # The machine's flags follow the main model; its model's own (context length) do not.
+    assert (also.device, also.dtype, also.max_num_seqs, also.enforce_eager, also.max_model_len) == (
+        "cpu", "bfloat16", 8, True, None)
+    check_memory_shares(config_from_args(main), [also])
+
+
+def test_the_gateway_is_told_each_also_served_models_scheduler_names_and_templates(tmp_path):
+    template = tmp_path / "score.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    main = parse("/models/chat", "--also-serve", "/models/rerank,served-model-name=rr,reranker,max-model-len=512,"
+                 f"chat-template={template},runner=pooling")
+    engine = also_engine(also_serve_args(main.also_serve[0], main), ["--log-level", "info"])
+    spec = engine.gateway_spec("unix:///run/s.sock")
+    assert spec == ("/models/rerank,scheduler-address=unix:///run/s.sock,served-model-name=rr,reranker,"
+                    f"generation-config=auto,chat-template={template}")
+    gateway = build_parser().parse_args(["gateway", "/models/chat", "--also-serve", spec]).also_serve[0]
+    assert gateway.options["served-model-name"] == "rr,reranker"
+    assert engine.argv["executor"] == ["--max-model-len", "512", "--runner", "pooling", "--log-level", "info"]
+    assert engine.argv["scheduler"] == ["--served-model-name", "rr", "reranker", "--log-level", "info"]
+
+
+def test_engines_sharing_a_gpu_may_not_ask_for_more_than_all_its_memory():
+    main = parse("/models/chat", "--gpu-memory-utilization", "0.6", "--also-serve",
+                 "/models/bge,gpu-memory-utilization=0.3", "--also-serve", "/models/rerank,gpu-memory-utilization=0.1")
+    configs = [config_from_args(also_serve_args(spec, main)) for spec in main.also_serve]
+    check_memory_shares(config_from_args(main), configs)
+    with pytest.raises(ValueError, match=r"ask for 0\.9 \+ 0\.3 \+ 0\.1 = 1\.30 of its memory, more than 1"):
+        check_memory_shares(config_from_args(parse("/models/chat")), configs)
+    # A CPU has no share to split.
+    check_memory_shares(config_from_args(parse("/models/chat", "--device", "cpu")), configs)
+
+
+def test_an_unknown_also_serve_key_is_refused_naming_the_closest_flag(capsys):
+    main = parse("/models/chat", "--also-serve", "/models/bge,gpu-memory=0.3")
+    with pytest.raises(SystemExit):
+        also_serve_args(main.also_serve[0], main)
+    assert "--also-serve /models/bge: error: unrecognized argument --gpu-memory; did you mean " \
+           "--gpu-memory-utilization?" in capsys.readouterr().err

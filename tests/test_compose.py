@@ -16,12 +16,15 @@ import grpc
 import pytest
 import yaml
 
+from pagedserve.entrypoints.cli import build_parser
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
 from tests.serving import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("executor", "scheduler", "gateway")
+# The engines behind the same gateway that COMPOSE_PROFILES turns on, by profile.
+PROFILES = {"embed": ("embed-executor", "embed-scheduler"), "rerank": ("rerank-executor", "rerank-scheduler")}
 
 
 def compose() -> dict:
@@ -37,7 +40,8 @@ def test_compose_file_matches_the_compose_spec():
 
 def test_compose_wires_three_services_by_health():
     services = compose()["services"]
-    assert set(services) == set(SERVICES)
+    assert set(services) == {*SERVICES, *(name for names in PROFILES.values() for name in names)}
+    assert not any("profiles" in services[name] for name in SERVICES)
     gpu = services["executor"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert services["scheduler"]["depends_on"]["executor"]["condition"] == "service_healthy"
@@ -65,6 +69,30 @@ def test_every_container_is_hardened_and_only_the_gateway_reaches_the_engine():
     assert services["executor"]["networks"] == services["scheduler"]["networks"] == ["engine"]
     assert "engine" in services["gateway"]["networks"]
     assert not any("ports" in services[name] for name in ("executor", "scheduler"))
+
+
+def test_the_embed_and_rerank_profiles_add_engines_that_the_gateway_routes_to():
+    services = compose()["services"]
+    for profile, (executor, scheduler) in PROFILES.items():
+        assert services[executor]["profiles"] == services[scheduler]["profiles"] == [profile]
+        assert services[executor]["deploy"] == services["executor"]["deploy"]
+        # After the chat model's executor, so that each measures the GPU's memory alone.
+        assert services[executor]["depends_on"]["executor"]["condition"] == "service_healthy"
+        assert services[scheduler]["depends_on"][executor]["condition"] == "service_healthy"
+        assert services["gateway"]["depends_on"][scheduler] == {"condition": "service_healthy", "required": False}
+        assert services[executor]["networks"] == services[scheduler]["networks"] == ["engine"]
+    settings = dict(MODEL="/models/chat", EMBED_MODEL="/models/bge-m3", EMBED_SERVED_MODEL_NAME="bge-m3,embed",
+                    RERANK_MODEL="/models/bge-reranker")
+    gateway = build_parser().parse_args(shlex.split(interpolate(services["gateway"]["command"], settings)))
+    assert [(s.model, s.options) for s in gateway.also_serve] == [
+        ("/models/bge-m3", {"scheduler-address": "embed-scheduler:50051", "served-model-name": "bge-m3,embed"}),
+        ("/models/bge-reranker", {"scheduler-address": "rerank-scheduler:50051"})]
+    assert build_parser().parse_args(shlex.split(interpolate(services["gateway"]["command"], {}))).also_serve == []
+    for name in ("embed-executor", "embed-scheduler"):
+        args = build_parser().parse_args(shlex.split(interpolate(services[name]["command"], settings)))
+        assert args.model == "/models/bge-m3", name
+    executor = build_parser().parse_args(shlex.split(interpolate(services["rerank-executor"]["command"], settings)))
+    assert executor.gpu_memory_utilization == 0.04
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:

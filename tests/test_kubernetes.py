@@ -1,6 +1,7 @@
 """deploy/kubernetes: every manifest validates against the Kubernetes schemas (kubernetes-validate
 ships them), every container's command parses with pagedserve's own parser, the gateway is given
-the address of every engine Service, every pod is hardened, and only the gateway reaches the engines."""
+the address of every engine Service (the chat model's, and the embedding model's and the
+reranker's behind --also-serve), every pod is hardened, and only the gateway reaches the engines."""
 from pathlib import Path
 
 import kubernetes_validate
@@ -38,12 +39,22 @@ def test_the_gateway_lists_every_engine_service_and_each_engine_has_one_gpu():
     engines = [d for d in DOCS if d["kind"] == "Service" and d["metadata"]["labels"]["app.kubernetes.io/component"]
                == "engine"]
     gateway = build_parser().parse_args(containers()["pagedserve-gateway/gateway"]["command"][1:])
-    assert len(engines) >= 2
-    assert gateway.scheduler_address.split(",") == [f"{s['metadata']['name']}:{s['spec']['ports'][0]['port']}"
-                                                    for s in engines]
+    chat = gateway.scheduler_address.split(",")
+    also = [spec.options["scheduler-address"] for spec in gateway.also_serve]
+    assert len(chat) >= 2 and len(also) == 2
+    assert sorted(chat + also) == sorted(f"{s['metadata']['name']}:{s['spec']['ports'][0]['port']}" for s in engines)
     executors = [c for name, c in containers().items() if name.endswith("/executor")]
     assert len(executors) == len(engines)
     assert all(c["resources"]["limits"]["nvidia.com/gpu"] == 1 for c in executors)
+
+
+def test_each_also_served_model_is_the_one_its_engine_serves():
+    gateway = build_parser().parse_args(containers()["pagedserve-gateway/gateway"]["command"][1:])
+    for spec in gateway.also_serve:
+        name = spec.options["scheduler-address"].split(":")[0]
+        for part in ("executor", "scheduler"):
+            assert build_parser().parse_args(containers()[f"{name}/{part}"]["command"][1:]).model == spec.model
+    assert [spec.options["served-model-name"] for spec in gateway.also_serve] == ["embed", "rerank"]
 
 
 def selects(selector: dict, labels: dict) -> bool:

@@ -63,7 +63,9 @@ def test_tp2_gives_tp1_greedy_tokens_under_preemption_and_prefix_caching(model, 
     assert llm.scheduler.num_preemptions > 0 and llm.scheduler.prefix_cache_hits > 0
     shapes = {name: p.shape for name, p in llm.worker.model.named_parameters()}
     assert shapes == {name: p.shape for name, p in rank_model(model, 0).named_parameters()}
-    line = next(line for line in capfd.readouterr().err.splitlines() if "model_loaded" in line and "rank=1" in line)
+    # By its model too: a rank-1 process of an earlier test may still be writing to this stderr.
+    line = next(line for line in capfd.readouterr().err.splitlines()
+                if "model_loaded" in line and "rank=1" in line and f"model={model}" in line)
     assert int(re.search(r"parameters=(\d+)", line)[1]) == sum(p.numel() for p in rank_model(model, 1).parameters())
 
 

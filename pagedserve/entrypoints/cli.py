@@ -5,7 +5,8 @@ import os
 import secrets
 import sys
 
-from pagedserve.common import aio, arg_types, service
+from pagedserve.common import aio, also_serve, arg_types, service
+from pagedserve.common.also_serve import AlsoServe
 from pagedserve.common.config import (COMPAT_FLAGS, EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_FLAGS,
                                       EngineConfig, add_engine_args, add_geometry_checks,
                                       config_from_args, config_to_argv)
@@ -17,6 +18,10 @@ from pagedserve.entrypoints.arg_parser import Parser
 # Errors whose message says all a user needs; any other also names its type.
 USER_ERRORS = (ValueError, OSError)
 TLS_FLAGS = ("grpc_tls_cert", "grpc_tls_key", "grpc_tls_ca")
+# The main model's flags that an --also-serve model takes unless it sets them: those of the machine
+# and the engine's kind, not of the model (its name, context, memory share, runner, quantization).
+INHERITED_FLAGS = ("device", "dtype", "kv_cache_dtype", "load_format", "seed", "enforce_eager", "block_size",
+                   "async_scheduling", "disable_log_stats", "enable_prefix_caching")
 
 log = get_logger(__name__)
 
@@ -131,6 +136,15 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--data-parallel-size", "-dp", type=arg_types.positive_int, default=1,
                        help="engines (executor + scheduler, each on its own GPU) behind the one gateway, "
                             "which sends each request to the least loaded and shared prefixes to one")
+    serve.add_argument("--also-serve", type=also_serve_arg, action="append", default=[],
+                       metavar="MODEL[,key=value...]",
+                       help="start another model behind the same gateway (repeatable), e.g. an embedding "
+                            "model or a reranker: requests go to the model their `model` names. Keys are "
+                            "engine flags without dashes (served-model-name=A,B, gpu-memory-utilization=0.2, "
+                            "max-model-len=512, ...) and tokenizer, chat-template (a file), generation-config; "
+                            "device, dtype, load-format, seed, block-size and the like follow the main "
+                            "model's. Its engine shares the main engine's GPU(s): --gpu-memory-utilization "
+                            "plus every gpu-memory-utilization here must be at most 1")
     serve.add_argument("--startup-timeout", type=float, default=900.0,
                        help="seconds each process may take to become ready")
     from pagedserve.gateway.server import add_serving_args
@@ -153,9 +167,13 @@ def run_serve(args: argparse.Namespace) -> int:
     args.model = args.model or args.model_path
     args.model = _model_dir(args)
     preflight.check_model(args.model, args.max_model_len)
+    also = [also_serve_args(spec, args) for spec in args.also_serve]
+    for extra in also:
+        preflight.check_model(extra.model, extra.max_model_len)
     scheduler_addresses = _scheduler_addresses(args)
-    listener = preflight.bind(args.host, args.port)
     config = config_from_args(args)
+    check_memory_shares(config, [config_from_args(extra) for extra in also])
+    listener = preflight.bind(args.host, args.port)
     from pagedserve.gateway.server import api_key
     # The gateway gets the key in its environment: in its argv the key would show in process listings.
     key = api_key(args)
@@ -167,7 +185,64 @@ def run_serve(args: argparse.Namespace) -> int:
             "gateway": _gateway_argv(args, config) + shared}
     from pagedserve.entrypoints.launcher import serve
     return serve(args.model, argv, listener, scheduler_addresses, args.startup_timeout,
-                 args.shutdown_timeout, args.data_parallel_size, config.tensor_parallel_size, key)
+                 args.shutdown_timeout, args.data_parallel_size, config.tensor_parallel_size, key,
+                 [also_engine(extra, shared) for extra in also])
+
+
+def also_serve_arg(value: str) -> AlsoServe:
+    """--also-serve, checked when parsed."""
+    try:
+        return also_serve.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def also_serve_args(spec: AlsoServe, main: argparse.Namespace) -> argparse.Namespace:
+    """One --also-serve model's flags: its own keys, else the main model's INHERITED_FLAGS, else the
+    defaults. Exits with a one-line error on an unknown key or a bad value."""
+    parser = Parser(prog=f"pagedserve serve --also-serve {spec.model}", add_help=False)
+    add_engine_args(parser)
+    # The gateway's flags for this model, passed on to it as they are.
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--chat-template", type=template_file, default=None)
+    parser.add_argument("--generation-config", default="auto")
+    inherited = {name: getattr(main, name) for name in INHERITED_FLAGS}
+    args = parser.parse_args(spec.argv(), argparse.Namespace(**inherited))
+    args.model = spec.model
+    return args
+
+
+def template_file(value: str) -> str:
+    """An --also-serve chat-template, checked here and passed on as given (its gateway reads it)."""
+    from pagedserve.gateway.server import chat_template
+    chat_template(value)
+    return value
+
+
+def check_memory_shares(main: EngineConfig, also: list[EngineConfig]) -> None:
+    """Raises ValueError when the engines sharing a GPU ask for more than all of its memory."""
+    shares = [main.gpu_memory_utilization, *(c.gpu_memory_utilization for c in also)]
+    # Rounded: 0.6 + 0.3 + 0.1 adds up to a hair above 1 in floating point.
+    if not also or main.device == "cpu" or round(sum(shares), 6) <= 1:
+        return
+    raise ValueError(f"the engines sharing the GPU ask for {' + '.join(f'{s:g}' for s in shares)} = "
+                     f"{sum(shares):.2f} of its memory, more than 1: lower --gpu-memory-utilization and give "
+                     "each --also-serve its share, e.g. --gpu-memory-utilization 0.6 --also-serve "
+                     "MODEL,gpu-memory-utilization=0.3")
+
+
+def also_engine(args: argparse.Namespace, shared: list[str]) -> "AlsoEngine":
+    """What the launcher starts for an --also-serve model (`args`: its also_serve_args), and what its
+    gateway is told of it."""
+    from pagedserve.entrypoints.launcher import AlsoEngine
+    config = config_from_args(args)
+    gateway = {"served-model-name": ",".join(config.served_model_name or [config.name]),
+               "generation-config": args.generation_config}
+    for key in ("tokenizer", "chat_template"):
+        if getattr(args, key):
+            gateway[key.replace("_", "-")] = getattr(args, key)
+    return AlsoEngine(args.model, {"executor": config_to_argv(config, EXECUTOR_FLAGS) + shared,
+                                   "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + shared}, gateway)
 
 
 def share_grpc_token(scheduler_addresses: list[str] | None) -> None:

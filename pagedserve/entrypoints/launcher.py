@@ -1,6 +1,6 @@
 """`pagedserve serve`: starts executor, scheduler and gateway as child processes and supervises them.
 With --data-parallel-size N, N executor + scheduler pairs (an engine each, on its own GPU) behind one
-gateway.
+gateway; with --also-serve, an engine of each other model too, sharing engine 0's GPUs.
 
 If any child exits, all stop, except a data-parallel engine's executor: it is started again, its
 scheduler reattaches, and meanwhile the other engines serve. SIGINT/SIGTERM stop the gateway first (it refuses new requests and
@@ -16,7 +16,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,6 +28,20 @@ from pagedserve.entrypoints.preflight import connect_host
 
 log = get_logger(__name__)
 STOP_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class AlsoEngine:
+    """An --also-serve model: one engine (executor and scheduler) on the GPUs of the main engine 0."""
+    model: str
+    # Its children's own flags, by child ("executor", "scheduler").
+    argv: dict[str, list[str]]
+    # What the gateway's --also-serve says of it besides its scheduler's address.
+    gateway: dict[str, str]
+
+    def gateway_spec(self, scheduler_address: str) -> str:
+        options = {"scheduler-address": scheduler_address, **self.gateway}
+        return ",".join([self.model, *(f"{key}={value}" for key, value in options.items())])
 
 
 @dataclass(slots=True)
@@ -155,15 +169,31 @@ def engine_devices(data_parallel_size: int, gpus_per_engine: int, visible: str |
     return [",".join(gpus[i * gpus_per_engine:(i + 1) * gpus_per_engine]) for i in range(data_parallel_size)]
 
 
+def start_also(launcher: Launcher, index: int, engine: AlsoEngine, env: dict[str, str],
+               timeout: float) -> tuple[Child, str]:
+    """Starts an --also-serve engine's executor and, once it is ready, its scheduler; returns the
+    scheduler and its address. Called once the executors before it are up: an executor sizes its KV
+    cache from the memory that the GPU's other engines leave, which must hold still while it measures."""
+    name = f"{index} ({engine.model})"
+    executor, scheduler = launcher.socket(f"also{index}-executor"), launcher.socket(f"also{index}-scheduler")
+    launcher.wait_ready(launcher.spawn(f"executor {name}", ["executor", engine.model, "--address", executor,
+                                                            *engine.argv["executor"]], env=env),
+                        grpc_ready(executor), timeout)
+    child = launcher.spawn(f"scheduler {name}", ["scheduler", engine.model, "--address", scheduler,
+                                                 "--executor-address", executor, *engine.argv["scheduler"]])
+    return child, scheduler
+
+
 def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, scheduler_addresses: list[str] | None,
           startup_timeout: float, shutdown_timeout: float = 0.0, data_parallel_size: int = 1,
-          tensor_parallel_size: int = 1, api_key: str | None = None) -> int:
+          tensor_parallel_size: int = 1, api_key: str | None = None, also: Sequence[AlsoEngine] = ()) -> int:
     """Runs the whole stack on this machine until a signal; returns the exit code. `argv` holds each
     child's own flags, by child ("executor", "scheduler", "gateway"); the gateway serves on
     `listener`, bound already, so that only it can answer on that port, and drains for
     `shutdown_timeout` (its --shutdown-timeout) on a signal. `data_parallel_size` engines (executor
     and scheduler, each on `tensor_parallel_size` GPUs) start side by side, the schedulers at
-    `scheduler_addresses` when given. The gateway alone receives `api_key`, in its environment."""
+    `scheduler_addresses` when given. The gateway alone receives `api_key`, in its environment.
+    Each of `also` (--also-serve) starts after them, one at a time, on engine 0's GPUs."""
     host, port = listener.getsockname()[:2]
     launcher = Launcher(shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -185,16 +215,18 @@ def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, sched
         schedulers = [launcher.spawn(f"scheduler{names[i]}", ["scheduler", model, "--address", scheduler_addresses[i],
                                                               "--executor-address", executor_addresses[i],
                                                               *argv["scheduler"]]) for i in engines]
-        for child, address in zip(schedulers, scheduler_addresses):
+        extras = [start_also(launcher, i + 1, engine, devices[0], startup_timeout) for i, engine in enumerate(also)]
+        for child, address in [*zip(schedulers, scheduler_addresses), *extras]:
             launcher.wait_ready(child, grpc_ready(address), startup_timeout)
+        routes = [f"--also-serve={engine.gateway_spec(address)}" for engine, (_, address) in zip(also, extras)]
         launcher.start("gateway", ["gateway", model, "--host", host, "--port", str(port),
                                    "--listen-fd", str(listener.fileno()),
-                                   "--scheduler-address", ",".join(scheduler_addresses), *argv["gateway"]],
+                                   "--scheduler-address", ",".join(scheduler_addresses), *routes, *argv["gateway"]],
                        http_ready(f"http://{connect_host(host)}:{port}/health"), startup_timeout,
                        pass_fds=(listener.fileno(),), env={"PAGEDSERVE_API_KEY": api_key} if api_key else None)
         if not launcher.stopping:
             log.info("pagedserve_ready", url=f"http://{connect_host(host)}:{port}/v1",
-                     data_parallel_size=data_parallel_size)
+                     data_parallel_size=data_parallel_size, also_serve=[engine.model for engine in also])
         return launcher.supervise()
     finally:
         listener.close()

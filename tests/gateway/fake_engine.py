@@ -54,12 +54,12 @@ _CORPUS = [
 ] * 20
 
 
-def build_tiny_tokenizer(path) -> None:
+def build_tiny_tokenizer(path, vocab_size: int = 300) -> None:
     """Byte-level BPE small enough that an emoji takes several tokens."""
     tok = RustTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], min_frequency=2,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"], min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])

@@ -14,7 +14,7 @@ OPEN = {"/health", "/metrics"}
 async def _routes() -> list[tuple[str, str]]:
     """(method, concrete path) of every route the app registers; HEAD mirrors GET."""
     app = build_app(None, "127.0.0.1:1")
-    await app[GATEWAY].engines.close()
+    await app[GATEWAY].models[0].engines.close()
     routes = []
     for route in app.router.routes():
         info = route.resource.get_info()

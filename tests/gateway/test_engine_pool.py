@@ -52,7 +52,7 @@ async def schedulers(tokenizer):
 @pytest.fixture
 async def gateway(schedulers, tokenizer):
     runner, url = await serve_gateway(tokenizer, ",".join(s.address for s in schedulers))
-    yield url, runner.app[GATEWAY].engines
+    yield url, runner.app[GATEWAY].models[0].engines
     await runner.cleanup()
 
 
@@ -115,7 +115,7 @@ async def test_only_the_failed_schedulers_in_flight_requests_fail(http, schedule
     """With polls far apart, it is the failed calls that take the scheduler out of rotation."""
     monkeypatch.setattr(engine_pool, "POLL_INTERVAL_S", 60.0)
     runner, url = await serve_gateway(tokenizer, ",".join(s.address for s in schedulers))
-    pool = runner.app[GATEWAY].engines
+    pool = runner.app[GATEWAY].models[0].engines
     try:
         await wait_until(lambda: all(e.down is None for e in pool.engines))
         for s in schedulers:
@@ -160,7 +160,7 @@ async def test_health_is_503_naming_the_engines_only_when_none_serves(http, gate
 async def test_a_scheduler_serving_another_model_stays_out_of_rotation(http, schedulers, tokenizer):
     schedulers[1].fake.model = "another-model"
     runner, url = await serve_gateway(tokenizer, ",".join(s.address for s in schedulers))
-    pool = runner.app[GATEWAY].engines
+    pool = runner.app[GATEWAY].models[0].engines
     try:
         await wait_until(lambda: pool.engines[0].down is None)
         await asyncio.sleep(2 * POLL_INTERVAL_S)
