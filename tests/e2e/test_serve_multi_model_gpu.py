@@ -1,7 +1,9 @@
 """On a CUDA GPU: `serve --gpu-memory-utilization 0.5 --also-serve OTHER,gpu-memory-utilization=0.3`
 starts both engines on the one GPU, each within its share (the second executor's memory profile
 leaves out what the first holds), and both answer on one base URL."""
-import openai
+import json
+import urllib.request
+
 import pytest
 import torch
 
@@ -28,10 +30,13 @@ def test_two_engines_share_one_gpu_within_their_shares(tmp_path):
             f"--also-serve={other},served-model-name=other,gpu-memory-utilization={SHARES[1]},max-model-len=4096"]
     with pagedserve(argv, http_ready(f"{url}/health"), timeout=600):
         used = free_before - torch.cuda.mem_get_info()[0]
-        assert sum(SHARES) * total - SLACK_BYTES < used < sum(SHARES) * total + SLACK_BYTES, used / total
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
-        assert [m.id for m in client.models.list().data] == ["chat", "other"]
+        # Never past their shares; below by what profiling's activation peak held and gave back (on the
+        # H200, 2026-12-02: 0.769 of the GPU used for shares adding up to 0.8).
+        assert 0.9 * sum(SHARES) * total < used < sum(SHARES) * total + SLACK_BYTES, used / total
+        models = json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=60))["data"]
+        assert [m["id"] for m in models] == ["chat", "other"]
         for model in ("chat", "other"):
-            reply = client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=4,
-                                              extra_body={"ignore_eos": True})
-            assert reply.model == model and reply.usage.completion_tokens == 4
+            body = json.dumps(dict(model=model, prompt=[5, 6, 7], max_tokens=4, ignore_eos=True)).encode()
+            request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+            reply = json.load(urllib.request.urlopen(request, timeout=120))
+            assert reply["model"] == model and reply["usage"]["completion_tokens"] == 4
