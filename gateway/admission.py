@@ -57,6 +57,12 @@ def admitted(handler: Handler) -> Handler:
     return admitted
 
 
+def engine_route(handler: Handler) -> Handler:
+    """A route that runs on the engine (generation or pooling): its refusals counted, past the
+    admission limit a 503."""
+    return counts_rejections(admitted(handler))
+
+
 def check_runner(served: ServedModel, runner: str, endpoint: str) -> None:
     """400 when the model's engine runs another runner than `endpoint` needs."""
     if served.spec.runner != runner:

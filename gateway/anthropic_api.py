@@ -6,7 +6,7 @@ from aiohttp import web
 
 from pagedserve.gateway import anthropic_request as translate
 from pagedserve.gateway import params
-from pagedserve.gateway.admission import served_for
+from pagedserve.gateway.admission import engine_route, served_for
 from pagedserve.gateway.anthropic_output import MessageWire, error_body
 from pagedserve.gateway.anthropic_schemas import (CountTokensRequest, CountTokensResponse, MessagesRequest,
                                                   event_name)
@@ -14,7 +14,7 @@ from pagedserve.gateway.chat_prompt import chat_prompt
 from pagedserve.gateway.errors import APIError
 from pagedserve.gateway.request_plan import NeutralRequest, plan
 from pagedserve.gateway.schemas import SamplingFields
-from pagedserve.gateway.serving import generation_route, json_response, read_json, run
+from pagedserve.gateway.serving import json_response, read_json, run
 from pagedserve.gateway.sse import SSEWriter
 from pagedserve.gateway.state import GATEWAY
 
@@ -48,7 +48,7 @@ def neutral(req: MessagesRequest) -> NeutralRequest:
                           chat_template_kwargs=translate.template_kwargs(req.thinking, req.output_config))
 
 
-@generation_route
+@engine_route
 async def messages(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, MessagesRequest)
     gateway = request.app[GATEWAY]

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from pagedserve.gateway import ollama_request as translate
 from pagedserve.gateway import params, pooling_routes
-from pagedserve.gateway.admission import admitted, counts_rejections, served_for
+from pagedserve.gateway.admission import engine_route, served_for
 from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.ollama_output import Clock, Replies, error_body, timestamp
 from pagedserve.gateway.ollama_schemas import (ChatRequest, EmbeddingsRequest, EmbeddingsResponse, EmbedRequest,
@@ -20,7 +20,7 @@ from pagedserve.gateway.pooling_inputs import split_inputs
 from pagedserve.gateway.request_id import HEADER, current_request_id
 from pagedserve.gateway.request_plan import NeutralRequest, plan
 from pagedserve.gateway.schemas import SamplingFields
-from pagedserve.gateway.serving import generation_route, json_response, read_json, run
+from pagedserve.gateway.serving import json_response, read_json, run
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
 from pagedserve.v1 import engine_pb2 as pb
 
@@ -82,7 +82,7 @@ def _loaded(served: ServedModel, req: GenerationFields, chat: bool) -> web.Respo
     return json_response(Replies("", req.model, chat, Clock()).line(end={"done_reason": "load"}))
 
 
-@generation_route
+@engine_route
 async def chat(request: web.Request) -> web.StreamResponse:
     clock = Clock()
     req = await read_json(request, ChatRequest, any_type=True)
@@ -96,7 +96,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return await run(request, p, Replies(p.id, req.model, True, clock, req.logprobs), NDJSONWriter.open)
 
 
-@generation_route
+@engine_route
 async def generate(request: web.Request) -> web.StreamResponse:
     clock = Clock()
     req = await read_json(request, GenerateRequest, any_type=True)
@@ -114,8 +114,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await run(request, p, Replies(p.id, req.model, False, clock, req.logprobs), NDJSONWriter.open)
 
 
-@counts_rejections
-@admitted
+@engine_route
 async def embed(request: web.Request) -> web.Response:
     start = time.perf_counter_ns()
     req = await read_json(request, EmbedRequest, any_type=True)
@@ -134,8 +133,7 @@ async def embed(request: web.Request) -> web.Response:
                                        total_duration=time.perf_counter_ns() - start, prompt_eval_count=tokens))
 
 
-@counts_rejections
-@admitted
+@engine_route
 async def embeddings(request: web.Request) -> web.Response:
     """The legacy /api/embeddings: one prompt's embedding as the model gives it."""
     req = await read_json(request, EmbeddingsRequest, any_type=True)

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from pagedserve.common.log import get_logger
 from pagedserve.gateway import params
-from pagedserve.gateway.admission import admitted, check_runner, counts_rejections, served_for
+from pagedserve.gateway.admission import check_runner, engine_route, served_for
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.pooling import Pooling, PoolInput
 from pagedserve.gateway.pooling_inputs import (EmbedInputs, check_count, check_lengths, check_task, check_token_input,
@@ -30,8 +30,7 @@ log = get_logger(__name__)
 _DOCUMENTS_PER_SEARCH_UNIT = 100
 
 
-@counts_rejections
-@admitted
+@engine_route
 async def embeddings(request: web.Request) -> web.Response:
     req = await read_json(request, EmbeddingRequest)
     gateway = request.app[GATEWAY]
@@ -68,16 +67,14 @@ async def embed(request: web.Request, served: ServedModel, inputs: EmbedInputs,
     return await _pool(request, served, "embeddings", [PoolInput(p) for p in prompts], pooling_params)
 
 
-@counts_rejections
-@admitted
+@engine_route
 async def rerank(request: web.Request) -> web.Response:
     """Jina's and Cohere's v1 rerank, as vLLM answers it on /rerank and /v1/rerank."""
     req, model, results, tokens = await _rerank(request, return_documents=True)
     return json_response(RerankResponse(f"rerank-{uuid.uuid4().hex}", model, RerankUsage(tokens, tokens), results))
 
 
-@counts_rejections
-@admitted
+@engine_route
 async def rerank_v2(request: web.Request) -> web.Response:
     """Cohere's v2 rerank."""
     req, model, results, tokens = await _rerank(request, return_documents=False)
@@ -102,8 +99,7 @@ async def _rerank(request: web.Request,
     return req, served.name, ranked(scores, documents, req.top_n, keep), tokens
 
 
-@counts_rejections
-@admitted
+@engine_route
 async def score(request: web.Request) -> web.Response:
     """vLLM's /score: text_1 against text_2, paired 1:1, 1:N or N:N."""
     req = await read_json(request, ScoreRequest)

@@ -11,7 +11,7 @@ from msgspec import UNSET
 
 from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.gateway import responses_background
-from pagedserve.gateway.admission import served_for
+from pagedserve.gateway.admission import engine_route, served_for
 from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.request_plan import NeutralRequest, plan
 from pagedserve.gateway.response_store import ResponseStore, StoredResponse
@@ -20,7 +20,7 @@ from pagedserve.gateway.responses_schemas import (DeletedResponse, FunctionTool,
                                                   Response, ResponsesRequest, TextOptions)
 from pagedserve.gateway.schemas import (ChatMessage, FunctionCallIn, FunctionDefinition, NamedFunction,
                                         NamedToolChoice, SamplingFields, Tool, ToolCallIn)
-from pagedserve.gateway.serving import generation_route, json_response, read_json, run
+from pagedserve.gateway.serving import json_response, read_json, run
 from pagedserve.gateway.sse import SSEWriter
 from pagedserve.gateway.state import GATEWAY
 
@@ -31,7 +31,7 @@ _encoder = msgspec.json.Encoder()
 _FIELD_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
 
 
-@generation_route
+@engine_route
 async def create_response(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, ResponsesRequest)
     gateway = request.app[GATEWAY]

@@ -3,11 +3,11 @@ from aiohttp import web
 
 from pagedserve.gateway import params
 from pagedserve.gateway.chat_responses import ChatResponses, CompletionResponses, PromptLogprobs
-from pagedserve.gateway.admission import served_for
+from pagedserve.gateway.admission import engine_route, served_for
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.request_plan import NeutralRequest, Plan, plan
 from pagedserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields
-from pagedserve.gateway.serving import generation_route, json_response, read_json, run
+from pagedserve.gateway.serving import json_response, read_json, run
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
 from pagedserve.gateway.structured import request_constraint
 
@@ -25,7 +25,7 @@ async def get_model(request: web.Request) -> web.Response:
     return json_response(_card(request.app[GATEWAY], await served_for(request, request.match_info["model"])))
 
 
-@generation_route
+@engine_route
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, ChatCompletionRequest)
     gateway = request.app[GATEWAY]
@@ -49,7 +49,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await run(request, p, wire)
 
 
-@generation_route
+@engine_route
 async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, CompletionRequest)
     gateway = request.app[GATEWAY]

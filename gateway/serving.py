@@ -1,5 +1,5 @@
-"""What every generation route shares, whatever its protocol: reading the body, admission control,
-counting refusals, and run(): a plan to its response, streamed or whole, under the shutdown drain,
+"""What every generation route shares, whatever its protocol (admission and refusal counts are
+admission.engine_route's): reading the body, and run(): a plan to its response, streamed or whole, under the shutdown drain,
 with the request log. A protocol brings its Wire (how events look on it) and its stream writer."""
 import asyncio
 import dataclasses
@@ -13,7 +13,6 @@ from aiohttp import web
 
 from pagedserve.common.log import get_logger, loggable
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.gateway.admission import Handler, admitted, counts_rejections
 from pagedserve.gateway.errors import APIError, internal, request_timeout, bad_request
 from pagedserve.gateway.output_events import Collected, Step, collect, steps
 from pagedserve.gateway.request_plan import Plan
@@ -64,11 +63,6 @@ async def read_json(request: web.Request, kind: type[msgspec.Struct], any_type: 
     except asyncio.TimeoutError:
         raise request_timeout(timeout) from None
     return decode_request(body, kind)
-
-
-def generation_route(handler: Handler) -> Handler:
-    """A route that generates: its refusals counted, past the admission limit a 503."""
-    return counts_rejections(admitted(handler))
 
 
 async def run(request: web.Request, plan: Plan, wire: Wire,
