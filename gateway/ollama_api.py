@@ -77,7 +77,7 @@ def _neutral(req: GenerationFields, **chat) -> NeutralRequest:
                           logprobs=req.top_logprobs if req.logprobs else None, **chat)
 
 
-def _loaded(served: ServedModel, req: GenerationFields, chat: bool) -> web.Response:
+def _loaded(req: GenerationFields, chat: bool) -> web.Response:
     """What Ollama answers a request with nothing to generate from: the model is loaded (it always is)."""
     return json_response(Replies("", req.model, chat, Clock()).line(end={"done_reason": "load"}))
 
@@ -89,7 +89,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     served = await served_for(request, _model_name(req.model))
     if not req.messages:
-        return _loaded(served, req, chat=True)
+        return _loaded(req, chat=True)
     neutral = _neutral(req, messages=translate.chat_messages(req.messages), tools=req.tools,
                        chat_template_kwargs=translate.template_kwargs(req.think))
     p = await plan(gateway, served, neutral)
@@ -104,7 +104,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     served = await served_for(request, _model_name(req.model))
     translate.check_generate(req)
     if not req.prompt:
-        return _loaded(served, req, chat=False)
+        return _loaded(req, chat=False)
     if req.raw:
         neutral = _neutral(req, prompts=[req.prompt])
     else:
