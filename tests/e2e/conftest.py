@@ -40,3 +40,16 @@ def servers():
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+@pytest.fixture(scope="module")
+def url(servers):
+    """The tool-calling server's base URL, which the protocol tests talk to."""
+    return servers["tools"]
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    # Imported here: the GPU machine runs this folder's GPU tests without the openai package.
+    import openai
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120)

@@ -9,7 +9,6 @@ import json
 from typing import Literal
 
 import jsonschema
-import openai
 import pytest
 import requests
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
@@ -56,16 +55,6 @@ class Car(BaseModel):
     brand: Literal["vw", "bmw"]
     electric: bool
     doors: Literal[2, 4]
-
-
-@pytest.fixture(scope="module")
-def url(servers):
-    return servers["tools"]
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
 
 
 def chat(client, **options):

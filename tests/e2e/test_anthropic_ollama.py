@@ -26,11 +26,6 @@ CALL_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def url(servers):
-    return servers["tools"]
-
-
-@pytest.fixture(scope="module")
 def chat(url):
     """Chat completions' greedy reply to ASK, TOKENS long: what every protocol must say too."""
     with openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120) as client:

@@ -25,16 +25,6 @@ GREEDY = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
 CALL = GREEDY | {"max_output_tokens": 40}
 
 
-@pytest.fixture(scope="module")
-def url(servers):
-    return servers["tools"]
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
-
-
 def test_create_stream_and_chat_agree(client):
     """Streamed text == non-streamed text == chat's text for the same conversation; usage agrees."""
     made = client.responses.create(input=ASK, instructions="Answer briefly.", **GREEDY)
