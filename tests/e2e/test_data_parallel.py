@@ -164,7 +164,12 @@ async def test_a_killed_executor_fails_only_its_engines_requests(tmp_path):
             while len(started) < 4:
                 assert not any(s.done() for s in streams)
                 await asyncio.sleep(0.1)
+            # The gauges come from the gateway's poll of each scheduler, which can trail the streams'
+            # start on a loaded machine (CI once read engine 0 at 0 with its stream running).
             running = await per_engine(http, base, "num_requests_running")
+            while min(running.values()) < 1 and not any(s.done() for s in streams):
+                await asyncio.sleep(0.1)
+                running = await per_engine(http, base, "num_requests_running")
             executors[0].kill()
             executors[0].wait()
             results = await asyncio.gather(*streams)
