@@ -14,6 +14,16 @@ from pagedserve.v1.engine_pb2_grpc import EngineStub
 
 
 @dataclass(slots=True, frozen=True)
+class Routing:
+    """What the scheduler uses to place a request besides its tokens: `cache_salt` keeps its
+    prefix-cache blocks from requests with another salt; `priority` (vLLM's, lower first) and
+    `background` (batch work, which runs on the capacity interactive requests leave) rank it."""
+    cache_salt: str | None = None
+    priority: int = 0
+    background: bool = False
+
+
+@dataclass(slots=True, frozen=True)
 class ModelSpec:
     """The parts of ModelInfo that never change while the scheduler runs."""
     served_model_name: str
@@ -95,13 +105,13 @@ class EngineClient:
 
     def start(self, request_id: str, prompt_token_ids: list[int], params: sampling_pb2.SamplingParams,
               trace_id: str, deliver: Callable[[pb.GenerateResponse | APIError], None],
-              cache_salt: str | None = None) -> None:
+              routing: Routing = Routing()) -> None:
         """Sends a request on the scheduler's shared GenerateStream call: `deliver` receives each of
         its responses, and an APIError last if the scheduler refused or failed it. `trace_id` is the
-        HTTP X-Request-Id, which the scheduler logs with it; `cache_salt` keeps its prefix-cache blocks
-        from requests with another salt."""
+        HTTP X-Request-Id, which the scheduler logs with it."""
         request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-                                     cache_salt=cache_salt or "")
+                                     cache_salt=routing.cache_salt or "", priority=routing.priority,
+                                     background=routing.background)
         self._open_stream().open(request, trace_id, deliver,
                                  lambda failed: deliver(api_error(failed.code, failed.details)))
 

@@ -8,7 +8,7 @@ from operator import itemgetter
 from msgspec import UNSET
 
 from pagedserve.common.detokenizer import IncrementalDetokenizer
-from pagedserve.gateway.engine_client import SchedulerDown
+from pagedserve.gateway.engine_client import Routing, SchedulerDown
 from pagedserve.gateway.engine_pool import Engine, EnginePool
 from pagedserve.gateway.errors import APIError
 from pagedserve.gateway.logprobs import TokenLogprob, decode_logprobs, decode_prompt
@@ -61,7 +61,7 @@ class Choice:
     # `params` as the scheduler receives them.
     wire: sampling_pb2.SamplingParams
     counts_prompt: bool
-    cache_salt: str | None = None
+    routing: Routing = Routing()
     # The scheduler it runs on, picked when the generation starts.
     engine: Engine | None = None
     # The scheduler's counts, which usage and the metrics report as they are, never recounted here:
@@ -78,7 +78,7 @@ class Choice:
 
 
 def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams,
-            cache_salt: str | None = None) -> list[Choice]:
+            routing: Routing = Routing()) -> list[Choice]:
     """n choices per prompt, each its own engine request; seeds differ so that samples do too. The
     parameters are converted to their wire form once per request: each choice gets a copy (made
     in C) that differs in its seed only."""
@@ -90,7 +90,7 @@ def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams,
         for i, child in enumerate(children):
             index = p * params.n + i
             choices.append(Choice(index, f"{request_id}-{index}", prompt, child, wires[i], counts_prompt=i == 0,
-                                  cache_salt=cache_salt))
+                                  routing=routing))
     return choices
 
 
@@ -182,7 +182,7 @@ class Generation:
         choice.progress = _Progress(detok, ChoiceStats(self.metrics, self._arrival))
         queue = self._queue
         choice.engine.client.start(choice.request_id, choice.prompt_token_ids, choice.wire, self._trace_id,
-                                   lambda reply: queue.put_nowait((choice, reply)), choice.cache_salt)
+                                   lambda reply: queue.put_nowait((choice, reply)), choice.routing)
 
     def _end(self, choice: Choice, finish_reason: str | None) -> None:
         # Ending a request the scheduler has not finished (a stop string, a client gone) aborts it.

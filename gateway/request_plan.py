@@ -13,6 +13,7 @@ from pagedserve.gateway import params, reasoning
 from pagedserve.gateway.admission import check_runner
 from pagedserve.gateway.chat_output import ChatOutputOptions, ChoiceOutput
 from pagedserve.gateway.chat_prompt import chat_prompt
+from pagedserve.gateway.engine_client import Routing
 from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.generation import Choice, Generation, fan_out
 from pagedserve.gateway.request_id import current_request_id
@@ -49,6 +50,8 @@ class NeutralRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     add_generation_prompt: bool = True
+    # Batch work (a Batch API line), which the scheduler runs on the capacity interactive requests leave.
+    background: bool = False
     # The protocol's names of the fields errors name (e.g. {"max_tokens": "max_output_tokens"}).
     field_names: dict[str, str] = field(default_factory=dict)
 
@@ -162,7 +165,7 @@ def _choices(rid: str, req: NeutralRequest, prompts: list[list[int]], served: Se
     params.check_stop(sampling.stop)
     wanted = params.sampling_params(sampling, req.max_tokens, req.logprobs, served.sampling_defaults, constraint,
                                     req.prompt_logprobs, bias)
-    choices = fan_out(rid, prompts, wanted, sampling.cache_salt)
+    choices = fan_out(rid, prompts, wanted, Routing(sampling.cache_salt, sampling.priority, req.background))
     served.metrics.request_params_n.observe(sampling.n)
     served.metrics.request_params_max_tokens.observe(
         req.max_tokens or spec.max_model_len - max(len(p) for p in prompts))

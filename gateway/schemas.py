@@ -141,6 +141,8 @@ class SamplingFields(Struct, kw_only=True):
     user: str | None = None
     # vLLM's: only requests with the same salt share prefix-cache blocks (one per tenant, say).
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
+    # vLLM's: under --scheduling-policy priority, lower runs first.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.n is None:
