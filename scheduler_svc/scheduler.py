@@ -111,8 +111,8 @@ class Scheduler:
         check_priority(request.priority, self.policy)
         if request.seq_id in self.requests or request.request_id in self.request_ids:
             raise ValueError(f"request {request.request_id!r} (seq {request.seq_id}) is already queued")
-        if self.max_num_queued_reqs is not None and self._num_queued() >= self.max_num_queued_reqs:
-            raise QueueFull(f"{self._num_queued()} requests already wait for a slot, the "
+        if self.max_num_queued_reqs is not None and self._num_queued(request) >= self.max_num_queued_reqs:
+            raise QueueFull(f"{self._num_queued(request)} requests already wait for a slot, the "
                             "--max-num-queued-reqs limit; retry shortly")
         request.set_stop_conditions(self.eos_token_ids, self.max_len)
         if self.block_manager.enable_prefix_caching and request.pooling is None:
@@ -124,9 +124,11 @@ class Scheduler:
         self.request_ids[request.request_id] = request
         enqueue(self._waiting_of(request), request, self.policy)
 
-    def _num_queued(self) -> int:
-        # Waiting requests that the next step can admit into free running slots are not queued.
-        return self.num_waiting - max(0, self.max_num_seqs - len(self.running))
+    def _num_queued(self, request: Request) -> int:
+        # Waiting requests that the next step can admit into free running slots are not queued;
+        # background ones do not count against an interactive request, which they never delay.
+        waiting = self.num_waiting if request.background else len(self.waiting)
+        return waiting - max(0, self.max_num_seqs - len(self.running))
 
     def abort(self, key: str | int) -> bool:
         """Stops a request given its request_id or seq_id; False if it is unknown or already finished."""

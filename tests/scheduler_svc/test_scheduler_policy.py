@@ -4,7 +4,7 @@ import pytest
 
 from pagedserve.scheduler_svc.policy import background_budget
 from pagedserve.scheduler_svc.request import RequestStatus
-from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from tests.scheduler_svc.helpers import add, make_scheduler, scheduled, step
 
 
@@ -129,3 +129,18 @@ def test_under_priority_kv_pressure_preempts_the_least_urgent_interactive_reques
         plan, _ = step(s)
         preempted = plan.dropped
     assert preempted == [1] and s.requests[2].status is RequestStatus.RUNNING
+
+
+def test_queued_background_requests_never_fill_the_queue_for_interactive_ones():
+    # One free running slot and two queued: three requests of each class may wait.
+    s = make_scheduler(max_num_seqs=1, max_num_queued_reqs=2)
+    for seq_id in (1, 2, 3):
+        add(s, seq_id, 4, background=True)
+    with pytest.raises(QueueFull):
+        add(s, 4, 4, background=True)
+    for seq_id in (4, 5, 6):
+        add(s, seq_id, 4)
+    with pytest.raises(QueueFull):
+        add(s, 7, 4)
+    with pytest.raises(QueueFull):
+        add(s, 7, 4, background=True)
