@@ -38,13 +38,14 @@ def test_a_background_request_is_not_admitted_while_an_interactive_one_waits():
     step(s)
     add(s, 2, 24, first_token=100, max_tokens=4)
     add(s, 3, 4, first_token=200, background=True, max_tokens=4)
-    admitted = []
+    admitted, steps_held_back = [], 0
     while s.has_work():
         plan, _ = step(s)
         admitted += [r.seq_id for r in plan.new_requests]
         if s.requests.get(2) is not None and s.requests[2].status is RequestStatus.WAITING:
             assert s.requests[3].status is RequestStatus.WAITING
-    assert admitted == [2, 3]
+            steps_held_back += 1
+    assert admitted == [2, 3] and steps_held_back >= 3
 
 
 def test_a_running_background_request_makes_room_for_a_waiting_interactive_one():
