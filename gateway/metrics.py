@@ -35,6 +35,10 @@ STEP_HISTOGRAMS = (
 ENGINE_GAUGES = (
     ("num_requests_running", "num_running", "Requests in the running batch."),
     ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("num_background_requests_running", "num_background_running",
+     "Background (batch) requests in the running batch, of num_requests_running."),
+    ("num_background_requests_waiting", "num_background_waiting",
+     "Background (batch) requests waiting to be scheduled, of num_requests_waiting."),
     ("kv_cache_usage_perc", "kv_cache_usage", "Share of KV-cache blocks in use (0 to 1)."))
 ENGINE_COUNTERS = (
     ("num_preemptions", "num_preemptions", "Preemptions since the scheduler started."),

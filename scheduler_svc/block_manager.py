@@ -6,6 +6,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedserve.scheduler_svc.request import Request
+
 # Never allocated: unused block-table entries (CUDA-graph padding rows among them) point at it.
 NULL_BLOCK = 0
 # What block 0's hash chains from, drawn when the process starts: no digest computed elsewhere (a
@@ -105,6 +107,15 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_ids[block_id] = None
+
+    def cache_blocks(self, request: Request) -> None:
+        """Registers the request's blocks that are full of planned tokens whose ids are known. A
+        later step that reuses one runs after the step that writes it, so planned is enough."""
+        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        if end > request.num_registered_blocks:
+            for i in range(request.num_registered_blocks, end):
+                self.cache(request.block_ids[i], request.block_hashes[i])
+            request.num_registered_blocks = end
 
     def cache(self, block_id: int, block_hash: bytes) -> None:
         """Registers a block that is now full of computed tokens under its chained hash."""

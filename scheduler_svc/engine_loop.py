@@ -58,10 +58,12 @@ class EngineLoop:
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue | None = None, cache_salt: str = "", pooling: PoolingParams | None = None,
-            token_type_ids: list[int] | None = None) -> tuple[int, asyncio.Queue]:
-        """Queues a request (a pooling one with `pooling`) whose outputs go to `queue` (a new one by
-        default, which several requests may share); raises ValueError for one the scheduler cannot
-        take, QueueFull when the queue is full, and ExecutorLost while the executor is away."""
+            token_type_ids: list[int] | None = None, priority: int = 0,
+            background: bool = False) -> tuple[int, asyncio.Queue]:
+        """Queues a request (a pooling one with `pooling`, batch work with `background`) whose
+        outputs go to `queue` (a new one by default, which several requests may share); raises
+        ValueError for one the scheduler cannot take, QueueFull when the queue is full, and
+        ExecutorLost while the executor is away."""
         if self.error:
             raise self.error
         if request_id in self.seq_ids:
@@ -69,7 +71,8 @@ class EngineLoop:
         seq_id = next(self.seq_counter)
         self.scheduler.add(Request(seq_id=seq_id, request_id=request_id, prompt_token_ids=prompt_token_ids,
                                    sampling=params, cache_salt=cache_salt, pooling=pooling,
-                                   token_type_ids=token_type_ids or []))
+                                   token_type_ids=token_type_ids or [], priority=priority,
+                                   background=background))
         queue = asyncio.Queue() if queue is None else queue
         self.outputs[seq_id] = queue
         self.seq_ids[request_id] = seq_id

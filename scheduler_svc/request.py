@@ -4,6 +4,7 @@ from enum import Enum
 
 import msgspec
 
+from pagedserve.common.plan import NewRequest, StepResult
 from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 
@@ -49,6 +50,12 @@ class Request:
     # Set: a pooling request (prefill only), which ends with its pooled data instead of tokens.
     pooling: PoolingParams | None = None
     token_type_ids: list[int] = field(default_factory=list)
+    # vLLM's priority (lower runs first, under --scheduling-policy priority), and whether this is
+    # batch work, which runs in what interactive requests leave (scheduler_svc/policy.py).
+    priority: int = 0
+    background: bool = False
+    # Set by Scheduler.add: the order of arrival, which breaks priority ties.
+    arrival: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -58,9 +65,40 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    def set_stop_conditions(self, eos_token_ids: frozenset[int], max_len: int) -> None:
+        """Sets stop_ids and max_num_tokens; max_len is the longest sequence the engine holds."""
+        params = self.sampling
+        self.stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids |= eos_token_ids
+        self.max_num_tokens = max_len
+        if self.pooling is not None:
+            # Computed whole at admission, so the scheduler never plans it again.
+            self.max_num_tokens = self.num_prompt_tokens
+        elif params.max_tokens is not None:
+            self.max_num_tokens = min(self.num_prompt_tokens + params.max_tokens, max_len)
+
     def min_tokens_mask_ids(self) -> list[int]:
         """What the executor masks until min_tokens: the stop ids, which need not travel without it."""
         return sorted(self.stop_ids) if self.sampling.min_tokens else []
+
+    def new_request(self, num_cached: int, num_scheduled: int) -> NewRequest:
+        """The plan's entry that admits this request, its first `num_cached` tokens cached."""
+        return NewRequest(self.seq_id, list(self.token_ids), num_cached, num_scheduled, list(self.block_ids),
+                          self.sampling, self.num_prompt_tokens, self.min_tokens_mask_ids(), self.pooling,
+                          self.token_type_ids)
+
+
+def drop_deferred(requests: dict[int, Request], result: StepResult) -> tuple[list[int], list[int]]:
+    """The step's tokens but those of requests that sampled before their grammar was ready, whose
+    last position is planned again (the executor rolled it back as well)."""
+    deferred = set(result.deferred)
+    for seq_id in deferred:
+        request = requests.get(seq_id)
+        if request is not None and request.status is RequestStatus.RUNNING:
+            request.num_computed_tokens -= 1
+    kept = [i for i, seq_id in enumerate(result.seq_ids) if seq_id not in deferred]
+    return [result.seq_ids[i] for i in kept], [result.token_ids[i] for i in kept]
 
 
 class TokenLogprobs(msgspec.Struct, gc=False):

@@ -1,15 +1,19 @@
 """Continuous batching: one token budget per step, chunked prefill, prefix caching, recompute preemption."""
 import time
 from collections import deque
+from itertools import islice
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger
-from pagedserve.common.plan import ContinuingRequest, ExecutorInfo, NewRequest, RequestError, StepPlan, StepResult
-from pagedserve.common.sampling_params import MAX_CACHE_SALT_CHARS, check_request
+from pagedserve.common.plan import ContinuingRequest, ExecutorInfo, RequestError, StepPlan, StepResult
+from pagedserve.common.sampling_params import check_request
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
 from pagedserve.scheduler_svc.logprobs import attach_logprobs, gather_prompt_logprobs
+from pagedserve.scheduler_svc.policy import (admit, background_budget, check_priority, enqueue, num_interactive,
+                                             num_unserved, requeue)
 from pagedserve.scheduler_svc.pooling import check_pooling
-from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus
+from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, drop_deferred
+from pagedserve.scheduler_svc.request_checks import check_prompt
 from pagedserve.scheduler_svc.step_stats import StepStats
 
 log = get_logger(__name__)
@@ -41,6 +45,7 @@ class Scheduler:
         self.block_size = info.block_size
         self.max_num_seqs = info.max_num_seqs
         self.max_num_queued_reqs = config.max_num_queued_reqs
+        self.policy = config.scheduling_policy
         self.max_num_batched_tokens = info.max_num_batched_tokens
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
@@ -55,8 +60,12 @@ class Scheduler:
         if self.max_len < self.max_model_len:
             log.warning("kv_cache_smaller_than_context", kv_capacity_tokens=self.kv_capacity,
                         max_model_len=self.max_model_len)
+        # Interactive and background requests wait apart; `running` holds the interactive ones first
+        # (scheduler_svc/policy.py).
         self.waiting: deque[Request] = deque()
+        self.waiting_background: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_arrivals = 0
         self.requests: dict[int, Request] = {}
         self.request_ids: dict[str, Request] = {}
         self.dropped: list[int] = []
@@ -78,7 +87,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.waiting_background)
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,59 +98,37 @@ class Scheduler:
         return self.block_manager.usage
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.dropped)
+        return bool(self.waiting or self.waiting_background or self.running or self.dropped)
 
     def add(self, request: Request) -> None:
         """Queues a new request; raises ValueError if it can never be served (an empty or too long
         prompt, a token id outside the vocabulary, a list past its bound), QueueFull if the waiting
         queue is at --max-num-queued-reqs."""
-        n = len(request.prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: send at least one token")
+        check_prompt(request, self.max_model_len, self.max_len, self.kv_capacity)
         check_pooling(request, self.runner, self.pooling, self.max_model_len,
                       min(self.max_num_batched_tokens, self.kv_capacity))
-        if request.pooling is None:
-            self._check_generation_length(n)
         check_request(request.prompt_token_ids, request.sampling, self.vocab_size)
-        if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
-            raise ValueError(f"cache_salt holds {len(request.cache_salt)} characters; at most "
-                             f"{MAX_CACHE_SALT_CHARS} are allowed")
+        check_priority(request.priority, self.policy)
         if request.seq_id in self.requests or request.request_id in self.request_ids:
             raise ValueError(f"request {request.request_id!r} (seq {request.seq_id}) is already queued")
-        if self.max_num_queued_reqs is not None and self._num_queued() >= self.max_num_queued_reqs:
-            raise QueueFull(f"{self._num_queued()} requests already wait for a slot, the "
+        if self.max_num_queued_reqs is not None and self._num_queued(request) >= self.max_num_queued_reqs:
+            raise QueueFull(f"{self._num_queued(request)} requests already wait for a slot, the "
                             "--max-num-queued-reqs limit; retry shortly")
-        params = request.sampling
-        request.stop_ids = frozenset(params.stop_token_ids)
-        if not params.ignore_eos:
-            request.stop_ids |= self.eos_token_ids
-        request.max_num_tokens = self.max_len
-        if request.pooling is not None:
-            # Computed whole at admission, so _schedule_running never plans it again.
-            request.max_num_tokens = n
-        elif params.max_tokens is not None:
-            request.max_num_tokens = min(n + params.max_tokens, self.max_len)
+        request.set_stop_conditions(self.eos_token_ids, self.max_len)
         if self.block_manager.enable_prefix_caching and request.pooling is None:
             hash_blocks(request.block_hashes, request.token_ids, self.block_size, request.cache_salt)
         request.status = RequestStatus.WAITING
+        request.arrival = self.num_arrivals
+        self.num_arrivals += 1
         self.requests[request.seq_id] = request
         self.request_ids[request.request_id] = request
-        self.waiting.append(request)
+        enqueue(self._waiting_of(request), request, self.policy)
 
-    def _check_generation_length(self, n: int) -> None:
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                f"has {n} tokens; shorten it to at most {self.max_model_len - 1} tokens to leave room "
-                f"for output")
-        if n >= self.max_len:
-            raise ValueError(
-                f"the KV cache holds {self.kv_capacity} tokens, but the prompt has {n} tokens; "
-                f"shorten it to at most {self.max_len - 1} tokens or give the server more KV cache memory")
-
-    def _num_queued(self) -> int:
-        # Waiting requests that the next step can admit into free running slots are not queued.
-        return len(self.waiting) - max(0, self.max_num_seqs - len(self.running))
+    def _num_queued(self, request: Request) -> int:
+        # Waiting requests that the next step can admit into free running slots are not queued;
+        # background ones do not count against an interactive request, which they never delay.
+        waiting = self.num_waiting if request.background else len(self.waiting)
+        return waiting - max(0, self.max_num_seqs - len(self.running))
 
     def abort(self, key: str | int) -> bool:
         """Stops a request given its request_id or seq_id; False if it is unknown or already finished."""
@@ -151,36 +138,51 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            self._waiting_of(request).remove(request)
         self._finish(request, "abort")
         if not self.has_work():
             self._paused = True
         return True
 
-    def schedule_ahead(self, num_in_flight: int, max_in_flight: int) -> StepPlan | None:
-        """The next plan to send while fewer than `max_in_flight` are in flight, or None when
-        nothing can be planned before a result (or, with none in flight, a request) arrives."""
-        if num_in_flight >= max_in_flight or not self.has_work():
-            return None
-        plan = self.schedule()
-        return None if plan.is_empty() else plan
-
     def schedule(self) -> StepPlan:
-        """Plans the next step: running requests first, then waiting ones in arrival order."""
+        """Plans the next step: interactive requests, running then waiting in the policy's order,
+        then background ones in what the policy leaves them (scheduler_svc/policy.py)."""
         start = time.perf_counter_ns()
         self.step_id += 1
         plan = StepPlan(self.step_id, after_pause=self._paused)
         self._paused = False
         num_preemptions = self.num_preemptions
-        budget = self._schedule_running(plan, self.max_num_batched_tokens)
+        running = self.running
+        background = self.waiting_background or running and running[-1].background
+        end = num_interactive(running) if background else len(running)
+        budget = self._schedule_running(plan, self.max_num_batched_tokens, 0, end)
         # After a preemption the pool is short: admitting would only cause more preemptions.
         if self.num_preemptions == num_preemptions:
-            self._schedule_waiting(plan, budget)
+            budget = self._schedule_waiting(plan, budget, self.waiting)
+        if background:
+            self._schedule_background(plan, budget, num_preemptions)
         plan.dropped, self.dropped = self.dropped, []
         plan.schedule_ns = time.perf_counter_ns() - start
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+    def _schedule_background(self, plan: StepPlan, budget: int, num_preemptions: int) -> None:
+        """Background requests, once interactive ones are planned: running ones in admission order
+        and, if no interactive request waits, waiting ones, within background_budget."""
+        start = num_interactive(self.running)
+        num_interactive_requests = start + len(self.waiting)
+        mark = len(plan.continuing)
+        budget = self._schedule_running(plan, background_budget(budget, num_interactive_requests, self.max_num_seqs),
+                                        start, len(self.running))
+        if num_interactive_requests and not budget:
+            # Those the step leaves out would hold KV blocks and slots interactive requests may need.
+            for _ in range(num_unserved(self.running, {r.seq_id for r in plan.continuing[mark:]})):
+                self._preempt(self.running.pop())
+        if self.num_preemptions == num_preemptions and not self.waiting:
+            self._schedule_waiting(plan, budget, self.waiting_background)
+
+    def _schedule_running(self, plan: StepPlan, budget: int, start: int, end: int) -> int:
+        """Plans running[start:end] in order until the budget is spent; preempts from the end of
+        `running` when the pool runs out of blocks."""
         block_size = self.block_size
         block_manager = self.block_manager
         running = self.running
@@ -188,7 +190,7 @@ class Scheduler:
         caching = block_manager.enable_prefix_caching
         # Preemption pops from the end of `running`, which this loop has not reached: the list
         # iterator checks the length on every turn, so iterating it while preempting is safe.
-        for request in running:
+        for request in islice(running, start, end):
             if not budget:
                 break
             computed = request.num_computed_tokens
@@ -217,15 +219,19 @@ class Scheduler:
             request.num_computed_tokens = computed
             # Checked inline: a decode step fills a block only once every block_size steps.
             if caching and computed // block_size > request.num_registered_blocks:
-                self._cache_blocks(request)
+                block_manager.cache_blocks(request)
             budget -= n
         return budget
 
-    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+    def _schedule_waiting(self, plan: StepPlan, budget: int, waiting: deque[Request]) -> int:
+        """Admits requests from the head of `waiting` while they fit; returns the budget left."""
         block_size = self.block_size
         block_manager = self.block_manager
-        while self.waiting and budget and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        running = self.running
+        while waiting and budget:
+            if len(running) >= self.max_num_seqs and not self._make_room(waiting):
+                break
+            request = waiting[0]
             num_tokens = len(request.token_ids)
             if request.sampling.prompt_logprobs is None or request.prompt_logprobs_sent:
                 cached, num_cached = block_manager.lookup(request.block_hashes, num_tokens)
@@ -236,38 +242,39 @@ class Scheduler:
             if request.pooling is not None and n < num_tokens:
                 break  # a pooling prompt runs whole (scheduler_svc/pooling.py): it waits for a step
             num_new = (num_cached + n + block_size - 1) // block_size - len(cached)
-            # Head-of-line blocking: when the oldest waiting request does not fit, nothing behind
-            # it is admitted either. Strict FIFO keeps a long prompt from starving behind a stream
-            # of short ones; the blocks it waits for come back as running requests finish.
+            # Head-of-line blocking: when the first waiting request does not fit, nothing behind
+            # it is admitted either. Strict order keeps a long prompt from starving behind a stream
+            # of short ones; the blocks it waits for come back as running requests finish, or
+            # from background requests, preempted for an interactive one.
             if not block_manager.can_allocate(num_new, cached):
-                break
-            self.waiting.popleft()
+                if not self._make_room(waiting):
+                    break
+                continue
+            waiting.popleft()
             request.block_ids = block_manager.allocate(num_new, cached)
             if not request.num_preemptions:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            admit(running, request, self.policy)
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_cached
-            plan.new_requests.append(NewRequest(request.seq_id, list(request.token_ids), num_cached, n,
-                                                list(request.block_ids), request.sampling,
-                                                request.num_prompt_tokens, request.min_tokens_mask_ids(),
-                                                request.pooling, request.token_type_ids))
+            plan.new_requests.append(request.new_request(num_cached, n))
             request.num_computed_tokens = num_cached + n
             request.num_registered_blocks = len(cached)
             if block_manager.enable_prefix_caching:
-                self._cache_blocks(request)
+                block_manager.cache_blocks(request)
             budget -= n
+        return budget
 
-    def _cache_blocks(self, request: Request) -> None:
-        """Registers the request's blocks that are full of planned tokens whose ids are known. A
-        later step that reuses one runs after the step that writes it, so planned is enough."""
-        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
-        if end > request.num_registered_blocks:
-            cache = self.block_manager.cache
-            for i in range(request.num_registered_blocks, end):
-                cache(request.block_ids[i], request.block_hashes[i])
-            request.num_registered_blocks = end
+    def _make_room(self, waiting: deque[Request]) -> bool:
+        """Preempts the most recent background request for an interactive one that does not fit."""
+        if waiting is self.waiting_background or not (self.running and self.running[-1].background):
+            return False
+        self._preempt(self.running.pop())
+        return True
+
+    def _waiting_of(self, request: Request) -> deque[Request]:
+        return self.waiting_background if request.background else self.waiting
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request.block_ids)
@@ -276,7 +283,7 @@ class Scheduler:
         request.num_registered_blocks = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        requeue(self._waiting_of(request), request, self.policy)
         self.dropped.append(request.seq_id)
         self.num_preemptions += 1
         log.debug("preempted", seq_id=request.seq_id, num_tokens=len(request.token_ids))
@@ -291,7 +298,7 @@ class Scheduler:
             gather_prompt_logprobs(self.requests, result.prompt_logprobs)
         failed = self._fail(result.errors) if result.errors else []
         pooled = self._finish_pooled(result.pooled()) if result.pooled_seq_ids else []
-        seq_ids, token_ids = self._defer(result) if result.deferred else (result.seq_ids, result.token_ids)
+        seq_ids, token_ids = drop_deferred(self.requests, result) if result.deferred else (result.seq_ids, result.token_ids)
         outputs = self._append_tokens(seq_ids, token_ids)
         if result.logprobs is not None:
             attach_logprobs(outputs, result)
@@ -331,17 +338,6 @@ class Scheduler:
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
 
-    def _defer(self, result: StepResult) -> tuple[list[int], list[int]]:
-        """The step's tokens but those of requests that sampled before their grammar was ready,
-        whose last position is planned again (the executor rolled it back as well)."""
-        deferred = set(result.deferred)
-        for seq_id in deferred:
-            request = self.requests.get(seq_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                request.num_computed_tokens -= 1
-        kept = [i for i, seq_id in enumerate(result.seq_ids) if seq_id not in deferred]
-        return [result.seq_ids[i] for i in kept], [result.token_ids[i] for i in kept]
-
     def _append_tokens(self, seq_ids: list[int], token_ids: list[int]) -> list[RequestDelta]:
         block_size = self.block_size
         requests = self.requests
@@ -359,7 +355,7 @@ class Scheduler:
             num_tokens = len(token_ids)
             if caching and num_tokens % block_size == 0:
                 hash_blocks(request.block_hashes, token_ids, block_size, request.cache_salt)
-                self._cache_blocks(request)
+                self.block_manager.cache_blocks(request)
             num_output_tokens = num_tokens - request.num_prompt_tokens
             if num_output_tokens == 1:
                 self.num_prompt_tokens += request.num_prompt_tokens

@@ -21,6 +21,7 @@ from pagedserve.common.sampling_params import SamplingParams, sampling_from_prot
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb2_grpc
 from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
 from pagedserve.scheduler_svc.generate_stream import StreamCall
+from pagedserve.scheduler_svc.policy import num_interactive
 from pagedserve.scheduler_svc.responses import refusal_code, response_from_outputs, status_code
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from pagedserve.scheduler_svc.stats_logger import StatsLogger, interval_from_env
@@ -56,7 +57,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         try:
             params = sampling_from_proto(request.params)
             _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params,
-                                     cache_salt=request.cache_salt)
+                                     cache_salt=request.cache_salt, priority=request.priority,
+                                     background=request.background)
         except (ValueError, QueueFull, ExecutorLost) as e:
             await context.abort(refusal_code(e), str(e))
         finished = False
@@ -84,7 +86,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         try:
             _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), SamplingParams(),
                                      pooling=pooling_from_proto(request.params),
-                                     token_type_ids=list(request.token_type_ids))
+                                     token_type_ids=list(request.token_type_ids), priority=request.priority,
+                                     background=request.background)
         except (ValueError, QueueFull, ExecutorLost) as e:
             await context.abort(refusal_code(e), str(e))
         finished = False
@@ -128,6 +131,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             block_size=self.info.block_size, num_blocks=s.block_manager.num_usable_blocks,
             num_free_blocks=s.num_free_blocks, num_running=s.num_running,
             num_waiting=s.num_waiting, num_preemptions=s.num_preemptions, kv_cache_usage=s.kv_usage,
+            num_background_running=len(s.running) - num_interactive(s.running),
+            num_background_waiting=len(s.waiting_background),
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             enable_prefix_caching=self.config.enable_prefix_caching,
             gpu_memory_utilization=self.info.gpu_memory_utilization,

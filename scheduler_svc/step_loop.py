@@ -59,9 +59,9 @@ class StepLoop:
                   wait_for_work: Callable[[], Awaitable[None]] | None = None) -> None:
         """Steps until nothing is in flight and nothing can be planned; then awaits
         `wait_for_work` and goes on, or returns when there is none."""
-        scheduler, in_flight, max_in_flight = self.scheduler, self.in_flight, self.max_in_flight
+        scheduler, in_flight = self.scheduler, self.in_flight
         while True:
-            plan = scheduler.schedule_ahead(len(in_flight), max_in_flight)
+            plan = self._plan_ahead()
             if plan is not None:
                 await transport.launch(plan)
                 in_flight.append(plan)
@@ -72,6 +72,14 @@ class StepLoop:
                 return
             else:
                 await wait_for_work()
+
+    def _plan_ahead(self) -> StepPlan | None:
+        """The next plan to send while fewer than max_in_flight are out, or None when nothing can be
+        planned before a result (or, with none in flight, a request) arrives."""
+        if len(self.in_flight) >= self.max_in_flight or not self.scheduler.has_work():
+            return None
+        plan = self.scheduler.schedule()
+        return None if plan.is_empty() else plan
 
     def run_sync(self, transport: Transport, deliver: Deliver) -> None:
         """`run` to the end without an event loop, for a transport that never suspends: the

@@ -19,3 +19,11 @@ def test_control_path_in_process_and_over_grpc(tmp_path, capsys):
         assert m["scheduler_stats"]["idle_steps"] == 32
     assert result["grpc"]["us_per_step"]["round_trip"]["mean"] > 0
     assert "gRPC round trip" in capsys.readouterr().out
+
+
+def test_background_requests_alone_step_as_interactive_ones_do(tmp_path):
+    out = tmp_path / "control.json"
+    run_cli(["bench", "control-path", "--num-requests", "8", "--input-len", "16", "--output-len", "32",
+             "--block-size", "4", "--mode", "in-process", "--background", "--output-json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["background"] and (result["in_process"]["steps"], result["in_process"]["full_batch_steps"]) == (33, 31)

@@ -106,3 +106,13 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(llm, llm_one_st
 
     assert run(llm) == run(llm_one_step_at_a_time)
     assert llm.config.async_scheduling and not llm.scheduler.has_work()
+
+
+def test_priority_takes_one_per_prompt_and_needs_the_priority_policy(llm):
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with pytest.raises(ValueError, match="needs --scheduling-policy priority"):
+        llm.generate(["Hello"], params, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
+        llm.generate(["Hello", "Hi"], params, use_tqdm=False, priority=[0])
+    out = llm.generate(["Hello"], params, use_tqdm=False, priority=[0])[0]
+    assert len(out.outputs[0].token_ids) == 2

@@ -53,6 +53,8 @@ def add_control_path_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--background", action="store_true",
+                   help="every request is background (batch) work, to time the scheduler's background path")
     p.add_argument("--mode", choices=["both", "in-process", "grpc"], default="both")
     p.add_argument("--output-json", help="also write the result here")
     p.set_defaults(run=run_control_path)
@@ -61,7 +63,7 @@ def add_control_path_args(sub: argparse._SubParsersAction) -> None:
 def run_control_path(args: argparse.Namespace) -> None:
     result = dict(bench="control-path", num_requests=args.num_requests, input_len=args.input_len,
                   output_len=args.output_len, block_size=args.block_size,
-                  enable_prefix_caching=args.enable_prefix_caching)
+                  enable_prefix_caching=args.enable_prefix_caching, background=args.background)
     if args.mode in ("both", "in-process"):
         result["in_process"] = measure(args, run_in_process)
     if args.mode in ("both", "grpc"):
@@ -86,7 +88,8 @@ def build_scheduler(args: argparse.Namespace) -> tuple[Scheduler, ExecutorInfo]:
                            vocab=info.vocab_size)
     for i, (prompt, output_len) in enumerate(zip(work.prompts, work.output_lens)):
         params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-        scheduler.add(Request(seq_id=i + 1, request_id=str(i), prompt_token_ids=prompt, sampling=params))
+        scheduler.add(Request(seq_id=i + 1, request_id=str(i), prompt_token_ids=prompt, sampling=params,
+                              background=args.background))
     return scheduler, info
 
 
@@ -247,7 +250,8 @@ def print_table(result: dict) -> None:
     modes = [m for m in ("in_process", "grpc") if m in result]
     print(f"control path: {result['num_requests']} requests, prompt {result['input_len']}, "
           f"output {result['output_len']}, block {result['block_size']}, "
-          f"prefix caching {'on' if result['enable_prefix_caching'] else 'off'}")
+          f"prefix caching {'on' if result['enable_prefix_caching'] else 'off'}"
+          + (", all background" if result["background"] else ""))
     print(f"{'':22}" + "".join(f"{m:>26}" for m in modes))
     print(f"{'steps/s':22}" + "".join(f"{result[m]['steps_per_s']:>26.1f}" for m in modes))
     print(f"{'us per step (full batch)':22}" + "".join(f"{'mean / p50 / p99':>26}" for m in modes))

@@ -4,7 +4,7 @@ Each flag belongs to the process that owns its fact. The executor owns the model
 the KV cache, and so the batch limits it sizes its buffers, CUDA graphs and memory profile for:
 its Describe reports the results (block size, number of blocks, dtype, context length,
 max_num_seqs, max_num_batched_tokens), and the scheduler plans with that report. The scheduler
-owns batching policy (prefix caching, async scheduling) and the served name."""
+owns batching policy (scheduling policy, prefix caching, async scheduling) and the served name."""
 import argparse
 import difflib
 import json
@@ -22,6 +22,8 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_queued_reqs: int | None = None
+    # vLLM's: fcfs (arrival order) or priority (lower `priority` first, ties by arrival).
+    scheduling_policy: str = "fcfs"
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -51,8 +53,8 @@ class EngineConfig:
         return self.served_model_name[0] if self.served_model_name else self.model
 
 
-SCHEDULER_FLAGS = ("served_model_name", "max_num_queued_reqs", "enable_prefix_caching", "async_scheduling",
-                   "disable_log_stats")
+SCHEDULER_FLAGS = ("served_model_name", "max_num_queued_reqs", "scheduling_policy", "enable_prefix_caching",
+                   "async_scheduling", "disable_log_stats")
 EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes", "dtype",
                   "kv_cache_dtype", "seed", "load_format", "quantization", "device", "enforce_eager",
@@ -70,6 +72,7 @@ RUNNERS = ("auto", "generate", "pooling")
 TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling", "score": "pooling",
                 "classify": "pooling", "reward": "pooling"}
 KV_CACHE_DTYPES = ("auto", "fp8")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def _flag_specs() -> dict[str, dict]:
@@ -98,6 +101,12 @@ def _flag_specs() -> dict[str, dict]:
                                     help="requests that may wait for a running slot; past it new ones "
                                          "get 503 server_overloaded with Retry-After (default: 4 x "
                                          "--max-num-seqs; the offline LLM queues without limit)"),
+        "scheduling_policy": dict(default=d.scheduling_policy, choices=SCHEDULING_POLICIES,
+                                  help="fcfs: requests run in arrival order, and a request with a "
+                                       "nonzero priority is refused; priority: lower `priority` runs "
+                                       "first (ties by arrival), the lowest-ranked running request is "
+                                       "preempted first. Either way, background (batch) requests run "
+                                       "after interactive ones, in what tokens those leave"),
         "block_size": dict(type=arg_types.positive_int, default=d.block_size, help="tokens per KV-cache block"),
         "gpu_memory_utilization": dict(type=arg_types.fraction, default=d.gpu_memory_utilization,
                                        help="share of GPU memory, in (0, 1], for weights, activations "

@@ -59,17 +59,21 @@ class LLM(Pooling):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Runs every prompt to completion; returns one RequestOutput per prompt, in order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; returns one RequestOutput per prompt, in order. With
+        `priority` (one per prompt; LLM(scheduling_policy="priority")), lower ones are served first."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        priority = [0] * len(prompts) if priority is None else priority
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         results, children = [], {}
-        for prompt, params in zip(prompts, sampling_params):
-            output = self._start(prompt, params, children)
+        for prompt, params, rank in zip(prompts, sampling_params, priority):
+            output = self._start(prompt, params, children, rank)
             results.append(output)
         self._run(children, use_tqdm)
         return results
@@ -94,14 +98,15 @@ class LLM(Pooling):
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _start(self, prompt: Prompt, params: SamplingParams, children: dict[int, _Child]) -> RequestOutput:
+    def _start(self, prompt: Prompt, params: SamplingParams, children: dict[int, _Child],
+               priority: int) -> RequestOutput:
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._request_ids))
         output = RequestOutput(request_id, text, token_ids)
         for index, child_params in enumerate(choice_params(params)):
             seq_id = next(self._seq_ids)
             self.scheduler.add(Request(seq_id=seq_id, request_id=f"{request_id}-{index}",
-                                       prompt_token_ids=token_ids, sampling=child_params))
+                                       prompt_token_ids=token_ids, sampling=child_params, priority=priority))
             completion = CompletionOutput(index, "", [], logprobs=None if params.logprobs is None else [])
             output.outputs.append(completion)
             children[seq_id] = _Child(output, completion, self._detokenizer(child_params))

@@ -64,6 +64,8 @@ async def test_engine_series_come_from_the_scheduler(http, base_url):
     m = await scrape(http, base_url)
     assert value(m, "num_requests_running", engine="0") == ENGINE_STATS["num_running"]
     assert value(m, "num_requests_waiting", engine="0") == ENGINE_STATS["num_waiting"]
+    assert value(m, "num_background_requests_running", engine="0") == ENGINE_STATS["num_background_running"]
+    assert value(m, "num_background_requests_waiting", engine="0") == ENGINE_STATS["num_background_waiting"]
     assert value(m, "kv_cache_usage_perc", engine="0") == ENGINE_STATS["kv_cache_usage"]
     assert value(m, "num_preemptions_total", engine="0") == ENGINE_STATS["num_preemptions"]
     assert value(m, "prefix_cache_queries_total", engine="0") == ENGINE_STATS["prefix_cache_queries"]

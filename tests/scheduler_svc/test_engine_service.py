@@ -78,6 +78,34 @@ async def test_model_info_carries_the_step_histograms(tmp_path):
         assert h.sum_s == pytest.approx(ours.sum_ns / 1e9) and h.sum_s > 0
 
 
+async def test_model_info_counts_background_requests_apart(tmp_path):
+    """A background request on GenerateStream and an interactive one on Generate, both running."""
+    info = null_executor_info(num_blocks=512, block_size=16, max_model_len=4096)
+    executor_address, engine_address = f"unix://{tmp_path}/executor.sock", f"unix://{tmp_path}/engine.sock"
+    executor = await service.start("executor", executor_address, partial(
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullWorker(info))))
+    config = EngineConfig()
+    async with service.channel(executor_address) as channel, service.channel(engine_address) as engine:
+        loop = EngineLoop(Scheduler(config, info), executor_pb2_grpc.ExecutorStub(channel))
+        stepping = asyncio.create_task(loop.run())
+        server = await service.start("scheduler", engine_address, partial(
+            engine_pb2_grpc.add_EngineServicer_to_server, EngineService(loop, config, info)))
+        stub = engine_pb2_grpc.EngineStub(engine)
+        params = sampling_pb2.SamplingParams(max_tokens=4000, ignore_eos=True)
+        batch = stub.GenerateStream(iter([engine_pb2.StreamRequest(generate=engine_pb2.GenerateRequest(
+            request_id="b", prompt_token_ids=[5] * 20, params=params, background=True))]))
+        chat = stub.Generate(engine_pb2.GenerateRequest(request_id="i", prompt_token_ids=[6] * 20, params=params))
+        await batch.read()
+        await chat.read()
+        reply = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+        batch.cancel()
+        chat.cancel()
+        stepping.cancel()
+        await server.stop()
+    await executor.stop()
+    assert (reply.num_running, reply.num_background_running, reply.num_background_waiting) == (2, 1, 0)
+
+
 @pytest.mark.parametrize("flag, value", [("block_size", 32), ("max_model_len", 64),
                                          ("num_gpu_blocks_override", 10), ("dtype", "float16")])
 async def test_scheduler_refuses_geometry_that_disagrees_with_the_executor(tmp_path, flag, value):

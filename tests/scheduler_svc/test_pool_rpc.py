@@ -53,6 +53,9 @@ async def test_pool_answers_embeddings_model_info_and_refusals(tmp_path):
         with pytest.raises(grpc.aio.AioRpcError) as bad:
             await pool(0, dimensions=8)
         truncated = await pool(1, dimensions=16, normalize=False)
+        with pytest.raises(grpc.aio.AioRpcError) as ranked:
+            await stub.Pool(engine_pb2.PoolRequest(request_id="ranked", prompt_token_ids=[5, 6], priority=1,
+                                                   params=engine_pb2.PoolingParams(task="embed")))
         stepping.cancel()
         await server.stop()
     await executor.stop()
@@ -63,6 +66,9 @@ async def test_pool_answers_embeddings_model_info_and_refusals(tmp_path):
         assert replies[i].prompt_tokens == len(tokenizer(TEXTS[i])["input_ids"])
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "[64, 16]" in bad.value.details()
     assert len(truncated.data) == 16
+    # The priority reached the scheduler, which schedules first come, first served.
+    assert ranked.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--scheduling-policy priority" in ranked.value.details()
     assert (model_info.runner, list(model_info.pooling_tasks), model_info.embedding_size) == ("pooling", ["embed"], 64)
     assert list(model_info.matryoshka_dimensions) == [64, 16] and model_info.is_matryoshka
     assert model_info.num_free_blocks == model_info.num_blocks

@@ -1,25 +1,10 @@
 import pytest
 
-from pagedserve.common.plan import INVALID_ARGUMENT, RequestError, StepLogprobs, StepPlan, StepResult
+from pagedserve.common.plan import INVALID_ARGUMENT, RequestError, StepLogprobs, StepResult
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
-from tests.scheduler_svc.helpers import EOS, add, make_scheduler
-
-
-def step(s: Scheduler, tokens: dict[int, int] | None = None) -> tuple[StepPlan, list[RequestDelta]]:
-    """One step with an executor that samples tokens[seq_id] (default 7) for each completed request."""
-    plan = s.schedule()
-    # Planning advanced each request: those now computed past their known tokens sample.
-    sampled = [r.seq_id for r in plan.new_requests + plan.continuing
-               if s.requests[r.seq_id].num_computed_tokens >= len(s.requests[r.seq_id].token_ids)]
-    tokens = tokens or {}
-    result = StepResult(plan.step_id, sampled, [tokens.get(seq_id, 7) for seq_id in sampled])
-    return plan, s.update(plan, result)
-
-
-def scheduled(plan: StepPlan) -> dict[int, int]:
-    return {r.seq_id: r.num_scheduled_tokens for r in plan.new_requests + plan.continuing}
+from tests.scheduler_svc.helpers import EOS, add, make_scheduler, scheduled, step
 
 
 def test_token_budget_is_respected():

@@ -1,6 +1,7 @@
-"""Randomized workloads through the scheduler and a fake executor, one or two steps in flight:
-every request's tokens and finish reason must equal an unpreempted reference run, and the block
-pool must stay consistent after every step."""
+"""Randomized workloads through the scheduler and a fake executor, one or two steps in flight, under
+either scheduling policy with interactive and background requests: every request's tokens and finish
+reason must equal an unpreempted reference run, and the block pool must stay consistent after every
+step."""
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -31,7 +32,9 @@ def reference(prompt: list[int], p: SamplingParams, max_len: int) -> tuple[list[
 def check_pool(s: Scheduler) -> None:
     bm = s.block_manager
     refs = Counter(b for r in s.running for b in r.block_ids)
-    assert all(not r.block_ids for r in s.waiting)
+    assert all(not r.block_ids for r in s.waiting + s.waiting_background)
+    # Interactive requests lead the running list, which is what makes its end the preemption victim.
+    assert [r.background for r in s.running] == sorted(r.background for r in s.running)
     assert all(bm.blocks[b].ref_count == refs[b] for b in range(1, len(bm.blocks)))
     assert set(bm.free_ids) == {b for b in range(1, len(bm.blocks)) if refs[b] == 0}
 
@@ -42,6 +45,8 @@ class Spec:
     prompt: list[int]
     params: SamplingParams
     abort_at: tuple[int, bool] | None
+    priority: int
+    background: bool
 
 
 any_token = st.integers(0, VOCAB - 1)
@@ -55,7 +60,7 @@ def specs(draw, prefixes: list[list[int]]) -> Spec:
     params = SamplingParams(max_tokens=max_tokens, min_tokens=draw(st.integers(0, 3)),
                             stop_token_ids=draw(st.lists(any_token, max_size=2)), ignore_eos=draw(st.booleans()))
     abort_at = draw(st.none() | st.tuples(st.integers(0, 40), st.booleans()))
-    return Spec(draw(st.integers(0, 10)), prompt, params, abort_at)
+    return Spec(draw(st.integers(0, 10)), prompt, params, abort_at, draw(st.integers(-2, 2)), draw(st.booleans()))
 
 
 @st.composite
@@ -63,7 +68,8 @@ def workloads(draw) -> tuple[dict, list[Spec]]:
     engine = {"block_size": draw(st.sampled_from([1, 2, 4, 8])), "num_blocks": draw(st.integers(2, 12)),
               "max_model_len": draw(st.integers(8, 64)), "max_num_seqs": draw(st.integers(1, 6)),
               "max_num_batched_tokens": draw(st.integers(1, 32)),
-              "enable_prefix_caching": draw(st.booleans())}
+              "enable_prefix_caching": draw(st.booleans()),
+              "scheduling_policy": draw(st.sampled_from(["fcfs", "priority"]))}
     prefixes = draw(st.lists(st.lists(any_token, min_size=1, max_size=24), min_size=1, max_size=3))
     return engine, draw(st.lists(specs(prefixes), min_size=2, max_size=12))
 
@@ -107,7 +113,9 @@ def test_random_workloads_match_the_unpreempted_reference(max_in_flight, workloa
             break
         for i, spec in enumerate(requests):
             if spec.arrival == step_id:
-                request = Request(i + 1, f"r{i}", spec.prompt, spec.params)
+                priority = spec.priority if engine["scheduling_policy"] == "priority" else 0
+                request = Request(i + 1, f"r{i}", spec.prompt, spec.params, priority=priority,
+                                  background=spec.background)
                 if len(spec.prompt) >= s.max_len:
                     with pytest.raises(ValueError, match="shorten it"):
                         s.add(request)
@@ -118,6 +126,8 @@ def test_random_workloads_match_the_unpreempted_reference(max_in_flight, workloa
         aborted |= abort_due(s, accepted, (step_id, False))
         plan = s.schedule()
         check_pool(s)
+        if s.waiting:
+            assert not any(s.requests[r.seq_id].background for r in plan.new_requests)
         assert plan.num_tokens <= engine["max_num_batched_tokens"]
         assert len(plan.new_requests) + len(plan.continuing) <= engine["max_num_seqs"]
         aborted |= abort_due(s, accepted, (step_id, True))

@@ -1,0 +1,85 @@
+from collections import deque
+
+import pytest
+
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.scheduler_svc.policy import (BACKGROUND_TOKENS, FCFS, PRIORITY, admit, background_budget,
+                                             check_priority, enqueue, num_interactive, num_unserved, requeue)
+from pagedserve.scheduler_svc.request import Request
+
+
+def request(seq_id: int, priority: int = 0, background: bool = False) -> Request:
+    """seq_id doubles as the order of arrival."""
+    r = Request(seq_id, f"r{seq_id}", [1, 2], SamplingParams(), priority=priority, background=background,
+                arrival=seq_id)
+    r.max_num_tokens = 100
+    return r
+
+
+def ids(requests) -> list[int]:
+    return [r.seq_id for r in requests]
+
+
+def test_fcfs_queues_by_arrival_and_puts_a_preempted_request_first():
+    waiting = deque()
+    for r in (request(1, 5), request(2, -3), request(3)):
+        enqueue(waiting, r, FCFS)
+    requeue(waiting, request(0, 9), FCFS)
+    assert ids(waiting) == [0, 1, 2, 3]
+
+
+def test_priority_queues_by_priority_then_arrival_preempted_requests_included():
+    waiting = deque()
+    for r in (request(1, 5), request(2, -3), request(3), request(4, -3), request(5, 5)):
+        enqueue(waiting, r, PRIORITY)
+    assert ids(waiting) == [2, 4, 3, 1, 5]
+    # A preempted request goes back by its key: ahead of later arrivals of its priority, behind
+    # more urgent ones.
+    requeue(waiting, request(0, 0), PRIORITY)
+    assert ids(waiting) == [2, 4, 0, 3, 1, 5]
+
+
+def test_running_keeps_interactive_requests_first_so_the_last_is_the_preemption_victim():
+    running = []
+    for r in (request(1, background=True), request(2), request(3, background=True), request(4)):
+        admit(running, r, FCFS)
+    assert ids(running) == [2, 4, 1, 3] and num_interactive(running) == 2
+    # The most recently admitted background request goes first, then the last interactive one.
+    assert running[-1].seq_id == 3
+
+
+def test_under_priority_the_interactive_victim_has_the_largest_priority_and_arrival():
+    running = []
+    for r in (request(1, 5), request(2, background=True), request(3, 0), request(4, 5), request(5, -1)):
+        admit(running, r, PRIORITY)
+    assert ids(running) == [5, 3, 1, 4, 2]
+    running.pop()
+    assert running[-1].seq_id == 4
+
+
+def test_unserved_background_requests_are_the_tail_after_the_last_served():
+    running = [request(1), request(2, background=True), request(3, background=True), request(4, background=True)]
+    assert num_unserved(running, {1, 2}) == 2
+    assert num_unserved(running, {1, 2, 3, 4}) == 0
+    # Interactive requests are never counted, served or not.
+    assert num_unserved(running, set()) == 3
+    # One whose last token is in flight is planned no more: it stays to finish.
+    running[3].num_computed_tokens = 99
+    assert num_unserved(running, {1, 2}) == 0
+
+
+def test_background_budget_is_everything_left_without_interactive_load_else_a_shrinking_allowance():
+    assert background_budget(500, 0, 256) == 500
+    assert background_budget(500, 1, 256) == BACKGROUND_TOKENS * 255 // 256
+    assert background_budget(500, 128, 256) == BACKGROUND_TOKENS // 2
+    assert background_budget(10, 1, 256) == 10
+    assert background_budget(500, 256, 256) == background_budget(500, 300, 256) == 0
+    allowances = [background_budget(8192, n, 256) for n in range(1, 300)]
+    assert allowances == sorted(allowances, reverse=True)
+
+
+def test_a_nonzero_priority_is_refused_only_under_fcfs():
+    with pytest.raises(ValueError, match="^priority 3 needs --scheduling-policy priority"):
+        check_priority(3, FCFS)
+    check_priority(0, FCFS)
+    check_priority(-7, PRIORITY)
