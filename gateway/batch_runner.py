@@ -14,8 +14,8 @@ from aiohttp import web
 from pagedserve.common.log import get_logger, loggable
 from pagedserve.gateway import batch_lines
 from pagedserve.gateway.batch_schemas import ACTIVE, Batch, BatchError, BatchErrors
-from pagedserve.gateway.batch_store import BatchStore, new_id
-from pagedserve.gateway.errors import APIError, internal
+from pagedserve.gateway.batch_store import BatchDirInUse, BatchStore, new_id
+from pagedserve.gateway.errors import APIError, internal, unavailable
 from pagedserve.gateway.request_id import bound_request_id
 from pagedserve.gateway.state import Gateway
 
@@ -42,10 +42,19 @@ class BatchRunner:
         self._slots = asyncio.Semaphore(concurrency)
         self._tasks: dict[str, asyncio.Task] = {}
         self._metrics = gateway.metrics.batch
+        # Why the batch routes answer 503 (None: they serve).
+        self.unavailable: str | None = None
 
     async def start(self) -> None:
-        """Opens the store and resumes every batch left unfinished."""
-        await self.store.open()
+        """Opens the store and resumes every batch left unfinished; without a store (its folder in
+        use by another gateway), the batch routes answer 503."""
+        try:
+            await self.store.open()
+        except BatchDirInUse as e:
+            self.unavailable = (f"The Batch and Files APIs are off on this server: {e}; start it with a "
+                                "--batch-dir of its own.")
+            log.warning("batch_api_off", reason=str(e))
+            return
         for batch_id in await self.store.unfinished():
             log.info("batch_resumed", batch_id=batch_id)
             self.submit(batch_id)
@@ -194,3 +203,11 @@ class BatchRunner:
 
 
 BATCHES = web.AppKey("batches", BatchRunner)
+
+
+def runner_of(request: web.Request) -> BatchRunner:
+    """The app's batch runner; a 503 while its store is off."""
+    runner = request.app[BATCHES]
+    if runner.unavailable is not None:
+        raise unavailable(runner.unavailable)
+    return runner

@@ -6,6 +6,7 @@ once: its row is updated only while unanswered, and each answer is committed as 
 gateway killed mid-batch resumes with the lines still unanswered. Every database call runs on one
 thread of its own, off the event loop."""
 import asyncio
+import fcntl
 import os
 import sqlite3
 import time
@@ -31,6 +32,16 @@ CREATE TABLE IF NOT EXISTS lines (
 _UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 
 
+class BatchDirInUse(Exception):
+    pass
+
+
+def default_batch_dir() -> Path:
+    """$XDG_DATA_HOME/pagedserve/batches, else ~/.local/share/pagedserve/batches."""
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "pagedserve" / "batches"
+
+
 def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex
 
@@ -42,6 +53,7 @@ class BatchStore:
         self.root = Path(root)
         self.files_dir = self.root / "files"
         self._db: sqlite3.Connection | None = None
+        self._lock = None
         self._thread = ThreadPoolExecutor(1, "batch-store")
 
     async def open(self) -> None:
@@ -49,11 +61,21 @@ class BatchStore:
         await self._call(self._open)
 
     async def close(self) -> None:
-        await self._call(self._db.close)
+        if self._db is not None:
+            await self._call(self._db.close)
+            self._lock.close()
         self._thread.shutdown()
 
     def _open(self) -> None:
         self.files_dir.mkdir(parents=True, exist_ok=True)
+        # One gateway per folder: a second would run the same batches again, and take another's
+        # upload in progress for an orphan.
+        self._lock = open(self.root / "lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise BatchDirInUse(f"another pagedserve gateway uses the batch folder {self.root}") from None
         self._db = sqlite3.connect(self.root / "batches.sqlite3", check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         # With WAL, NORMAL loses no committed line when the process dies, only when the machine does.

@@ -4,7 +4,7 @@ import time
 
 from aiohttp import web
 
-from pagedserve.gateway.batch_runner import BATCHES
+from pagedserve.gateway.batch_runner import runner_of
 from pagedserve.gateway.batch_schemas import ENDPOINTS, Batch, BatchCreate
 from pagedserve.gateway.batch_store import new_id
 from pagedserve.gateway.errors import APIError, bad_request
@@ -19,7 +19,7 @@ _MAX_METADATA = 16
 
 async def create_batch(request: web.Request) -> web.Response:
     req = await read_json(request, BatchCreate)
-    runner = request.app[BATCHES]
+    runner = runner_of(request)
     _check(req)
     file = await runner.store.file(req.input_file_id)
     if file is None or file.purpose != "batch":
@@ -48,7 +48,7 @@ def _check(req: BatchCreate) -> None:
 async def list_batches(request: web.Request) -> web.Response:
     """The batches, newest first, `limit` (1-100, default 20) at a time after `after`."""
     after, limit = page_args(request, 20, 100)
-    return json_response(page(await request.app[BATCHES].store.batches(after, limit + 1), limit))
+    return json_response(page(await runner_of(request).store.batches(after, limit + 1), limit))
 
 
 async def get_batch(request: web.Request) -> web.Response:
@@ -56,12 +56,12 @@ async def get_batch(request: web.Request) -> web.Response:
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    return json_response(await request.app[BATCHES].cancel(await _batch(request)))
+    return json_response(await runner_of(request).cancel(await _batch(request)))
 
 
 async def _batch(request: web.Request) -> Batch:
     batch_id = request.match_info["batch_id"]
-    batch = await request.app[BATCHES].store.batch(batch_id)
+    batch = await runner_of(request).store.batch(batch_id)
     if batch is None:
         raise APIError(404, f"No such Batch object: {batch_id}.", param="batch_id", code="batch_not_found")
     return batch

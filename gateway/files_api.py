@@ -5,7 +5,7 @@ from pathlib import Path
 
 from aiohttp import BodyPartReader, web
 
-from pagedserve.gateway.batch_runner import BATCHES
+from pagedserve.gateway.batch_runner import runner_of
 from pagedserve.gateway.batch_schemas import FileDeleted, FileObject, Page
 from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.serving import json_response
@@ -17,7 +17,7 @@ MAX_PAGE = 10_000
 
 
 async def upload(request: web.Request) -> web.Response:
-    runner = request.app[BATCHES]
+    runner = runner_of(request)
     reader = await _multipart(request)
     purpose, stored = None, None
     try:
@@ -72,7 +72,7 @@ async def list_files(request: web.Request) -> web.Response:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request("`order` must be 'asc' or 'desc'.", param="order")
-    files = await request.app[BATCHES].store.files(after, limit + 1, order == "desc", query.get("purpose"))
+    files = await runner_of(request).store.files(after, limit + 1, order == "desc", query.get("purpose"))
     return json_response(page(files, limit))
 
 
@@ -82,20 +82,20 @@ async def get_file(request: web.Request) -> web.Response:
 
 async def file_content(request: web.Request) -> web.FileResponse:
     file = await _file(request)
-    return web.FileResponse(request.app[BATCHES].store.file_path(file.id),
+    return web.FileResponse(runner_of(request).store.file_path(file.id),
                             headers={"Content-Type": "application/octet-stream"})
 
 
 async def delete_file(request: web.Request) -> web.Response:
     file_id = request.match_info["file_id"]
-    if not await request.app[BATCHES].store.delete_file(file_id):
+    if not await runner_of(request).store.delete_file(file_id):
         raise _no_file(file_id)
     return json_response(FileDeleted(file_id))
 
 
 async def _file(request: web.Request) -> FileObject:
     file_id = request.match_info["file_id"]
-    file = await request.app[BATCHES].store.file(file_id)
+    file = await runner_of(request).store.file(file_id)
     if file is None:
         raise _no_file(file_id)
     return file

@@ -285,8 +285,10 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
     if args.stream_interval != 1:
         argv += ["--stream-interval", str(args.stream_interval)]
     for name in ("shutdown_timeout", "max_client_batch_size", "timeout_keep_alive", "body_read_timeout",
-                 "responses_store_mb", "responses_store_ttl"):
+                 "responses_store_mb", "responses_store_ttl", "batch_concurrency", "batch_max_file_mb"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.batch_dir is not None:
+        argv += ["--batch-dir", str(args.batch_dir)]
     if args.max_concurrent_requests is not None:
         argv += ["--max-concurrent-requests", str(args.max_concurrent_requests)]
     if args.chat_template is not None:

@@ -224,3 +224,12 @@ async def test_metrics_and_the_request_log_mark_batch_lines(serve, tmp_path, htt
     captured = capsys.readouterr()
     logged = [line for line in (captured.out + captured.err).splitlines() if "request_finished" in line]
     assert len(logged) == 1 and f"batch_id={batch.id}" in logged[0] and "custom_id=one" in logged[0]
+
+
+async def test_a_second_gateway_on_one_batch_dir_serves_without_the_batch_api(serve, tmp_path, http):
+    first = await serve(batch_dir=tmp_path)
+    second = await serve(batch_dir=tmp_path)
+    async with http.get(f"{second}/v1/files") as r:
+        assert r.status == 503 and "--batch-dir" in (await r.json())["error"]["message"]
+    async with http.get(f"{first}/v1/batches") as r:
+        assert r.status == 200 and (await r.json())["data"] == []
