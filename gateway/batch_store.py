@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import msgspec
 
-from pagedserve.gateway.batch_schemas import Batch, FileObject
+from pagedserve.gateway.batch_schemas import ACTIVE, Batch, FileObject
 
 T = TypeVar("T")
 _SCHEMA = """
@@ -28,8 +28,6 @@ CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT NOT NULL, body BLOB NOT NULL,
     result BLOB, failed INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, line_no));
 """
-# Statuses whose batch still has work, which a restarted gateway resumes.
-_UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 
 
 class BatchDirInUse(Exception):
@@ -170,7 +168,7 @@ class BatchStore:
     async def unfinished(self) -> list[str]:
         """The ids of batches with work left, oldest first."""
         rows = await self._call(self._all, "SELECT id FROM batches WHERE status IN (?, ?, ?, ?) ORDER BY rowid",
-                                _UNFINISHED)
+                                ACTIVE)
         return [row[0] for row in rows]
 
     async def start_lines(self, batch: Batch, lines: Iterable[tuple[int, str, bytes]]) -> None:
@@ -208,7 +206,7 @@ class BatchStore:
 
     def _finalize(self, batch_id: str, status: str, unanswered: Callable[[str], bytes] | None) -> Batch:
         batch = self._batch(batch_id)
-        if batch.status not in _UNFINISHED:
+        if batch.status not in ACTIVE:
             return batch
         now = int(time.time())
         ok = self._write_file(batch, "output", "result IS NOT NULL AND failed = 0", None)

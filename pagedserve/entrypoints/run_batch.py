@@ -15,8 +15,9 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
+from pagedserve.gateway.batch_schemas import ACTIVE
+
 _POLL_S = 0.5
-_FINAL = ("completed", "failed", "expired", "cancelled")
 
 
 def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +122,7 @@ async def _progress(http: aiohttp.ClientSession, batch_id: str) -> dict:
             counts = batch["request_counts"]
             bar.total = counts["total"]
             bar.update(counts["completed"] + counts["failed"] - bar.n)
-            if batch["status"] in _FINAL:
+            if batch["status"] not in ACTIVE:
                 return batch
             await asyncio.sleep(_POLL_S)
 

@@ -233,3 +233,52 @@ async def test_a_second_gateway_on_one_batch_dir_serves_without_the_batch_api(se
         assert r.status == 503 and "--batch-dir" in (await r.json())["error"]["message"]
     async with http.get(f"{first}/v1/batches") as r:
         assert r.status == 200 and (await r.json())["data"] == []
+
+
+async def test_a_line_the_engine_turns_away_for_now_is_retried_not_failed(sdk, engine):
+    import grpc
+    engine.reject = grpc.StatusCode.RESOURCE_EXHAUSTED
+    batch = await run_batch(sdk, [chat_line("a"), chat_line("b")], wait=False)
+    while len(engine.requests) < 2:
+        await asyncio.sleep(0.02)
+    assert (await sdk.batches.retrieve(batch.id)).status == "in_progress"
+    engine.reject = None
+    batch = await finished(sdk, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2 and batch.request_counts.failed == 0
+    assert len(engine.requests) > 2
+
+
+async def test_a_batch_past_its_window_expires_with_its_unanswered_lines_in_the_error_file(serve, tmp_path, engine,
+                                                                                          monkeypatch):
+    from pagedserve.gateway import batches_api
+    monkeypatch.setitem(batches_api.COMPLETION_WINDOW_S, "24h", 1)
+    engine.delay = 0.05
+    url = await serve(batch_dir=tmp_path, batch_concurrency=1)
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as sdk:
+        batch = await run_batch(sdk, [chat_line(f"r{i}", max_tokens=5) for i in range(20)])
+        assert batch.status == "expired" and batch.expired_at
+        counts = batch.request_counts
+        assert counts.total == 20 and counts.completed + counts.failed == 20 and counts.failed > 10
+        errors = await lines_of(sdk, batch.error_file_id)
+        assert len(errors) == counts.failed and errors[-1]["custom_id"] == "r19"
+        assert errors[-1]["error"]["code"] == "batch_expired" and errors[-1]["response"] is None
+
+
+async def test_the_store_answers_a_line_once_and_keeps_answers_across_a_reopen(tmp_path):
+    from pagedserve.gateway.batch_schemas import Batch
+    from pagedserve.gateway.batch_store import BatchStore
+    store = BatchStore(tmp_path)
+    await store.open()
+    batch = Batch(id="batch_x", endpoint="/v1/completions", input_file_id="file-x", completion_window="24h",
+                  status="in_progress", created_at=1, expires_at=2)
+    await store.save_batch(batch)
+    await store.start_lines(batch, [(1, "a", b"{}"), (2, "b", b"{}"), (3, "c", b"{}")])
+    assert await store.answer("batch_x", 2, b'{"first": 1}', False)
+    assert not await store.answer("batch_x", 2, b'{"second": 1}', False)
+    await store.close()
+    store = BatchStore(tmp_path)
+    await store.open()
+    assert [line[1] for line in await store.unanswered("batch_x")] == ["a", "c"]
+    assert (await store.batch("batch_x")).request_counts.completed == 1
+    assert await store.unfinished() == ["batch_x"]
+    await store.close()
