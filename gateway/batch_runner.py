@@ -7,6 +7,7 @@ completion_window a batch expires: what is unanswered goes to its error file. On
 batch a stopped gateway left unfinished resumes with its unanswered lines."""
 import asyncio
 import time
+from contextlib import suppress
 
 import msgspec
 from aiohttp import web
@@ -26,6 +27,8 @@ DEFAULT_MAX_FILE_MB = 200
 # Statuses of a refusal that says "later", after which a line is sent again.
 _RETRIED = (429, 503)
 _RETRY_S = 1.0
+# How often a gateway whose batch folder another holds tries to take it.
+_REOPEN_S = 5.0
 # The status a batch ends with, by the status it stopped in.
 _FINAL = {"in_progress": "completed", "finalizing": "completed", "cancelling": "cancelled"}
 
@@ -42,26 +45,42 @@ class BatchRunner:
         self._slots = asyncio.Semaphore(concurrency)
         self._tasks: dict[str, asyncio.Task] = {}
         self._metrics = gateway.metrics.batch
-        # Why the batch routes answer 503 (None: they serve).
+        # Why the batch routes answer 503 (None: they serve), and the task waiting for the store then.
         self.unavailable: str | None = None
+        self._opening: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """Opens the store and resumes every batch left unfinished; without a store (its folder in
-        use by another gateway), the batch routes answer 503."""
+        """Opens the store and resumes every batch left unfinished. While another gateway holds the
+        store's folder (one being replaced, still draining), the batch routes answer 503 and the
+        store is tried again every few seconds."""
         try:
             await self.store.open()
         except BatchDirInUse as e:
-            self.unavailable = (f"The Batch and Files APIs are off on this server: {e}; start it with a "
-                                "--batch-dir of its own.")
-            log.warning("batch_api_off", reason=str(e))
+            self.unavailable = (f"The Batch and Files APIs are off on this server for now: {e}; retry once it "
+                                "has stopped, or start this one with a --batch-dir of its own.")
+            log.warning("batch_dir_in_use", reason=str(e))
+            self._opening = asyncio.create_task(self._open_later())
             return
+        await self._resume()
+
+    async def _open_later(self) -> None:
+        while True:
+            await asyncio.sleep(_REOPEN_S)
+            with suppress(BatchDirInUse):
+                await self.store.open()
+                break
+        self.unavailable = None
+        log.info("batch_dir_taken", batch_dir=str(self.store.root))
+        await self._resume()
+
+    async def _resume(self) -> None:
         for batch_id in await self.store.unfinished():
             log.info("batch_resumed", batch_id=batch_id)
             self.submit(batch_id)
 
     async def stop(self) -> None:
         """Stops every batch where it stands (its unanswered lines wait for the next start)."""
-        tasks = list(self._tasks.values())
+        tasks = list(self._tasks.values()) + ([self._opening] if self._opening else [])
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

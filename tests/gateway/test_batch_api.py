@@ -67,6 +67,8 @@ async def test_files_crud_and_pagination(sdk):
     rest = await sdk.files.list(limit=2, after=page.data[-1].id)
     assert [f.id for f in rest.data] == [made[0].id] and not rest.has_more
     assert [f.id for f in (await sdk.files.list(order="asc")).data] == [f.id for f in made]
+    assert (await sdk.files.list(purpose="batch_output")).data == []
+    assert len((await sdk.files.list(purpose="batch")).data) == 3
     assert (await sdk.files.content(made[0].id)).content == jsonl([chat_line("a")])
     deleted = await sdk.files.delete(made[0].id)
     assert deleted.deleted and deleted.id == made[0].id
@@ -226,13 +228,24 @@ async def test_metrics_and_the_request_log_mark_batch_lines(serve, tmp_path, htt
     assert len(logged) == 1 and f"batch_id={batch.id}" in logged[0] and "custom_id=one" in logged[0]
 
 
-async def test_a_second_gateway_on_one_batch_dir_serves_without_the_batch_api(serve, tmp_path, http):
-    first = await serve(batch_dir=tmp_path)
+async def test_a_second_gateway_on_one_batch_dir_takes_the_batch_api_once_the_first_stops(
+        serve, tokenizer, engine, tmp_path, http, monkeypatch):
+    from pagedserve.gateway import batch_runner
+    from tests.gateway.fake_engine import serve_gateway
+    monkeypatch.setattr(batch_runner, "_REOPEN_S", 0.05)
+    runner, first = await serve_gateway(tokenizer, engine.address, batch_dir=tmp_path)
     second = await serve(batch_dir=tmp_path)
     async with http.get(f"{second}/v1/files") as r:
         assert r.status == 503 and "--batch-dir" in (await r.json())["error"]["message"]
     async with http.get(f"{first}/v1/batches") as r:
         assert r.status == 200 and (await r.json())["data"] == []
+    await runner.cleanup()
+    for _ in range(100):
+        async with http.get(f"{second}/v1/files") as r:
+            if r.status == 200:
+                break
+        await asyncio.sleep(0.05)
+    assert r.status == 200
 
 
 async def test_a_line_the_engine_turns_away_for_now_is_retried_not_failed(sdk, engine):
