@@ -165,6 +165,8 @@ class BatchRunner:
                     task = asyncio.create_task(self._line(batch, *line))
                     running.add(task)
                     task.add_done_callback(running.discard)
+                    # Here, not in _line: a task cancelled before it first runs never enters it.
+                    task.add_done_callback(lambda _: self._slots.release())
                 while running:
                     await asyncio.wait(running)
             return "completed"
@@ -174,20 +176,19 @@ class BatchRunner:
             queued.dec(len(lines) - started)
             for task in running:
                 task.cancel()
+            if running:
+                await asyncio.wait(running)
 
     async def _line(self, batch: Batch, line_no: int, custom_id: str, body: bytes) -> None:
-        try:
-            request_id = new_id("batch_req_")
-            with bound_request_id(request_id, batch_id=batch.id, custom_id=custom_id):
-                running = self._metrics.lines["running"]
-                running.inc()
-                try:
-                    result, failed = await self._answer(batch.endpoint, custom_id, request_id, body)
-                finally:
-                    running.dec()
-            await self.store.answer(batch.id, line_no, result, failed)
-        finally:
-            self._slots.release()
+        request_id = new_id("batch_req_")
+        with bound_request_id(request_id, batch_id=batch.id, custom_id=custom_id):
+            running = self._metrics.lines["running"]
+            running.inc()
+            try:
+                result, failed = await self._answer(batch.endpoint, custom_id, request_id, body)
+            finally:
+                running.dec()
+        await self.store.answer(batch.id, line_no, result, failed)
 
     async def _answer(self, endpoint: str, custom_id: str, request_id: str, body: bytes) -> tuple[bytes, bool]:
         """The line's output line and whether it failed, once the server has taken it."""
