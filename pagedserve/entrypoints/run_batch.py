@@ -31,14 +31,16 @@ def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, serve) -> int:
     """Runs the batch on `serve(args, listener)` (cli.run_serve) in this thread; returns the exit code."""
     from pagedserve.entrypoints import preflight
+    from pagedserve.gateway.server import api_key
     endpoint = _endpoint(args.input_file)
+    key = api_key(args)
     args.host = "127.0.0.1"
     listener = preflight.bind(args.host, 0)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     with tempfile.TemporaryDirectory(prefix="pagedserve-run-batch-") as folder:
         args.batch_dir = Path(folder)
         outcome: list[int] = []
-        client = threading.Thread(target=_client, args=(url, args, endpoint, outcome), daemon=True)
+        client = threading.Thread(target=_client, args=(url, args, endpoint, key, outcome), daemon=True)
         client.start()
         served = serve(args, listener)
         client.join(1.0)
@@ -54,9 +56,9 @@ def _endpoint(path: Path) -> str:
     raise ValueError(f"{path} holds no request; write one JSON request per line")
 
 
-def _client(url: str, args: argparse.Namespace, endpoint: str, outcome: list[int]) -> None:
+def _client(url: str, args: argparse.Namespace, endpoint: str, key: str | None, outcome: list[int]) -> None:
     try:
-        outcome.append(asyncio.run(_drive(url, args.input_file, args.output_file, endpoint)))
+        outcome.append(asyncio.run(_drive(url, args.input_file, args.output_file, endpoint, key)))
     except Exception as e:
         sys.stderr.write(f"pagedserve: error: run-batch: {e}\n")
         outcome.append(1)
@@ -65,13 +67,15 @@ def _client(url: str, args: argparse.Namespace, endpoint: str, outcome: list[int
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def _drive(url: str, input_file: Path, output_file: Path, endpoint: str) -> int:
-    async with aiohttp.ClientSession(url, headers=_auth()) as http:
+async def _drive(url: str, input_file: Path, output_file: Path, endpoint: str, key: str | None) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession(url, headers=headers) as http:
         await _ready(http)
-        form = aiohttp.FormData()
-        form.add_field("purpose", "batch")
-        form.add_field("file", open(input_file, "rb"), filename=input_file.name)
-        file = await _json(http.post("/v1/files", data=form))
+        with open(input_file, "rb") as data:
+            form = aiohttp.FormData()
+            form.add_field("purpose", "batch")
+            form.add_field("file", data, filename=input_file.name)
+            file = await _json(http.post("/v1/files", data=form))
         batch = await _json(http.post("/v1/batches", json={"input_file_id": file["id"], "endpoint": endpoint,
                                                            "completion_window": "24h"}))
         batch = await _progress(http, batch["id"])
@@ -88,11 +92,6 @@ async def _drive(url: str, input_file: Path, output_file: Path, endpoint: str) -
                     answers[json.loads(line)["custom_id"]] = line
     _write(output_file, _ordered(input_file, answers))
     return 0
-
-
-def _auth() -> dict[str, str]:
-    key = os.environ.get("PAGEDSERVE_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 async def _ready(http: aiohttp.ClientSession) -> None:
