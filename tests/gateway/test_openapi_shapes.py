@@ -2,6 +2,7 @@
 import copy
 import json
 
+import aiohttp
 import pytest
 from jsonschema import Draft202012Validator
 
@@ -133,7 +134,6 @@ def _without_nulls(body):
 
 
 async def test_files_and_batches(http, serve, tmp_path, validate):
-    import aiohttp
     url = await serve(batch_dir=tmp_path)
     line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once", "max_tokens": 2}}
     form = aiohttp.FormData()
