@@ -52,7 +52,7 @@ class BatchRunner:
     async def start(self) -> None:
         """Opens the store and resumes every batch left unfinished. While another gateway holds the
         store's folder (one being replaced, still draining), the batch routes answer 503 and the
-        store is tried again every few seconds."""
+        store is tried again every few seconds; for good where the folder cannot be written."""
         try:
             await self.store.open()
         except BatchDirInUse as e:
@@ -60,6 +60,13 @@ class BatchRunner:
                                 "has stopped, or start this one with a --batch-dir of its own.")
             log.warning("batch_dir_in_use", reason=str(e))
             self._opening = asyncio.create_task(self._open_later())
+            return
+        except OSError as e:
+            # Serving the other routes still: the default folder may sit in a read-only home.
+            self.unavailable = (f"The Batch and Files APIs are off on this server: its batch folder "
+                                f"{self.store.root} cannot be used ({e.strerror}); start it with a writable "
+                                "--batch-dir.")
+            log.warning("batch_api_off", batch_dir=str(self.store.root), reason=str(e))
             return
         await self._resume()
 

@@ -295,3 +295,12 @@ async def test_the_store_answers_a_line_once_and_keeps_answers_across_a_reopen(t
     assert (await store.batch("batch_x")).request_counts.completed == 1
     assert await store.unfinished() == ["batch_x"]
     await store.close()
+
+
+async def test_a_batch_dir_that_cannot_be_made_leaves_the_other_routes_serving(serve, tmp_path, http):
+    (tmp_path / "file").write_text("")
+    url = await serve(batch_dir=tmp_path / "file" / "batches")
+    async with http.get(f"{url}/v1/batches") as r:
+        assert r.status == 503 and "writable --batch-dir" in (await r.json())["error"]["message"]
+    async with http.post(f"{url}/v1/completions", json={"prompt": "Once", "max_tokens": 2}) as r:
+        assert r.status == 200
