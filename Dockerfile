@@ -26,9 +26,11 @@ RUN /opt/venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation .
 FROM ${PYTHON_IMAGE} AS runtime
 COPY --from=build /opt/venv /opt/venv
 RUN groupadd --system --gid 10001 pagedserve \
-    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin pagedserve
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin pagedserve \
+    && install -d -o 10001 -g 10001 /var/lib/pagedserve/batches
 # /tmp is the one place written (Triton's kernel cache under HOME, serve's socket folder), so the
-# root file system can be read-only with a tmpfs or emptyDir there.
+# root file system can be read-only with a tmpfs or emptyDir there; and, where a volume is mounted
+# on it (the user's, as a new Docker volume copies it), /var/lib/pagedserve/batches for --batch-dir.
 ENV PATH=/opt/venv/bin:$PATH HOME=/tmp PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001
 EXPOSE 8000

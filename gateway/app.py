@@ -1,11 +1,14 @@
 """The aiohttp application: routes and middlewares."""
 import asyncio
+from pathlib import Path
 
 from aiohttp import web
 
-from pagedserve.gateway import (anthropic_api, ollama_api, ops_routes, pooling_routes, responses_api, routes,
-                               tokenize_routes)
+from pagedserve.gateway import (anthropic_api, batches_api, files_api, ollama_api, ops_routes, pooling_routes,
+                               responses_api, routes, tokenize_routes)
 from pagedserve.gateway.auth import auth_middleware
+from pagedserve.gateway.batch_runner import BATCHES, DEFAULT_CONCURRENCY, DEFAULT_MAX_FILE_MB, BatchRunner
+from pagedserve.gateway.batch_store import BatchStore
 from pagedserve.gateway.cors import CORS
 from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
@@ -27,10 +30,14 @@ async def _startup(app: web.Application) -> None:
         model.engines.start()
     if gateway.trust_request_chat_template:
         gateway.templates.start()
+    if BATCHES in app:
+        await app[BATCHES].start()
 
 
 async def _cleanup(app: web.Application) -> None:
     gateway = app[GATEWAY]
+    if BATCHES in app:
+        await app[BATCHES].stop()
     await gateway.responses.stop()
     await asyncio.gather(*(model.engines.close() for model in gateway.models))
     await gateway.templates.close()
@@ -63,7 +70,9 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
               max_concurrent_requests: int | None = None,
               prompt_tokens_details: bool = False, responses_store_mb: int = DEFAULT_STORE_MB,
               responses_store_ttl: float = DEFAULT_STORE_TTL_S,
-              also_serve: list[ModelEngines] | None = None) -> web.Application:
+              also_serve: list[ModelEngines] | None = None, batch_dir: Path | None = None,
+              batch_concurrency: int = DEFAULT_CONCURRENCY,
+              batch_max_file_mb: int = DEFAULT_MAX_FILE_MB) -> web.Application:
     """The gateway app; serve it with handler_cancellation=True (see gateway.server.start).
 
     `scheduler_address` is one scheduler's address or several, comma-separated: each prompt goes
@@ -80,6 +89,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     Past `max_concurrent_requests` generation requests in flight, new ones get a 503.
     `prompt_tokens_details` puts cached_tokens in usage (vLLM's --enable-prompt-tokens-details).
     Stored /v1/responses responses take up to `responses_store_mb` MiB and `responses_store_ttl` seconds.
+    With `batch_dir`, the Files and Batch APIs keep their state there and run up to `batch_concurrency`
+    batch lines at once, taking files up to `batch_max_file_mb` MiB.
     """
     also_serve = also_serve or []
     _check_names([set(served_model_names or ()), *(set(model.served_model_names) for model in also_serve)])
@@ -140,4 +151,19 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app.router.add_post("/v1/responses/{response_id}/cancel", responses_api.cancel_response)
     app.router.add_post("/tokenize", tokenize_routes.tokenize)
     app.router.add_post("/detokenize", tokenize_routes.detokenize)
+    if batch_dir is not None:
+        app[BATCHES] = BatchRunner(gateway, BatchStore(batch_dir), batch_concurrency, batch_max_file_mb << 20)
+        _add_batch_routes(app.router)
     return app
+
+
+def _add_batch_routes(router: web.UrlDispatcher) -> None:
+    router.add_post("/v1/files", files_api.upload)
+    router.add_get("/v1/files", files_api.list_files)
+    router.add_get("/v1/files/{file_id}", files_api.get_file)
+    router.add_delete("/v1/files/{file_id}", files_api.delete_file)
+    router.add_get("/v1/files/{file_id}/content", files_api.file_content)
+    router.add_post("/v1/batches", batches_api.create_batch)
+    router.add_get("/v1/batches", batches_api.list_batches)
+    router.add_get("/v1/batches/{batch_id}", batches_api.get_batch)
+    router.add_post("/v1/batches/{batch_id}/cancel", batches_api.cancel_batch)

@@ -179,7 +179,7 @@ class Generation:
         p = choice.params
         detok = IncrementalDetokenizer(self._tokenizer, p.skip_special_tokens, p.stop,
                                        p.include_stop_str_in_output, choice.prompt_token_ids)
-        choice.progress = _Progress(detok, ChoiceStats(self.metrics, self._arrival))
+        choice.progress = _Progress(detok, ChoiceStats(self.metrics, self._arrival, choice.routing.background))
         queue = self._queue
         choice.engine.client.start(choice.request_id, choice.prompt_token_ids, choice.wire, self._trace_id,
                                    lambda reply: queue.put_nowait((choice, reply)), choice.routing)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                             Metric)
@@ -74,6 +74,8 @@ def token_buckets(max_model_len: int) -> list[int]:
 class ModelMetrics:
     """One model's series, bound to its label once so that the hot path does no label lookups."""
     time_to_first_token: Histogram
+    # Batch lines' (background requests'): time_to_first_token keeps vLLM's meaning, interactive requests.
+    batch_time_to_first_token: Histogram
     inter_token_latency: Histogram
     e2e_request_latency: Histogram
     request_prompt_tokens: Histogram
@@ -102,6 +104,9 @@ def _create(registry: CollectorRegistry, model_name: str, max_model_len: int) ->
     return ModelMetrics(
         time_to_first_token=histogram("time_to_first_token_seconds",
                                       "Seconds from request arrival to its first token.", TTFT_BUCKETS),
+        batch_time_to_first_token=histogram("batch_time_to_first_token_seconds",
+                                            "Seconds from a batch line's start to its first token.",
+                                            TTFT_BUCKETS),
         inter_token_latency=histogram("inter_token_latency_seconds",
                                       "Seconds between consecutive token responses.", ITL_BUCKETS),
         e2e_request_latency=histogram("e2e_request_latency_seconds",
@@ -134,17 +139,18 @@ def _create(registry: CollectorRegistry, model_name: str, max_model_len: int) ->
 
 class ChoiceStats:
     """Latencies and token counts of one engine request, recorded as its responses arrive."""
-    __slots__ = ("_m", "_arrival", "_last")
+    __slots__ = ("_m", "_arrival", "_last", "_first_token")
 
-    def __init__(self, metrics: ModelMetrics, arrival: float) -> None:
+    def __init__(self, metrics: ModelMetrics, arrival: float, background: bool = False) -> None:
         self._m = metrics
         self._arrival = arrival
         self._last: float | None = None
+        self._first_token = metrics.batch_time_to_first_token if background else metrics.time_to_first_token
 
     def response(self) -> None:
         now = time.monotonic()
         if self._last is None:
-            self._m.time_to_first_token.observe(now - self._arrival)
+            self._first_token.observe(now - self._arrival)
         else:
             self._m.inter_token_latency.observe(now - self._last)
         self._last = now
@@ -256,12 +262,31 @@ def _renamed(family: Metric, name: str) -> Metric:
     return twin
 
 
+@dataclass(slots=True)
+class BatchMetrics:
+    """The Batch API's series, of every model: lines waiting for a slot and running, and their tokens."""
+    lines: dict[str, Gauge]
+    prompt_tokens: Counter
+    generation_tokens: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> "BatchMetrics":
+        lines = Gauge("pagedserve:batch_lines", "Lines of running batches, queued for a slot or running.",
+                      ["state"], registry=registry)
+        return cls({state: lines.labels(state) for state in ("queued", "running")},
+                   Counter("pagedserve:batch_prompt_tokens", "Prompt tokens of answered batch lines.",
+                           registry=registry),
+                   Counter("pagedserve:batch_generation_tokens", "Generated tokens of answered batch lines.",
+                           registry=registry))
+
+
 class Metrics:
     """The gateway's registry: its own series and, at scrape time, the schedulers'; each under its
     pagedserve: name and, where vLLM has the series, its vllm: name too."""
 
     def __init__(self) -> None:
         self._own = CollectorRegistry()
+        self.batch = BatchMetrics.create(self._own)
         self._engine = _EngineCollector()
         self._models = _ModelSeries()
         self._own.register(self._engine)

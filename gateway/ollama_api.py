@@ -126,7 +126,7 @@ async def embed(request: web.Request) -> web.Response:
         return json_response(EmbedResponse(model=req.model, embeddings=[]))
     given = split_inputs(req.input, gateway.max_client_batch_size)
     spec = served.spec
-    vectors, tokens = await pooling_routes.embed(request, served,
+    vectors, tokens = await pooling_routes.embed(request.app[GATEWAY], served,
                                                  translate.embed_inputs(given, req.truncate, spec.max_model_len),
                                                  translate.embed_params(req.dimensions, spec.embedding_size))
     return json_response(EmbedResponse(model=req.model, embeddings=vectors,
@@ -142,7 +142,7 @@ async def embeddings(request: web.Request) -> web.Response:
     if not req.prompt:
         return json_response(EmbeddingsResponse([]))
     params.check_prompt_chars(len(req.prompt), "prompt")
-    vectors, _ = await pooling_routes.embed(request, served, translate.prompt_input(req.prompt),
+    vectors, _ = await pooling_routes.embed(request.app[GATEWAY], served, translate.prompt_input(req.prompt),
                                             pb.PoolingParams(task="embed"))
     return json_response(EmbeddingsResponse(vectors[0]))
 

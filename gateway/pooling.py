@@ -20,11 +20,13 @@ class Pooling:
     """Runs the Pool calls of one request concurrently; run() returns each input's data in order."""
 
     def __init__(self, engines: EnginePool, inputs: list[PoolInput], params: pb.PoolingParams,
-                 trace_id: str) -> None:
+                 trace_id: str, background: bool = False) -> None:
         self._engines = engines
         self.inputs = inputs
         self._params = params
         self._trace_id = trace_id
+        # Batch work, which the scheduler runs on the capacity interactive requests leave.
+        self._background = background
         # Client request ids may repeat (retries, proxies); engine request ids must not.
         self._request_id = uuid.uuid4().hex
         self._interrupted: asyncio.Future | None = None
@@ -59,7 +61,8 @@ class Pooling:
     async def _call(self, index: int, item: PoolInput) -> list[float]:
         engine = self._engines.pick(item.token_ids, 1)
         request = pb.PoolRequest(request_id=f"{self._request_id}-{index}", prompt_token_ids=item.token_ids,
-                                 token_type_ids=item.token_type_ids, params=self._params)
+                                 token_type_ids=item.token_type_ids, params=self._params,
+                                 background=self._background)
         try:
             return list((await engine.client.pool(request, self._trace_id)).data)
         except APIError as e:

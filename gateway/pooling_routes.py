@@ -22,7 +22,7 @@ from pagedserve.gateway.pooling_schemas import (BilledUnits, Embedding, Embeddin
 from pagedserve.gateway.request_id import current_request_id
 from pagedserve.gateway.serving import json_response, read_json
 from pagedserve.gateway.schemas import Usage
-from pagedserve.gateway.state import GATEWAY, ServedModel
+from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
 from pagedserve.v1 import engine_pb2 as pb
 
 log = get_logger(__name__)
@@ -33,15 +33,19 @@ _DOCUMENTS_PER_SEARCH_UNIT = 100
 @engine_route
 async def embeddings(request: web.Request) -> web.Response:
     req = await read_json(request, EmbeddingRequest)
-    gateway = request.app[GATEWAY]
-    served = await served_for(request, req.model)
+    return json_response(await embedding_response(request.app[GATEWAY], await served_for(request, req.model), req))
+
+
+async def embedding_response(gateway: Gateway, served: ServedModel, req: EmbeddingRequest,
+                             background: bool = False) -> EmbeddingResponse:
+    """An embeddings request's response (the route's and a batch line's); a 400 APIError for what cannot run."""
     check_embedder(served, "/v1/embeddings")
     pooling = embed_params(req, served)
     inputs = embedding_inputs(req, gateway.max_client_batch_size, served.spec.max_model_len)
-    vectors, tokens = await embed(request, served, inputs, pooling)
+    vectors, tokens = await embed(gateway, served, inputs, pooling, background)
     data = [Embedding(i, encode_embedding(v, req.encoding_format)) for i, v in enumerate(vectors)]
-    return json_response(EmbeddingResponse(f"embd-{uuid.uuid4().hex}", int(time.time()), served.name, data,
-                                           EmbeddingUsage(tokens, tokens)))
+    return EmbeddingResponse(f"embd-{uuid.uuid4().hex}", int(time.time()), served.name, data,
+                             EmbeddingUsage(tokens, tokens))
 
 
 def check_embedder(served: ServedModel, endpoint: str) -> None:
@@ -50,12 +54,11 @@ def check_embedder(served: ServedModel, endpoint: str) -> None:
     check_task(served, "embed", endpoint)
 
 
-async def embed(request: web.Request, served: ServedModel, inputs: EmbedInputs,
-                pooling_params: pb.PoolingParams) -> tuple[list[list[float]], int]:
-    """Each input's embedding and their prompt tokens, for every embeddings route (OpenAI's, Ollama's):
-    the inputs after the model's default prompt, fitted to the model, then pooled and counted under
-    endpoint "embeddings". Check the model with check_embedder first."""
-    gateway = request.app[GATEWAY]
+async def embed(gateway: Gateway, served: ServedModel, inputs: EmbedInputs, pooling_params: pb.PoolingParams,
+                background: bool = False) -> tuple[list[list[float]], int]:
+    """Each input's embedding and their prompt tokens, for every embeddings route (OpenAI's, Ollama's)
+    and batch lines (`background`): the inputs after the model's default prompt, fitted to the model,
+    then pooled and counted under endpoint "embeddings". Check the model with check_embedder first."""
     spec = served.spec
     # Characters or token ids: either takes long enough past OFFLOAD_SIZE to hold other requests up.
     size = sum(map(len, inputs.given))
@@ -64,7 +67,7 @@ async def embed(request: web.Request, served: ServedModel, inputs: EmbedInputs,
     else:
         prompts = await gateway.offload(size, check_token_input, inputs, spec.vocab_size)
     check_lengths(prompts, spec.max_model_len, inputs.too_long)
-    return await _pool(request, served, "embeddings", [PoolInput(p) for p in prompts], pooling_params)
+    return await _pool(gateway, served, "embeddings", [PoolInput(p) for p in prompts], pooling_params, background)
 
 
 @engine_route
@@ -94,7 +97,7 @@ async def _rerank(request: web.Request,
     check_top_n(req.top_n)
     documents = [d if isinstance(d, str) else d.text for d in req.documents]
     pairs = [(req.query, d) for d in documents]
-    scores, tokens = await _scores(request, served, "rerank", pairs, "documents", req.use_activation)
+    scores, tokens = await _scores(gateway, served, "rerank", pairs, "documents", req.use_activation)
     keep = return_documents if req.return_documents is None else req.return_documents
     return req, served.name, ranked(scores, documents, req.top_n, keep), tokens
 
@@ -107,17 +110,16 @@ async def score(request: web.Request) -> web.Response:
     served = await served_for(request, req.model)
     pairs = score_pairs(req.text_1, req.text_2)
     check_count(len(pairs), gateway.max_client_batch_size, "text_2")
-    scores, tokens = await _scores(request, served, "score", pairs, "text_2", req.use_activation)
+    scores, tokens = await _scores(gateway, served, "score", pairs, "text_2", req.use_activation)
     data = [ScoreData(i, s) for i, s in enumerate(scores)]
     return json_response(ScoreResponse(f"score-{uuid.uuid4().hex}", int(time.time()), served.name, data,
                                        Usage(prompt_tokens=tokens, completion_tokens=0, total_tokens=tokens)))
 
 
-async def _scores(request: web.Request, served: ServedModel, endpoint: str, pairs: list[tuple[str, str]],
+async def _scores(gateway: Gateway, served: ServedModel, endpoint: str, pairs: list[tuple[str, str]],
                   param: str, activation: bool | None) -> tuple[list[float], int]:
     """Each pair's score and the prompt tokens run: a cross-encoder's (a one-label classifier)
     classifies each pair, a bi-encoder's (embed only) is the cosine of the two embeddings."""
-    gateway = request.app[GATEWAY]
     spec = served.spec
     check_runner(served, "pooling", f"/{endpoint}")
     size = sum(len(q) + len(d) for q, d in pairs)
@@ -127,25 +129,24 @@ async def _scores(request: web.Request, served: ServedModel, endpoint: str, pair
             raise bad_request(f"The model `{served.name}` classifies into {spec.num_labels} labels; scoring needs a "
                               "one-label classifier (a cross-encoder) or an embedding model.", param="model")
         inputs = await gateway.offload(size, pair_inputs, served.tokenizer, pairs, spec, param)
-        outputs, tokens = await _pool(request, served, endpoint, inputs,
+        outputs, tokens = await _pool(gateway, served, endpoint, inputs,
                                       pb.PoolingParams(task="classify", activation=activation))
         return [o[0] for o in outputs], tokens
     check_task(served, "embed", f"/{endpoint}")
     # Each distinct text is embedded once: a rerank's query serves every document.
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     inputs = await gateway.offload(size, text_inputs, served.tokenizer, texts, spec, param)
-    vectors, tokens = await _pool(request, served, endpoint, inputs, pb.PoolingParams(task="embed"))
+    vectors, tokens = await _pool(gateway, served, endpoint, inputs, pb.PoolingParams(task="embed"))
     # A thousand documents of a large model are a million products: off the event loop.
     scores = await gateway.offload(len(pairs) * len(vectors[0]), cosines, pairs, dict(zip(texts, vectors)))
     return scores, tokens
 
 
-async def _pool(request: web.Request, served: ServedModel, endpoint: str, inputs: list[PoolInput],
-                pooling_params: pb.PoolingParams) -> tuple[list[list[float]], int]:
+async def _pool(gateway: Gateway, served: ServedModel, endpoint: str, inputs: list[PoolInput],
+                pooling_params: pb.PoolingParams, background: bool = False) -> tuple[list[list[float]], int]:
     """Each input's pooled data and their prompt tokens, counted in the metrics and logged."""
-    gateway = request.app[GATEWAY]
     start = time.monotonic()
-    pooling = Pooling(served.engines, inputs, pooling_params, current_request_id())
+    pooling = Pooling(served.engines, inputs, pooling_params, current_request_id(), background)
     try:
         with gateway.drain.track(pooling):
             outputs = await pooling.run()

@@ -28,15 +28,22 @@ async def get_model(request: web.Request) -> web.Response:
 @engine_route
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, ChatCompletionRequest)
-    gateway = request.app[GATEWAY]
-    served = await served_for(request, req.model)
+    p, wire = await chat_plan(request.app[GATEWAY], await served_for(request, req.model), req)
+    return await run(request, p, wire)
+
+
+async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRequest,
+                    background: bool = False) -> tuple[Plan, ChatResponses]:
+    """A chat completion request's plan and wire (the route's and a batch line's); a 400 APIError
+    for what cannot run."""
     params.check_chat_options(req)
     neutral = NeutralRequest(req, messages=req.messages, tools=req.tools, tool_choice=req.tool_choice,
                              parallel_tool_calls=req.parallel_tool_calls, constraint=request_constraint(req),
                              max_tokens=req.max_completion_tokens or req.max_tokens,
                              logprobs=params.chat_logprobs(req), prompt_logprobs=req.prompt_logprobs,
                              include_usage=_include_usage(req), chat_template_kwargs=req.chat_template_kwargs,
-                             chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt)
+                             chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
+                             background=background)
     p = await plan(gateway, served, neutral)
     prompt_lp = None
     if req.prompt_logprobs is not None:
@@ -46,14 +53,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt_lp = PromptLogprobs(vllm=True, echo=False)
     wire = ChatResponses(p.id, p.model, len(p.choices), p.include_usage, neutral.logprobs is not None, p.options,
                          prompt_lp)
-    return await run(request, p, wire)
+    return p, wire
 
 
 @engine_route
 async def completions(request: web.Request) -> web.StreamResponse:
     req = await read_json(request, CompletionRequest)
-    gateway = request.app[GATEWAY]
-    served = await served_for(request, req.model)
+    p, wire = await completion_plan(request.app[GATEWAY], await served_for(request, req.model), req)
+    return await run(request, p, wire)
+
+
+async def completion_plan(gateway: Gateway, served: ServedModel, req: CompletionRequest,
+                          background: bool = False) -> tuple[Plan, CompletionResponses]:
+    """A completion request's plan and wire (the route's and a batch line's); a 400 APIError for
+    what cannot run."""
     params.check_completion_options(req)
     # Echo with logprobs shows the prompt's tokens as OpenAI does, prompt_logprobs as vLLM does.
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
@@ -61,7 +74,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     given = params.split_prompts(req.prompt)
     neutral = NeutralRequest(req, prompts=given, constraint=request_constraint(req), max_tokens=req.max_tokens,
                              logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
-                             include_usage=_include_usage(req))
+                             include_usage=_include_usage(req), background=background)
     p = await plan(gateway, served, neutral)
     echo = [""] * len(p.choices)
     if req.echo:
@@ -72,7 +85,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                    echo=bool(req.echo and req.logprobs is not None))
     wire = CompletionResponses(p.id, p.model, len(p.choices), p.include_usage, req.logprobs is not None,
                                echo, prompt_lp)
-    return await run(request, p, wire)
+    return p, wire
 
 
 async def _echo_text(gateway: Gateway, p: Plan, prompt: str | list[int]) -> str:

@@ -17,6 +17,8 @@ from pagedserve.common.config import add_engine_args
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.gateway import reasoning, tool_parsers
 from pagedserve.gateway.app import build_app
+from pagedserve.gateway.batch_runner import DEFAULT_CONCURRENCY, DEFAULT_MAX_FILE_MB
+from pagedserve.gateway.batch_store import default_batch_dir
 from pagedserve.gateway.engine_pool import EnginePool, split_addresses
 from pagedserve.gateway.hosts import allowed_hosts, is_loopback
 from pagedserve.gateway.response_store import DEFAULT_STORE_MB, DEFAULT_STORE_TTL_S
@@ -132,6 +134,15 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                             "previous_response_id and GET); past it the oldest go first; 0 stores none")
     group.add_argument("--responses-store-ttl", type=float, default=DEFAULT_STORE_TTL_S,
                        help="seconds a stored /v1/responses response is kept")
+    group.add_argument("--batch-dir", type=Path, default=None,
+                       help="where the Files and Batch APIs keep their files and SQLite database, which a "
+                            "restarted server resumes its batches from (default "
+                            "$XDG_DATA_HOME/pagedserve/batches, else ~/.local/share/pagedserve/batches)")
+    group.add_argument("--batch-concurrency", type=arg_types.positive_int, default=DEFAULT_CONCURRENCY,
+                       help="batch lines (Batch API requests) running at once, as background requests that "
+                            "the schedulers run on the capacity interactive requests leave")
+    group.add_argument("--batch-max-file-mb", type=arg_types.positive_int, default=DEFAULT_MAX_FILE_MB,
+                       help="largest file POST /v1/files takes, in MiB (OpenAI's limit: 200)")
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -266,7 +277,9 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     max_concurrent_requests=args.max_concurrent_requests,
                     prompt_tokens_details=args.enable_prompt_tokens_details,
                     responses_store_mb=args.responses_store_mb, responses_store_ttl=args.responses_store_ttl,
-                    also_serve=[also_served(spec) for spec in args.also_serve])
+                    also_serve=[also_served(spec) for spec in args.also_serve],
+                    batch_dir=args.batch_dir or default_batch_dir(), batch_concurrency=args.batch_concurrency,
+                    batch_max_file_mb=args.batch_max_file_mb)
     # The tokenizer and everything loaded so far live as long as the process: frozen, they leave
     # the collector's full passes, which a large request's objects would otherwise trigger over
     # the whole heap (tens of milliseconds with the event loop held).

@@ -74,12 +74,17 @@ async def run(request: web.Request, plan: Plan, wire: Wire,
         with request.app[GATEWAY].drain.track(plan.generation):
             if plan.stream:
                 return await _stream(request, plan, wire, open_stream, start)
-            collected = await collect(plan)
-            log_end("request_finished", wire, plan, start)
-            return json_response(wire.body(collected))
+            return json_response(await whole(plan, wire, start))
     except asyncio.CancelledError:
         _client_left(wire, plan, start)
         raise
+
+
+async def whole(plan: Plan, wire: Wire, start: float) -> msgspec.Struct:
+    """The plan's whole output as the wire's body, logged in the request log (`start`: when it began)."""
+    collected = await collect(plan)
+    log_end("request_finished", wire, plan, start)
+    return wire.body(collected)
 
 
 async def _stream(request: web.Request, plan: Plan, wire: Wire,

@@ -111,13 +111,14 @@ def interpolate(text: str, env: dict[str, str]) -> str:
     return text
 
 
-def test_the_three_commands_serve_locally_with_a_key_and_token_from_the_environment():
+def test_the_three_commands_serve_locally_with_a_key_and_token_from_the_environment(tmp_path):
     services = compose()["services"]
     executor, scheduler, port = free_port(), free_port(), free_port()
-    # The compose network's names and the container port, as this machine's loopback.
+    # The compose network's names and the container port, as this machine's loopback; the batch
+    # volume's path, as a folder of this test's.
     network = {"0.0.0.0:50052": f"127.0.0.1:{executor}", "executor:50052": f"127.0.0.1:{executor}",
                "0.0.0.0:50051": f"127.0.0.1:{scheduler}", "scheduler:50051": f"127.0.0.1:{scheduler}",
-               "0.0.0.0": "127.0.0.1", "8000": str(port)}
+               "0.0.0.0": "127.0.0.1", "8000": str(port), "/var/lib/pagedserve/batches": str(tmp_path)}
     settings = dict(PAGEDSERVE_API_KEY="sk-compose", PAGEDSERVE_GRPC_TOKEN="compose-token",
                     SERVED_MODEL_NAME="composed alias", ENGINE_ARGS="--max-model-len 512 --max-num-seqs 4",
                     GATEWAY_ARGS="--enable-log-requests")

@@ -3,6 +3,7 @@ import argparse
 import json
 import os
 import secrets
+import socket
 import sys
 
 from pagedserve.common import aio, also_serve, arg_types, service
@@ -61,6 +62,14 @@ def build_parser(prog: str = "pagedserve") -> Parser:
     serve = sub.add_parser("serve", parents=[common, grpc_security], help="run gateway, scheduler and executor")
     add_serve_args(serve)
     serve.set_defaults(run=run_serve)
+
+    run_batch = sub.add_parser("run-batch", parents=[common, grpc_security],
+                               help="run a file of OpenAI requests offline (vLLM's run_batch), like the Batch API")
+    from pagedserve.entrypoints.run_batch import add_run_batch_args
+    add_run_batch_args(run_batch)
+    add_serve_args(run_batch)
+    # Its progress bar, rather than a line per poll of it.
+    run_batch.set_defaults(run=run_run_batch, uvicorn_log_level="warning")
 
     gateway = sub.add_parser("gateway", parents=[common, model, grpc_security], help="run the OpenAI REST gateway")
     from pagedserve.gateway.server import add_gateway_args
@@ -160,7 +169,13 @@ def _model_dir(args: argparse.Namespace) -> str:
     return str(default_model.default_model())
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_run_batch(args: argparse.Namespace) -> int:
+    from pagedserve.entrypoints import run_batch
+    return run_batch.run(args, run_serve)
+
+
+def run_serve(args: argparse.Namespace, listener: socket.socket | None = None) -> int:
+    """Serves until a signal; on `listener` when given (bound already), else on --host and --port."""
     from pagedserve.entrypoints import preflight
     if args.model and args.model_path and args.model != args.model_path:
         raise ValueError(f"two models given, {args.model_path} and --model {args.model}: pass one")
@@ -173,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
     scheduler_addresses = _scheduler_addresses(args)
     config = config_from_args(args)
     check_memory_shares(config, [config_from_args(extra) for extra in also])
-    listener = preflight.bind(args.host, args.port)
+    listener = listener or preflight.bind(args.host, args.port)
     from pagedserve.gateway.server import api_key
     # The gateway gets the key in its environment: in its argv the key would show in process listings.
     key = api_key(args)
@@ -285,8 +300,10 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
     if args.stream_interval != 1:
         argv += ["--stream-interval", str(args.stream_interval)]
     for name in ("shutdown_timeout", "max_client_batch_size", "timeout_keep_alive", "body_read_timeout",
-                 "responses_store_mb", "responses_store_ttl"):
+                 "responses_store_mb", "responses_store_ttl", "batch_concurrency", "batch_max_file_mb"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.batch_dir is not None:
+        argv += ["--batch-dir", str(args.batch_dir)]
     if args.max_concurrent_requests is not None:
         argv += ["--max-concurrent-requests", str(args.max_concurrent_requests)]
     if args.chat_template is not None:
