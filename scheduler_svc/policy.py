@@ -11,11 +11,20 @@ from operator import attrgetter
 from pagedserve.scheduler_svc.request import Request
 
 FCFS, PRIORITY = "fcfs", "priority"
-# Background tokens a step may carry beside interactive requests: they lengthen the step that every
-# interactive decode waits for. On the H200 a decode step costs 5.21 ms at batch 16 and 6.21 ms at
-# 64, about 21 us a sequence, so 64 background tokens add about 1.3 ms at light interactive load;
-# the allowance shrinks to 0 as interactive requests fill max_num_seqs. Tuned on the GPU.
-BACKGROUND_TOKENS = 64
+# What background requests may add to a step beside interactive ones, which every interactive
+# decode waits for; both shrink to 0 as interactive requests fill max_num_seqs. Decode rows keep a
+# step pure decode, which runs as a CUDA graph: on the H200 (Llama-3.1-8B shape) a decode step costs
+# 5.21 ms at batch 16 and 6.21 ms at 64, about 21 us a row, so 32 rows add about 0.7 ms. A prefill
+# chunk makes a step eager, about 25 ms at 50-70 rows against 6 ms as a graph: with a 64-token
+# allowance of any kind, background chunks in every step took interactive TPOT at concurrency 10
+# from 5.8 to 25.6 ms and TTFT p50 from 35 to 110 ms (`bench batch`, 2026-12-02). So background
+# prompts are computed only in steps that prefill an interactive prompt anyway, at most
+# BACKGROUND_PREFILL_TOKENS there, which bounds what that prompt's first token waits for them.
+BACKGROUND_ROWS = 32
+BACKGROUND_PREFILL_TOKENS = 256
+# Without interactive prompts arriving (one long stream, say), a background prompt makes a step of
+# its own after this many steps: one eager step of about 25 ms in 64 of about 6 ms, +7% at most.
+BACKGROUND_PREFILL_INTERVAL = 64
 
 _is_background = attrgetter("background")
 
@@ -67,22 +76,22 @@ def admit(running: list[Request], request: Request, policy: str) -> None:
         bisect.insort(running, request, 0, num_interactive(running), key=order_key)
 
 
-def num_unserved(running: Sequence[Request], served: set[int]) -> int:
-    """How many background requests end `running` after the last one in `served`, the seq_ids a
-    step serves; one whose last token is in flight, never planned again, stops the count."""
-    count = 0
-    for request in reversed(running):
-        if (not request.background or request.seq_id in served
-                or request.num_computed_tokens + 1 >= request.max_num_tokens):
-            break
-        count += 1
-    return count
+def prefill_turn(prefills: bool, steps_without: int) -> tuple[bool, int]:
+    """Whether background prompts may be computed in a step, which `prefills` an interactive prompt
+    or not, after `steps_without` steps that did not let them; and the count after this step."""
+    if prefills or steps_without >= BACKGROUND_PREFILL_INTERVAL:
+        return True, 0
+    return False, steps_without + 1
 
 
-def background_budget(left: int, num_interactive: int, max_num_seqs: int) -> int:
+def background_budget(left: int, num_interactive: int, max_num_seqs: int, prefills: bool) -> tuple[int, int]:
     """The tokens of a step that background requests may take once interactive ones took theirs and
-    `left` remain: all of them with no interactive request running or waiting, else at most
-    BACKGROUND_TOKENS, less in proportion as interactive requests fill max_num_seqs."""
+    `left` remain, and the most of them one background prompt may take: all of them with no
+    interactive request running or waiting; else BACKGROUND_ROWS decode rows, plus, when the step
+    `prefills` an interactive prompt, BACKGROUND_PREFILL_TOKENS of background prompts, both less in
+    proportion as interactive requests fill max_num_seqs."""
     if not num_interactive:
-        return left
-    return min(left, int(BACKGROUND_TOKENS * max(0.0, 1.0 - num_interactive / max_num_seqs)))
+        return left, left
+    share = max(0.0, 1.0 - num_interactive / max_num_seqs)
+    prefill = int(BACKGROUND_PREFILL_TOKENS * share) if prefills else 0
+    return min(left, int(BACKGROUND_ROWS * share) + prefill), min(left, prefill)

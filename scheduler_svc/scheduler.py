@@ -10,7 +10,7 @@ from pagedserve.common.sampling_params import check_request
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
 from pagedserve.scheduler_svc.logprobs import attach_logprobs, gather_prompt_logprobs
 from pagedserve.scheduler_svc.policy import (admit, background_budget, check_priority, enqueue, num_interactive,
-                                             num_unserved, requeue)
+                                             prefill_turn, requeue)
 from pagedserve.scheduler_svc.pooling import check_pooling
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, drop_deferred
 from pagedserve.scheduler_svc.request_checks import check_prompt
@@ -65,6 +65,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.waiting_background: deque[Request] = deque()
         self.running: list[Request] = []
+        # Steps with background work since background prompts last could run (policy.prefill_turn).
+        self.steps_without_background_prefill = 0
         self.num_arrivals = 0
         self.requests: dict[int, Request] = {}
         self.request_ids: dict[str, Request] = {}
@@ -155,7 +157,7 @@ class Scheduler:
         running = self.running
         background = self.waiting_background or running and running[-1].background
         end = num_interactive(running) if background else len(running)
-        budget = self._schedule_running(plan, self.max_num_batched_tokens, 0, end)
+        budget = self._schedule_running(plan, self.max_num_batched_tokens, self.max_num_batched_tokens, 0, end)
         # After a preemption the pool is short: admitting would only cause more preemptions.
         if self.num_preemptions == num_preemptions:
             budget = self._schedule_waiting(plan, budget, self.waiting)
@@ -167,22 +169,21 @@ class Scheduler:
 
     def _schedule_background(self, plan: StepPlan, budget: int, num_preemptions: int) -> None:
         """Background requests, once interactive ones are planned: running ones in admission order
-        and, if no interactive request waits, waiting ones, within background_budget."""
+        and, if no interactive request waits, waiting ones, within background_budget. Those a step
+        leaves out keep their blocks until an interactive request needs them (_make_room): preempting
+        them recomputes their prompts, which only steps that prefill anyway take."""
         start = num_interactive(self.running)
-        num_interactive_requests = start + len(self.waiting)
-        mark = len(plan.continuing)
-        budget = self._schedule_running(plan, background_budget(budget, num_interactive_requests, self.max_num_seqs),
-                                        start, len(self.running))
-        if num_interactive_requests and not budget:
-            # Those the step leaves out would hold KV blocks and slots interactive requests may need.
-            for _ in range(num_unserved(self.running, {r.seq_id for r in plan.continuing[mark:]})):
-                self._preempt(self.running.pop())
-        if self.num_preemptions == num_preemptions and not self.waiting:
-            self._schedule_waiting(plan, budget, self.waiting_background)
+        # More tokens than requests planned: one of them is prefilling.
+        prefills = bool(plan.new_requests) or self.max_num_batched_tokens - budget > len(plan.continuing)
+        prefills, self.steps_without_background_prefill = prefill_turn(prefills, self.steps_without_background_prefill)
+        budget, max_chunk = background_budget(budget, start + len(self.waiting), self.max_num_seqs, prefills)
+        budget = self._schedule_running(plan, budget, max_chunk, start, len(self.running))
+        if self.num_preemptions == num_preemptions and not self.waiting and max_chunk:
+            self._schedule_waiting(plan, min(budget, max_chunk), self.waiting_background)
 
-    def _schedule_running(self, plan: StepPlan, budget: int, start: int, end: int) -> int:
-        """Plans running[start:end] in order until the budget is spent; preempts from the end of
-        `running` when the pool runs out of blocks."""
+    def _schedule_running(self, plan: StepPlan, budget: int, max_chunk: int, start: int, end: int) -> int:
+        """Plans running[start:end] in order until the budget is spent, a prompt at most max_chunk
+        tokens (0: prompts wait); preempts from the end of `running` when the pool runs out of blocks."""
         block_size = self.block_size
         block_manager = self.block_manager
         running = self.running
@@ -201,7 +202,11 @@ class Scheduler:
                 if computed + 1 >= request.max_num_tokens:
                     continue
                 n = 1
-            elif n > budget:
+            elif n > 1 and n > max_chunk:
+                if not max_chunk:
+                    continue
+                n = max_chunk
+            if n > budget:
                 n = budget
             num_new = (computed + n + block_size - 1) // block_size - len(request.block_ids)
             if num_new:

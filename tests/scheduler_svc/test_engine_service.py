@@ -80,7 +80,8 @@ async def test_model_info_carries_the_step_histograms(tmp_path):
 
 async def test_model_info_counts_background_requests_apart(tmp_path):
     """A background request on GenerateStream and an interactive one on Generate, both running."""
-    info = null_executor_info(num_blocks=512, block_size=16, max_model_len=4096)
+    # Long enough that neither finishes before the counts are read, on a loaded machine too.
+    info = null_executor_info(num_blocks=8192, block_size=16, max_model_len=65536)
     executor_address, engine_address = f"unix://{tmp_path}/executor.sock", f"unix://{tmp_path}/engine.sock"
     executor = await service.start("executor", executor_address, partial(
         executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(NullWorker(info))))
@@ -91,7 +92,7 @@ async def test_model_info_counts_background_requests_apart(tmp_path):
         server = await service.start("scheduler", engine_address, partial(
             engine_pb2_grpc.add_EngineServicer_to_server, EngineService(loop, config, info)))
         stub = engine_pb2_grpc.EngineStub(engine)
-        params = sampling_pb2.SamplingParams(max_tokens=4000, ignore_eos=True)
+        params = sampling_pb2.SamplingParams(max_tokens=60000, ignore_eos=True)
         batch = stub.GenerateStream(iter([engine_pb2.StreamRequest(generate=engine_pb2.GenerateRequest(
             request_id="b", prompt_token_ids=[5] * 20, params=params, background=True))]))
         chat = stub.Generate(engine_pb2.GenerateRequest(request_id="i", prompt_token_ids=[6] * 20, params=params))

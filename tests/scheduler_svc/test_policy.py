@@ -3,8 +3,9 @@ from collections import deque
 import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.scheduler_svc.policy import (BACKGROUND_TOKENS, FCFS, PRIORITY, admit, background_budget,
-                                             check_priority, enqueue, num_interactive, num_unserved, requeue)
+from pagedserve.scheduler_svc.policy import (BACKGROUND_PREFILL_INTERVAL, BACKGROUND_PREFILL_TOKENS, BACKGROUND_ROWS,
+                                             FCFS, PRIORITY, admit, background_budget, prefill_turn,
+                                             check_priority, enqueue, num_interactive, requeue)
 from pagedserve.scheduler_svc.request import Request
 
 
@@ -57,25 +58,24 @@ def test_under_priority_the_interactive_victim_has_the_largest_priority_and_arri
     assert running[-1].seq_id == 4
 
 
-def test_unserved_background_requests_are_the_tail_after_the_last_served():
-    running = [request(1), request(2, background=True), request(3, background=True), request(4, background=True)]
-    assert num_unserved(running, {1, 2}) == 2
-    assert num_unserved(running, {1, 2, 3, 4}) == 0
-    # Interactive requests are never counted, served or not.
-    assert num_unserved(running, set()) == 3
-    # One whose last token is in flight is planned no more: it stays to finish.
-    running[3].num_computed_tokens = 99
-    assert num_unserved(running, {1, 2}) == 0
-
-
 def test_background_budget_is_everything_left_without_interactive_load_else_a_shrinking_allowance():
-    assert background_budget(500, 0, 256) == 500
-    assert background_budget(500, 1, 256) == BACKGROUND_TOKENS * 255 // 256
-    assert background_budget(500, 128, 256) == BACKGROUND_TOKENS // 2
-    assert background_budget(10, 1, 256) == 10
-    assert background_budget(500, 256, 256) == background_budget(500, 300, 256) == 0
-    allowances = [background_budget(8192, n, 256) for n in range(1, 300)]
+    assert background_budget(500, 0, 256, False) == background_budget(500, 0, 256, True) == (500, 500)
+    # Beside interactive decodes: decode rows only (no prompt), so the step stays a CUDA graph.
+    assert background_budget(500, 128, 256, False) == (BACKGROUND_ROWS // 2, 0)
+    # In a step that prefills an interactive prompt anyway, background prompts too.
+    prefill = BACKGROUND_PREFILL_TOKENS // 2
+    assert background_budget(500, 128, 256, True) == (BACKGROUND_ROWS // 2 + prefill, prefill)
+    assert background_budget(10, 1, 256, True) == (10, 10)
+    assert background_budget(500, 256, 256, True) == background_budget(500, 300, 256, True) == (0, 0)
+    allowances = [background_budget(8192, n, 256, True) for n in range(1, 300)]
     assert allowances == sorted(allowances, reverse=True)
+
+
+def test_background_prompts_take_a_step_of_their_own_only_after_the_interval_without_one():
+    assert prefill_turn(True, 5) == (True, 0)
+    assert prefill_turn(False, 0) == (False, 1)
+    assert prefill_turn(False, BACKGROUND_PREFILL_INTERVAL - 1) == (False, BACKGROUND_PREFILL_INTERVAL)
+    assert prefill_turn(False, BACKGROUND_PREFILL_INTERVAL) == (True, 0)
 
 
 def test_a_nonzero_priority_is_refused_only_under_fcfs():

@@ -2,7 +2,7 @@
 the background share of a step, and preemption victims."""
 import pytest
 
-from pagedserve.scheduler_svc.policy import background_budget
+from pagedserve.scheduler_svc.policy import BACKGROUND_PREFILL_INTERVAL, background_budget
 from pagedserve.scheduler_svc.request import RequestStatus
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from tests.scheduler_svc.helpers import add, make_scheduler, scheduled, step
@@ -58,44 +58,58 @@ def test_a_running_background_request_makes_room_for_a_waiting_interactive_one()
     assert s.requests[1].status is RequestStatus.WAITING and s.num_preemptions == 1
 
 
-def test_beside_interactive_decodes_background_requests_get_at_most_the_allowance():
+def test_beside_interactive_decodes_background_prompts_wait_for_a_step_that_prefills_anyway():
     s = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
     for seq_id in (1, 2):
         add(s, seq_id, 4, first_token=10 * seq_id, max_tokens=60)
     step(s)
     add(s, 3, 200, first_token=100, background=True, max_tokens=30)
-    add(s, 4, 200, first_token=300, background=True, max_tokens=30)
-    allowance = background_budget(64 - 2, 2, 8)
-    assert 0 < allowance < 62
-    for _ in range(4):
+    for _ in range(3):
         plan, _ = step(s)
-        assert background_tokens(s, plan) == allowance
-        assert scheduled(plan)[1] == scheduled(plan)[2] == 1
+        # Pure decode steps (a CUDA graph on a GPU): no background prompt joins them.
+        assert scheduled(plan) == {1: 1, 2: 1} and s.requests[3].status is RequestStatus.WAITING
+    add(s, 4, 10, first_token=400, max_tokens=60)
+    plan, _ = step(s)
+    # The interactive prompt makes this step a prefill step: the background prompt takes what the
+    # allowance leaves it there, and waits again in the decode steps after.
+    budget, max_chunk = background_budget(64 - 12, 3, 8, True)
+    assert scheduled(plan) == {1: 1, 2: 1, 4: 10, 3: min(budget, max_chunk)}
+    plan, _ = step(s)
+    assert scheduled(plan) == {1: 1, 2: 1, 4: 1} and s.requests[3].status is RequestStatus.RUNNING
     # Once no interactive request is left, background ones fill the step.
-    s.abort("r1")
-    s.abort("r2")
+    for rid in ("r1", "r2", "r4"):
+        s.abort(rid)
     plan, _ = step(s)
     assert background_tokens(s, plan) == plan.num_tokens == 64
 
 
-def test_background_requests_the_allowance_leaves_out_are_preempted_while_interactive_ones_run():
-    s = make_scheduler(num_blocks=256, max_num_seqs=16, max_num_batched_tokens=64)
-    for seq_id in range(1, 5):
-        add(s, seq_id, 4, first_token=10 * seq_id, background=True, max_tokens=50)
+def test_without_interactive_prompts_a_background_prompt_runs_after_the_interval():
+    s = make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024)
+    add(s, 1, 4, max_tokens=500)
     step(s)
-    for seq_id in range(5, 13):
-        add(s, seq_id, 8 if seq_id < 12 else 6, first_token=10 * seq_id, max_tokens=50)
+    add(s, 2, 8, first_token=100, background=True, max_tokens=4)
+    waited = 0
+    while s.requests[2].status is RequestStatus.WAITING:
+        step(s)
+        waited += 1
+    assert waited == BACKGROUND_PREFILL_INTERVAL + 1
+
+
+def test_background_decode_rows_beside_interactive_ones_stay_within_the_allowance_the_rest_wait_running():
+    s = make_scheduler(num_blocks=256, max_num_seqs=40, max_num_batched_tokens=64)
+    for seq_id in range(1, 33):
+        add(s, seq_id, 1, first_token=10 * seq_id, background=True, max_tokens=50)
+    step(s)
+    add(s, 40, 2, first_token=900, max_tokens=50)
+    step(s)
     plan, _ = step(s)
-    # The interactive prompts take 62 tokens: 2 are left for the background decodes.
-    assert [r.seq_id for r in plan.new_requests] == list(range(5, 13))
-    assert sorted(seq_id for seq_id in scheduled(plan) if seq_id <= 4) == [1, 2]
-    assert plan.dropped == [4, 3] and len(s.waiting_background) == 2
-    # Decoding, the interactive requests leave 56 tokens, of which the allowance is 32: the two
-    # come back, their prompts from the prefix cache.
-    plan, _ = step(s)
-    assert background_budget(64 - 8, 8, 16) == 32
-    assert [(r.seq_id, r.num_computed_tokens) for r in plan.new_requests] == [(3, 4), (4, 4)]
-    assert background_tokens(s, plan) == 4
+    rows, _ = background_budget(64 - 1, 1, 40, False)
+    assert 0 < rows < 32
+    assert scheduled(plan)[40] == 1 and background_tokens(s, plan) == rows
+    assert all(n == 1 for n in scheduled(plan).values())
+    # Those left out keep their blocks (no prompt to recompute) and come first in the next step.
+    assert not s.waiting_background and len(s.running) == 33
+    assert min(scheduled(plan)) == 1 and set(scheduled(step(s)[0])) == set(scheduled(plan))
 
 
 def test_with_no_interactive_load_background_requests_use_the_whole_budget_as_interactive_ones_would():
