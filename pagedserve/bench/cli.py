@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedserve.bench import control as bench_control, serve as bench_serve, workload
+from pagedserve.bench import batch as bench_batch, control as bench_control, serve as bench_serve, workload
 from pagedserve.common.config import add_engine_args, config_from_args
 from pagedserve.common.model_shapes import SHAPES, write_shape
 
@@ -77,6 +77,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(tp)
     tp.set_defaults(run=run_throughput)
     bench_serve.add_serve_args(sub)
+    bench_batch.add_batch_args(sub)
     bench_control.add_control_path_args(sub)
 
     lat = sub.add_parser("latency", help="mean decode step time of one fixed batch")
