@@ -1,7 +1,9 @@
 """Paged decode attention on the CPU: the whole batch in a few batched matmuls over its gathered
 blocks, rather than the reference's loop of per-sequence gathers, repeats and softmaxes (whose
 small ops cost more than their arithmetic here; torch's SDPA is slower still for one query).
-Layouts as in kernels/reference.py; these take no fp8 cache and no padding slot (-1)."""
+Layouts as in kernels/reference.py; these take no fp8 cache and no padding slot (-1). Slots past
+a context must hold finite values (a served cache is zeroed at allocation): masked out of the
+scores, they still meet their zero weights in the product with V."""
 import torch
 
 
