@@ -86,9 +86,10 @@ class TorchAttentionBackend:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The references, but a decode step's attention in one fused call for the whole batch
-    (kernels/cpu_attention.py) and the cache written without a mask: the reference's per-sequence
-    loop of small ops costs more than the arithmetic on a CPU."""
+    """The references, but a decode step's attention in a few batched matmuls for the whole batch
+    (kernels/cpu_attention.py) and its cache write without a mask: the reference's per-sequence
+    loop of small ops costs more than the arithmetic on a CPU. Prefill chunks, sliding windows,
+    soft caps and fp8 caches take the references."""
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

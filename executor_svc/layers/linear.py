@@ -70,7 +70,7 @@ def column_linear(in_features: int, shard_sizes: dict[str, int], bias: bool,
     return shard(MergedLinear(in_features, shard_sizes, bias), tp, 0)
 
 
-def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> nn.Linear:
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> Linear:
     if tp is None:
         return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, tp)
