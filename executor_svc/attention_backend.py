@@ -16,6 +16,7 @@ import torch
 from pagedserve.kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_quant_fp8,
                                            silu_and_mul, silu_and_mul_quant_fp8)
 from pagedserve.kernels.attention import paged_attention
+from pagedserve.kernels.cpu_attention import decode_attention_cpu, write_kv_cpu
 from pagedserve.kernels.fused_moe import fused_moe
 from pagedserve.kernels.moe_routing import route
 from pagedserve.kernels.norm import rms_norm, rms_norm_quant_fp8
@@ -24,7 +25,7 @@ from pagedserve.kernels.reference import (fused_moe_ref, gelu_tanh_and_mul_quant
                                           gelu_tanh_and_mul_ref, paged_attention_ref,
                                           per_token_quant_fp8_ref, route_ref,
                                           rms_norm_quant_fp8_ref, rms_norm_ref, rotary_ref,
-                                          silu_and_mul_quant_fp8_ref, silu_and_mul_ref,
+                                          is_fp8, silu_and_mul_quant_fp8_ref, silu_and_mul_ref,
                                           write_kv_ref)
 from pagedserve.kernels.rotary import rotary_write_kv
 
@@ -84,6 +85,30 @@ class TorchAttentionBackend:
                                    softcap)
 
 
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The references, but a decode step's attention in a few batched matmuls for the whole batch
+    (kernels/cpu_attention.py) and its cache write without a mask: the reference's per-sequence
+    loop of small ops costs more than the arithmetic on a CPU. Prefill chunks, sliding windows,
+    soft caps and fp8 caches take the references."""
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float,
+                kv_scales: tuple[torch.Tensor, torch.Tensor], *,
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        if meta.max_query_len > 1 or sliding_window or softcap or is_fp8(k_cache):
+            return super().forward(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, scale,
+                                   kv_scales, sliding_window=sliding_window, softcap=softcap)
+        q, k = rotary_ref(positions, q, k, cos_sin_cache)
+        # The runner pads decode steps to CUDA-graph sizes on every device (padding rows last,
+        # slot -1, context 1), and their max_seq_len is the model's: both are left out here.
+        n = int(torch.count_nonzero(meta.slot_mapping >= 0))
+        write_kv_cpu(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
+        out = decode_attention_cpu(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n],
+                                   scale)
+        return out if n == len(q) else torch.cat((out, q[n:]))
+
+
 class TritonAttentionBackend(TorchAttentionBackend):
     """The Triton kernels: rotary works in place, and no kernel reads a device value on the host."""
     rms_norm = staticmethod(rms_norm)
@@ -119,4 +144,4 @@ class TritonAttentionBackend(TorchAttentionBackend):
 def get_backend(device: torch.device) -> TorchAttentionBackend:
     if device.type == "cuda":
         return TritonAttentionBackend()
-    return TorchAttentionBackend()
+    return CpuAttentionBackend()

@@ -1,4 +1,5 @@
 """Which device and dtype the executor runs on, from --device and --dtype."""
+import os
 from contextlib import contextmanager
 
 import torch
@@ -13,6 +14,14 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but torch sees no CUDA GPU; use --device cpu")
     return device
+
+
+def leave_a_core(device: torch.device) -> None:
+    """On the CPU, unless OMP_NUM_THREADS says otherwise, the executor's torch threads leave one
+    core to the gateway and the scheduler, which run each step's Python beside it: an OpenMP team
+    as wide as the host stalls at every barrier while they hold a core."""
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
 
 
 def device_broken(error: BaseException) -> bool:
@@ -34,6 +43,21 @@ def resolve_dtype(name: str, model: ModelConfig, device: torch.device,
     if quantization:
         return torch.bfloat16
     return getattr(torch, model.dtype or "bfloat16")
+
+
+def resolve_linear_dtype(name: str, model: ModelConfig, device: torch.device, dtype: torch.dtype,
+                         quantization: str | None = None) -> torch.dtype:
+    """The dtype of the decoder's linear weights: the model dtype, except under `--dtype auto` on
+    a CPU that computes in bfloat16 natively (AVX512-BF16 or AMX), for a checkpoint that is
+    neither float32 nor quantized (a GGUF of quantized blocks counts as float16). There the
+    projections keep bfloat16 weights under float32 activations: a decode step reads its weights
+    once, and half the bytes make it nearly twice as fast, while the residual stream, norms,
+    attention, KV cache and LM head stay float32 (whole-bfloat16 activations changed the
+    default model's greedy answers far more often)."""
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    narrow = (name == "auto" and device.type == "cpu" and dtype == torch.float32 and native
+              and model.dtype != "float32" and not quantization)
+    return torch.bfloat16 if narrow else dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -7,7 +7,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from pagedserve.executor_svc.device import device_broken
+from pagedserve.executor_svc.device import device_broken, leave_a_core, resolve_device
 from pagedserve.executor_svc.worker import Worker
 from pagedserve.common import service
 from pagedserve.common.config import EngineConfig
@@ -93,6 +93,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 async def serve(config: EngineConfig, address: str) -> None:
     """Loads the model, then serves the Executor service at `address` until SIGINT/SIGTERM, or
     until the device fails, which exits with an error (restart policies then start it again)."""
+    leave_a_core(resolve_device(config.device))
     worker = Worker(config)
     info = worker.describe()
     log.info("executor_ready", address=address, device=info.device, dtype=info.dtype,

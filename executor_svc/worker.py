@@ -11,10 +11,12 @@ import torch
 
 from pagedserve.executor_svc.attention_backend import get_backend
 from pagedserve.executor_svc.batch_limits import batch_defaults, resolve_batch_limits
-from pagedserve.executor_svc.device import default_dtype, dtype_name, resolve_device, resolve_dtype
+from pagedserve.executor_svc.device import (default_dtype, dtype_name, resolve_device, resolve_dtype,
+                                            resolve_linear_dtype)
 from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
 from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
                                               resolve_kv_cache_dtype)
+from pagedserve.executor_svc.layers.linear import narrow_linears
 from pagedserve.executor_svc.memory_profile import profile_peak_bytes, used_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.model_runner import Launched, ModelRunner
@@ -55,6 +57,8 @@ class Worker:
         self.rank_config = shard_config(self.model_config, config.tensor_parallel_size)
         self.quantization = config.quantization or self.model_config.quantization
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device, self.quantization)
+        self.linear_dtype = resolve_linear_dtype(config.dtype, self.model_config, self.device, self.dtype,
+                                                 self.quantization)
         if self.quantization:
             check_fp8_device(self.device, self.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
@@ -144,12 +148,14 @@ class Worker:
         config = self.config
         start = time.perf_counter()
         load_weights(self.model, config.model, config.load_format, config.seed, quantize)
+        if self.linear_dtype != self.dtype:
+            narrow_linears(self.model, self.linear_dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info("model_loaded", model=config.model, weights_gib=round(weight_bytes / 2**30, 3),
                  parameters=sum(p.numel() for p in self.model.parameters()),
                  rank=0 if self.tp is None else self.tp.rank,
                  seconds=round(time.perf_counter() - start, 2), load_format=config.load_format,
-                 quantization=self.quantization)
+                 quantization=self.quantization, linear_dtype=dtype_name(self.linear_dtype))
 
     def describe(self) -> ExecutorInfo:
         return ExecutorInfo(num_blocks=self.num_blocks, block_size=self.block_size,

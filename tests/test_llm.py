@@ -81,7 +81,7 @@ def test_stop_string_truncates_the_text(llm):
 
 @pytest.fixture(scope="module")
 def llm_one_step_at_a_time():
-    return LLM(max_model_len=256, async_scheduling=False)
+    return LLM(max_model_len=256, async_scheduling=False, dtype="float")
 
 
 def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(llm, llm_one_step_at_a_time):

@@ -22,7 +22,7 @@ FREE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a ti
 @pytest.fixture(scope="module")
 def llm():
     path = smollm2_path()
-    engine = LLM(str(path), max_num_batched_tokens=64, async_scheduling=True)
+    engine = LLM(str(path), max_num_batched_tokens=64, async_scheduling=True, dtype="float32")
     assert engine.config.async_scheduling
     return engine
 

@@ -176,7 +176,7 @@ def test_a_pooling_model_refuses_generation_and_a_generator_refuses_pooling(tmp_
 
 def test_smollm2_embeddings_are_its_normalised_last_hidden_states():
     path = smollm2_path()
-    llm = LLM(str(path), device="cpu", runner="pooling", max_model_len=256)
+    llm = LLM(str(path), device="cpu", runner="pooling", max_model_len=256, dtype="float32")
     assert llm.pooling.tasks == ["embed"] and llm.pooling.embedding_size == 576
     outs = llm.embed(list(RAW_PROMPTS), use_tqdm=False)
     model = smollm2_transformers_model()

@@ -13,7 +13,15 @@ from torch import nn
 from pagedserve.executor_svc.parallel import TensorParallel
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """A decoder projection, whose weights may be narrower than the activations (bfloat16 under
+    float32 on a CPU: executor_svc/device.py's resolve_linear_dtype); x is cast to them and back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+class MergedLinear(Linear):
     """Several checkpoint projections stacked along the output dim, run as one matmul."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
@@ -22,7 +30,7 @@ class MergedLinear(nn.Linear):
         self.shards = {name: (start, size) for (name, size), start in zip(shard_sizes.items(), starts)}
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """This rank's slice of a projection's input dim; the caller all-reduces the partial products.
     Only rank 0 holds the bias, so the sum adds it once; the other ranks skip the checkpoint's."""
 
@@ -62,10 +70,17 @@ def column_linear(in_features: int, shard_sizes: dict[str, int], bias: bool,
     return shard(MergedLinear(in_features, shard_sizes, bias), tp, 0)
 
 
-def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> nn.Linear:
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> Linear:
     if tp is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+def narrow_linears(model: nn.Module, dtype: torch.dtype) -> None:
+    """Stores the weights of the model's decoder projections (its `Linear`s) in `dtype`."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.to(dtype)
 
 
 def embedding(num_embeddings: int, embedding_dim: int, tp: TensorParallel | None) -> nn.Embedding:

@@ -73,7 +73,8 @@ def test_greedy_tokens_equal_transformers(hf_dir, tmp_path):
     prompts = mixed_prompts(0)
     # Exact equality holds for float32 on the CPU; a GPU's kernels may flip a near tie of this
     # random model (Qwen3 did on the H200 at its 13th token).
-    llm = LLM(str(write_gguf(hf_dir, tmp_path / "model.gguf")), enable_prefix_caching=False, device="cpu")
+    llm = LLM(str(write_gguf(hf_dir, tmp_path / "model.gguf")), enable_prefix_caching=False, device="cpu",
+              dtype="float32")
     assert llm_greedy(llm, prompts, NEW_TOKENS) == hf_greedy(hf_dir, prompts, NEW_TOKENS)
 
 

@@ -50,7 +50,7 @@ def test_weights_equal_the_hf_checkpoint(hf_dir, gguf_path):
 
 def test_greedy_tokens_equal_transformers(hf_dir, gguf_path):
     prompts = mixed_prompts(0)
-    llm = LLM(str(gguf_path), enable_prefix_caching=False, device="cpu")
+    llm = LLM(str(gguf_path), enable_prefix_caching=False, device="cpu", dtype="float32")
     assert llm_greedy(llm, prompts, NEW_TOKENS) == hf_greedy(hf_dir, prompts, NEW_TOKENS)
 
 

@@ -1,0 +1,53 @@
+"""The dtype of the decoder's linear weights, and projections whose weights are narrower than
+their activations."""
+import dataclasses
+
+import pytest
+import torch
+
+from pagedserve.executor_svc.device import resolve_linear_dtype
+from pagedserve.executor_svc.layers.linear import Linear, narrow_linears
+from pagedserve.executor_svc.model_config import load_model_config
+from tests.tiny_models import make_tiny_model
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    return load_model_config(make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("m")))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_narrows_a_half_precision_checkpoint_on_a_bf16_cpu(monkeypatch, config, native):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    half = dataclasses.replace(config, dtype="float16")
+    expected = torch.bfloat16 if native else torch.float32
+    assert resolve_linear_dtype("auto", half, CPU, torch.float32) == expected
+
+
+@pytest.mark.parametrize("name, dtype, checkpoint, device, quantization", [
+    ("float32", torch.float32, "float16", CPU, None),    # --dtype float32: the exact path
+    ("auto", torch.float32, "float32", CPU, None),       # a float32 checkpoint
+    ("auto", torch.float32, "bfloat16", CPU, "fp8"),     # quantized
+    ("auto", torch.bfloat16, "bfloat16", CUDA, None),    # a GPU
+])
+def test_linear_weights_keep_the_model_dtype(monkeypatch, config, name, dtype, checkpoint, device,
+                                             quantization):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    model = dataclasses.replace(config, dtype=checkpoint)
+    assert resolve_linear_dtype(name, model, device, dtype, quantization) == dtype
+
+
+def test_narrowed_linear_takes_and_gives_float32():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Linear(64, 32), torch.nn.Linear(32, 8))
+    x = torch.randn(5, 64)
+    expected = model[0](x)
+    narrow_linears(model, torch.bfloat16)
+    assert model[0].weight.dtype == model[0].bias.dtype == torch.bfloat16
+    assert model[1].weight.dtype == torch.float32
+    out = model[0](x)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, expected, atol=0.05) and not torch.equal(out, expected)
