@@ -31,6 +31,12 @@ WORDS = ("the", "a", "of", "to", "and", "is", "in", "what", "capital", "france",
 PROMPTS = {"query": "query: ", "passage": "passage: "}
 
 
+def make_rag_models(root: Path, embedder: str, reranker: str) -> dict[str, Path]:
+    """A sentence-transformers embedder and a BERT cross-encoder under `root`, by served name."""
+    return {embedder: make_sentence_transformer(root / "embedder"),
+            reranker: make_tiny_encoder("BertForSequenceClassification", root / "reranker")}
+
+
 def make_tiny_encoder(arch: str, path: str | Path, seed: int = 0, **config_overrides) -> Path:
     """Saves a seeded float32 2-layer `arch` (one of ENCODER_ARCHITECTURES) with its tokenizer in
     `path`; returns it. A classifier has config_overrides' num_labels (default 1, a reranker's)."""

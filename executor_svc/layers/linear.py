@@ -6,6 +6,7 @@ a sharded module's `tp_split` tells the weight loader which slice of each checkp
 holds: column-parallel layers split the output dim, row-parallel ones the input dim (the caller
 all-reduces their partial products), the embedding and LM head the vocabulary."""
 import itertools
+from functools import partial
 
 import torch
 from torch import nn
@@ -14,11 +15,7 @@ from pagedserve.executor_svc.parallel import TensorParallel
 
 
 class Linear(nn.Linear):
-    """A decoder projection, whose weights may be narrower than the activations (bfloat16 under
-    float32 on a CPU: executor_svc/device.py's resolve_linear_dtype); x is cast to them and back."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+    """A decoder projection: what narrow_linears may store narrower than the activations."""
 
 
 class MergedLinear(Linear):
@@ -77,10 +74,23 @@ def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParall
 
 
 def narrow_linears(model: nn.Module, dtype: torch.dtype) -> None:
-    """Stores the weights of the model's decoder projections (its `Linear`s) in `dtype`."""
+    """Stores the weights of the model's decoder projections (its `Linear`s) in `dtype` (bfloat16
+    under float32 on a CPU: executor_svc/device.py's resolve_linear_dtype); their input is cast to
+    it and their output back. Hooks, so that a model not narrowed (every GPU) pays for no cast."""
     for module in model.modules():
         if isinstance(module, Linear):
+            module.register_forward_hook(partial(_to_activation_dtype, module.weight.dtype))
+            module.register_forward_pre_hook(_to_weight_dtype)
             module.to(dtype)
+
+
+def _to_weight_dtype(module: Linear, args: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+    return (args[0].to(module.weight.dtype),)
+
+
+def _to_activation_dtype(dtype: torch.dtype, module: Linear, args: tuple[torch.Tensor],
+                         out: torch.Tensor) -> torch.Tensor:
+    return out.to(dtype)
 
 
 def embedding(num_embeddings: int, embedding_dim: int, tp: TensorParallel | None) -> nn.Embedding:

@@ -14,7 +14,7 @@ from langchain_openai.embeddings import base as langchain_embeddings
 
 from pagedserve import LLM
 from tests.serving import free_port, pagedserve_many
-from tests.tiny_encoders import make_sentence_transformer, make_tiny_encoder
+from tests.tiny_encoders import make_rag_models
 
 EMBEDDER, RERANKER = "tiny-embedder", "tiny-reranker"
 TEXTS = ["what is the capital of france", "paris", "the river in the city of berlin is a river of germany"]
@@ -32,9 +32,7 @@ def _healthy(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("rag")
-    return {EMBEDDER: make_sentence_transformer(root / "embedder"),
-            RERANKER: make_tiny_encoder("BertForSequenceClassification", root / "reranker")}
+    return make_rag_models(tmp_path_factory.mktemp("rag"), EMBEDDER, RERANKER)
 
 
 @pytest.fixture(scope="module")

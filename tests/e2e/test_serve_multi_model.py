@@ -9,7 +9,7 @@ import requests
 from pagedserve import LLM
 from pagedserve.entrypoints.launcher import http_ready
 from tests.serving import free_port, pagedserve
-from tests.tiny_encoders import make_sentence_transformer, make_tiny_encoder
+from tests.tiny_encoders import make_rag_models
 
 CHAT, EMBEDDER, RERANKER = "smollm2", "tiny-embedder", "tiny-reranker"
 TEXTS = ["what is the capital of france", "paris", "the river in the city of berlin is a river of germany"]
@@ -20,9 +20,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("rag")
-    return {EMBEDDER: make_sentence_transformer(root / "embedder"),
-            RERANKER: make_tiny_encoder("BertForSequenceClassification", root / "reranker")}
+    return make_rag_models(tmp_path_factory.mktemp("rag"), EMBEDDER, RERANKER)
 
 
 @pytest.fixture(scope="module")
