@@ -35,7 +35,7 @@ def profile_peak_bytes(worker: "Worker") -> int:
     runner.dummy_run(config.max_num_batched_tokens, config.max_num_seqs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    graph_bytes = _graph_bytes(worker) if runner.graph_sizes else 0
+    graph_bytes = _graph_bytes(worker) if runner.shapes.decode else 0
     free, total = torch.cuda.mem_get_info(device)
     # cuBLAS workspaces and other memory that torch's allocator doesn't see.
     # Never below 0: another engine may have freed memory meanwhile.
@@ -49,17 +49,19 @@ def profile_peak_bytes(worker: "Worker") -> int:
 
 
 def _graph_bytes(worker: "Worker") -> int:
-    """What the CUDA graphs will hold beside the eager peak: the activations of the largest
-    (all graphs share one pool, the largest captured first) and every graph's output."""
+    """What the CUDA graphs will hold beside the eager peak: the activations of the largest decode
+    or mixed step (all graphs share one pool, the largest captured first) and every graph's
+    output."""
     device, runner = worker.device, worker.runner
-    sizes = runner.graph_sizes
-    size = max(sizes)
     scratch = allocate_kv_cache(worker.rank_config, 1, worker.block_size, worker.kv_dtype, device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    runner.graphs.fill_padding(size)
-    runner.graphs.forward(size, scratch)
-    torch.cuda.synchronize(device)
-    activations = torch.cuda.max_memory_allocated(device) - before
-    outputs = sum(sizes) * worker.model_config.hidden_size * worker.dtype.itemsize
+    activations = 0
+    for largest in runner.shapes.largest():
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        runner.graphs.fill_padding(largest)
+        runner.graphs.forward(largest, scratch)
+        torch.cuda.synchronize(device)
+        activations = max(activations, torch.cuda.max_memory_allocated(device) - before)
+    tokens = sum(shape.num_tokens for shape in runner.shapes.all())
+    outputs = tokens * worker.model_config.hidden_size * worker.dtype.itemsize
     return activations + outputs

@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from pagedserve.executor_svc.attention_backend import AttentionMetadata
-from pagedserve.executor_svc.cuda_graphs import CudaGraphs, capture_sizes, decode_metadata
+from pagedserve.executor_svc.cuda_graphs import (CudaGraphs, GraphShape, GraphShapes, capture_sizes,
+                                                graph_metadata, mixed_capture_sizes,
+                                                pads_mixed_steps)
 from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
 from pagedserve.executor_svc.kv_cache import KVCache, allocate_kv_cache
@@ -36,7 +38,7 @@ class Step:
     """One step's device inputs (in the StepBuffers) and which of its sequences sample."""
     num_tokens: int
     meta: AttentionMetadata
-    graph_size: int | None
+    graph: GraphShape | None
     sample_rows: np.ndarray
     logits_indices: torch.Tensor | None  # see HostInputs
 
@@ -94,19 +96,24 @@ class ModelRunner:
         self.launched: deque[Launched] = deque()
         self.num_launched = 0
         self.last_end = None
-        # Padded decode steps run through CUDA graphs on a GPU and eagerly, same shapes, elsewhere.
-        self.graph_sizes = [] if config.enforce_eager else capture_sizes(config.max_num_seqs)
+        # Padded steps run through CUDA graphs on a GPU; padded decode steps run eagerly, same
+        # shapes, elsewhere.
+        decode = [] if config.enforce_eager else capture_sizes(config.max_num_seqs)
+        mixed = (mixed_capture_sizes(config.max_num_batched_tokens)
+                 if decode and pads_mixed_steps(device) else [])
+        self.shapes = GraphShapes(decode, mixed, config.max_num_seqs)
         # The profiling step packs max_num_batched_tokens into sequences of max_model_len.
         self.max_seqs = max(config.max_num_seqs, -(-config.max_num_batched_tokens // max_model_len))
-        max_tokens = max([config.max_num_batched_tokens, *self.graph_sizes])
+        max_tokens = max([config.max_num_batched_tokens, *decode])
         self.batch = InputBatch(self.max_seqs, max_model_len, self.block_size, model_config.vocab_size, device)
         # With tensor parallelism every rank must sample the same rows: a step waits for a grammar.
         self.structured = StructuredOutputs(config.model, model_config.vocab_size,
                                             list(model_config.eos_token_ids), self.max_seqs, defer=tp is None)
         self.inputs = SamplingInputs(self.batch, self.structured, model_config.vocab_size)
         max_blocks = self.batch.max_blocks
-        self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs, max_blocks, device)
-        self.slots = [HostSlot.allocate(max_tokens, self.max_seqs, max_blocks, device)
+        # A padded mixed step has a sequence more than it may schedule.
+        self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs + 1, max_blocks, device)
+        self.slots = [HostSlot.allocate(max_tokens, self.max_seqs + 1, max_blocks, device)
                       for _ in range(MAX_STEPS_IN_FLIGHT)]
         self.slot = self.slots[0]
         # The device copy of the batch's block table, updated from each plan's new block ids.
@@ -114,9 +121,9 @@ class ModelRunner:
         # Each row's most recently sampled token, which the next step reads before the host has it.
         self.last_sampled = torch.zeros(self.max_seqs, dtype=torch.int64, device=device)
         mc = model.config
-        self.graph_metas = {size: decode_metadata(self.buffers, size, max_model_len, mc.num_attention_heads,
+        self.graph_metas = {shape: graph_metadata(self.buffers, shape, max_model_len, mc.num_attention_heads,
                                                   mc.num_key_value_heads, mc.head_dim, dtype, kv_dtype)
-                            for size in self.graph_sizes}
+                            for shape in self.shapes.all()}
         self.graphs = CudaGraphs(model, self.buffers, self.graph_metas)
 
     def reset(self) -> None:
@@ -248,7 +255,8 @@ class ModelRunner:
                                                    SamplingParams()))
                          for i, n in enumerate(lens.tolist())], dtype=np.int64)
         try:
-            step = self._prepare(rows, lens)
+            # Unpadded: its metadata is its own, not a graph's.
+            step = self._prepare(rows, lens, GraphShapes([], [], 0))
             step.meta.num_splits = num_splits
             hidden = self._forward(step, scratch)
             positions = torch.arange(min(num_tokens, PROMPT_LOGPROBS_CHUNK), device=self.device)
@@ -301,20 +309,22 @@ class ModelRunner:
         self.batch.remove(seq_id)
         self.structured.remove(seq_id)
 
-    def _prepare(self, rows: np.ndarray, query_lens: np.ndarray) -> Step:
-        """Builds the step's inputs on the host and copies them into the StepBuffers."""
-        host = host_inputs(self.batch, rows, query_lens, self.graph_sizes, self.max_model_len)
-        num_tokens, num_seqs = len(host.input_ids), len(host.rows)
+    def _prepare(self, rows: np.ndarray, query_lens: np.ndarray,
+                 shapes: GraphShapes | None = None) -> Step:
+        """Builds the step's inputs on the host, padded to one of `shapes` (default: the graphs'),
+        and copies them into the StepBuffers."""
+        num_tokens, num_seqs = int(query_lens.sum()), len(rows)
         if num_tokens > self.buffers.input_ids.numel() or num_seqs > self.max_seqs:
             raise ValueError(f"step plan schedules {num_tokens} tokens of {num_seqs} sequences, "
                              f"more than max_num_batched_tokens "
                              f"({self.config.max_num_batched_tokens}) or max_num_seqs allow")
-        return self._upload(host)
+        return self._upload(host_inputs(self.batch, rows, query_lens, shapes or self.shapes,
+                                        self.max_model_len))
 
     def _upload(self, host: HostInputs) -> Step:
         buf, staging = self.buffers, self.slot.staging
         upload = staging.upload
-        rows, input_ids, late, graph_size = host.rows, host.input_ids, host.late, host.graph_size
+        rows, input_ids, late, graph = host.rows, host.input_ids, host.late, host.graph
         num_tokens, num_seqs = len(input_ids), len(rows)
         staging.reset()
         updates = self.batch.take_block_updates()
@@ -326,7 +336,7 @@ class ModelRunner:
         upload(rows, buf.rows[:num_seqs])
         if late is None:
             upload(input_ids, buf.input_ids[:num_tokens])
-        elif graph_size is not None and late.shape[1] == len(host.sample_rows):
+        elif graph is not None and not graph.mixed and late.shape[1] == len(host.sample_rows):
             # The pipelined steady state: a decode step whose every token is one that a step in
             # flight samples. One gather fills them all (padding rows too: their ids go unused).
             torch.index_select(self.last_sampled, 0, buf.rows[:num_seqs],
@@ -339,19 +349,20 @@ class ModelRunner:
         torch.index_select(self.block_table, 0, buf.rows[:num_seqs],
                            out=buf.block_tables[:num_seqs])
         logits = None if host.logits_indices is None else upload(host.logits_indices)
-        if graph_size is not None:
-            return Step(num_tokens, self.graph_metas[graph_size], graph_size, host.sample_rows, logits)
-        upload(host.query_start_loc.astype(np.int32), buf.query_start_loc[:num_seqs + 1])
+        if graph is None or graph.mixed:
+            upload(host.query_start_loc.astype(np.int32), buf.query_start_loc[:num_seqs + 1])
+        if graph is not None:
+            return Step(num_tokens, self.graph_metas[graph], graph, host.sample_rows, logits)
         # Graph steps never read the decode-row count: their metadata was fixed at capture.
         meta = AttentionMetadata(buf.slot_mapping[:num_tokens], buf.query_start_loc[:num_seqs + 1],
                                  buf.seq_lens[:num_seqs], buf.block_tables[:num_seqs],
                                  int(host.query_lens.max()), int(host.seq_lens.max()),
                                  num_decode_seqs=int(np.count_nonzero(host.query_lens == 1)))
-        return Step(num_tokens, meta, graph_size, host.sample_rows, logits)
+        return Step(num_tokens, meta, None, host.sample_rows, logits)
 
     def _forward(self, step: Step, kv_caches: list[KVCache]) -> torch.Tensor:
-        if step.graph_size is not None and step.graph_size in self.graphs.graphs:
-            return self.graphs.replay(step.graph_size)
+        if step.graph is not None and step.graph in self.graphs.graphs:
+            return self.graphs.replay(step.graph)
         buf = self.buffers
         return self.model(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
                           kv_caches, step.meta)

@@ -1,18 +1,18 @@
 """A step's forward inputs as the host builds them from the persistent batch: token ids,
-positions, KV slots, sequence lengths, the rows that sample, and for a pure-decode step the
-padding to its CUDA graph's size. Pure numpy; the runner uploads them."""
+positions, KV slots, sequence lengths, the rows that sample, and the padding to a CUDA graph's
+shape (cuda_graphs.py). Pure numpy; the runner uploads them."""
 from dataclasses import dataclass
 
 import numpy as np
 
-from pagedserve.executor_svc.cuda_graphs import bucket
+from pagedserve.executor_svc.cuda_graphs import GraphShape, GraphShapes
 from pagedserve.executor_svc.input_batch import InputBatch
 
 
 @dataclass(slots=True)
 class HostInputs:
-    """One step's inputs as the host builds them, padded to its graph size if it has one."""
-    rows: np.ndarray                     # [num_seqs] persistent-batch rows
+    """One step's inputs as the host builds them, padded to its graph shape if it has one."""
+    rows: np.ndarray                     # [num_seqs] persistent-batch rows (padding: row 0)
     input_ids: np.ndarray                # [num_tokens]
     # [2, n] (token index, row): tokens that steps in flight sample, filled in on the device.
     late: np.ndarray | None
@@ -20,27 +20,27 @@ class HostInputs:
     slot_mapping: np.ndarray             # [num_tokens]
     seq_lens: np.ndarray                 # [num_seqs]
     query_lens: np.ndarray               # [num_seqs], unpadded
-    query_start_loc: np.ndarray          # [num_seqs + 1], unpadded
+    query_start_loc: np.ndarray          # [num_seqs + 1]
     # The hidden-state rows to sample; None when they are the first len(sample_rows) rows.
     logits_indices: np.ndarray | None
     sample_rows: np.ndarray
-    graph_size: int | None
+    graph: GraphShape | None
 
 
-def host_inputs(batch: InputBatch, rows: np.ndarray, query_lens: np.ndarray, graph_sizes: list[int],
+def host_inputs(batch: InputBatch, rows: np.ndarray, query_lens: np.ndarray, shapes: GraphShapes,
                 max_model_len: int) -> HostInputs:
     """The inputs of a step computing query_lens tokens of each of `rows` from its num_computed
-    on; a step of one token per sequence is padded to the smallest of `graph_sizes` that holds it."""
+    on, padded to the graph shape that holds it if there is one."""
     block_size = batch.block_size
     computed = batch.num_computed[rows]
     seq_lens = computed + query_lens
     known = batch.known_tokens(rows)
     _check_lengths(batch, rows, seq_lens, known, max_model_len)
     num_seqs, num_tokens = len(rows), int(query_lens.sum())
-    graph_size = bucket(graph_sizes, num_seqs) if num_tokens == num_seqs else None
+    graph = shapes.shape(num_tokens, num_seqs)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
-    if graph_size is None:
+    if num_tokens != num_seqs:
         token_rows = np.repeat(rows, query_lens)
         positions = (np.arange(num_tokens)
                      - np.repeat(query_start_loc[:-1] - computed, query_lens))
@@ -56,12 +56,27 @@ def host_inputs(batch: InputBatch, rows: np.ndarray, query_lens: np.ndarray, gra
     # One token per sequence, all sampling: the logits rows are the first hidden-state rows.
     logits_indices = (None if num_tokens == num_seqs == len(sample_rows)
                       else query_start_loc[1:][sample_rows] - 1)
-    if graph_size is not None:
-        pad = graph_size - num_seqs
-        input_ids, positions, rows = (_pad(a, pad, 0) for a in (input_ids, positions, rows))
-        slot_mapping, seq_lens = _pad(slot_mapping, pad, -1), _pad(seq_lens, pad, 1)
-    return HostInputs(rows, input_ids, late, positions, slot_mapping, seq_lens, query_lens,
-                      query_start_loc, logits_indices, sample_rows, graph_size)
+    host = HostInputs(rows, input_ids, late, positions, slot_mapping, seq_lens, query_lens,
+                      query_start_loc, logits_indices, sample_rows, graph)
+    if graph is not None:
+        _pad_to_graph(host, graph)
+    return host
+
+
+def _pad_to_graph(host: HostInputs, graph: GraphShape) -> None:
+    num_tokens, num_seqs = len(host.input_ids), len(host.rows)
+    pad_tokens, pad_seqs = graph.num_tokens - num_tokens, graph.num_seqs - num_seqs
+    host.input_ids = _pad(host.input_ids, pad_tokens, 0)
+    host.positions = _pad(host.positions, pad_tokens, 0)
+    host.slot_mapping = _pad(host.slot_mapping, pad_tokens, -1)
+    host.rows = _pad(host.rows, pad_seqs, 0)
+    if not graph.mixed:
+        host.seq_lens = _pad(host.seq_lens, pad_seqs, 1)
+        return
+    # Empty sequences, then the one that owns the padding tokens, without context.
+    host.seq_lens = _pad(_pad(host.seq_lens, pad_seqs - 1, 0), 1, pad_tokens)
+    host.query_start_loc = _pad(_pad(host.query_start_loc, pad_seqs - 1, num_tokens), 1,
+                                graph.num_tokens)
 
 
 def _check_lengths(batch: InputBatch, rows: np.ndarray, seq_lens: np.ndarray, known: np.ndarray,

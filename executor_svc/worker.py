@@ -130,7 +130,7 @@ class Worker:
             # neither the profiling step nor a decode graph compiles, and which a mixed step of a
             # short prompt among a few decodes meets in the middle of serving: compiled here.
             runner.dummy_run(SPLIT_WARM_UP_TOKENS, 1, num_splits=2)
-        if runner.graph_sizes and self.device.type == "cuda":
+        if runner.shapes.decode and self.device.type == "cuda":
             runner.graphs.capture(runner.kv_caches)
         else:
             log.info("cuda_graphs_off", reason="--enforce-eager" if config.enforce_eager else "not on a GPU")

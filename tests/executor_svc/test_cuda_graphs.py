@@ -1,11 +1,12 @@
-"""Decode steps padded to CUDA-graph sizes: the size buckets, and padded steps run through the
-Triton kernels (under the interpreter on a CPU) giving transformers' greedy tokens."""
+"""Steps padded to CUDA-graph shapes: the buckets, and padded decode and mixed steps run through
+the Triton kernels (under the interpreter on a CPU) giving transformers' greedy tokens."""
 import pytest
 import torch
 
-from pagedserve.executor_svc import worker
+from pagedserve.executor_svc import model_runner, worker
 from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
-from pagedserve.executor_svc.cuda_graphs import bucket, capture_sizes
+from pagedserve.executor_svc.cuda_graphs import (GraphShape, GraphShapes, bucket, capture_sizes,
+                                                 mixed_capture_sizes)
 from tests.executor_svc.harness import (NEW_TOKENS, MiniScheduler, Seq, make_worker,
                                                   random_prompts)
 from tests.tiny_models import hf_greedy, make_tiny_model
@@ -26,15 +27,34 @@ def test_bucket_is_the_smallest_size_that_fits(num_seqs, size):
     assert bucket(capture_sizes(512), num_seqs) == size
 
 
+def test_mixed_capture_sizes_step_32_then_64_up_to_the_token_budget():
+    assert mixed_capture_sizes(8192) == [32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    assert mixed_capture_sizes(300) == [32, 64, 96, 128, 160, 192, 224, 256, 300]
+
+
+@pytest.mark.parametrize("num_tokens, num_seqs, shape", [
+    (3, 3, GraphShape(4, 4, False)), (9, 9, GraphShape(16, 16, False)), (17, 1, GraphShape(32, 17, True)),
+    (33, 16, GraphShape(64, 17, True)), (300, 12, GraphShape(320, 17, True)), (513, 5, None),
+    (17, 17, None)])
+def test_a_step_pads_to_the_smallest_shape_that_holds_it(num_tokens, num_seqs, shape):
+    # max_num_seqs 16: decode steps of up to 16 rows, mixed ones of up to 512 tokens, with room
+    # for every sequence and one of padding.
+    assert GraphShapes(capture_sizes(16), mixed_capture_sizes(8192), 16).shape(num_tokens, num_seqs) == shape
+
+
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1, which is "
                            "set only without a GPU; on a GPU test_gpu_parity covers them")
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["padded", "eager"])
-def test_triton_backend_matches_transformers(monkeypatch, tmp_path, enforce_eager):
+@pytest.mark.parametrize("enforce_eager, mixed", [(False, False), (False, True), (True, False)],
+                         ids=["padded", "mixed", "eager"])
+def test_triton_backend_matches_transformers(monkeypatch, tmp_path, enforce_eager, mixed):
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
     monkeypatch.setattr(worker, "get_backend", lambda device: TritonAttentionBackend())
-    executor = make_worker(path, max_num_seqs=8, enforce_eager=enforce_eager)
-    assert executor.runner.graph_sizes == ([] if enforce_eager else [1, 2, 4, 8])
+    monkeypatch.setattr(model_runner, "pads_mixed_steps", lambda device: mixed)
+    executor = make_worker(path, max_num_seqs=8, enforce_eager=enforce_eager,
+                           max_num_batched_tokens=64)
+    assert executor.runner.shapes.decode == ([] if enforce_eager else [1, 2, 4, 8])
+    assert executor.runner.shapes.mixed == ([32, 64] if mixed else [])
     prompts = random_prompts([3, 20, 9], seed=5)
     scheduler = MiniScheduler(executor, budget=16, seed=5)
     for seq_id, prompt in enumerate(prompts):

@@ -6,6 +6,7 @@ chunks under a token budget, shares blocks for prefix-cache hits, drops and re-a
 import numpy as np
 import pytest
 
+from pagedserve.executor_svc import model_runner
 from pagedserve.executor_svc.logits import PROMPT_LOGPROBS_CHUNK
 from pagedserve.common.plan import ContinuingRequest, NewRequest, StepPlan
 from pagedserve.common.sampling_params import SamplingParams
@@ -27,6 +28,25 @@ def test_chunked_prefill_mixed_batch_matches_transformers(arch, tmp_path):
         scheduler.add(seq_id, Seq(list(prompt), NEW_TOKENS))
     outputs = scheduler.run_to_completion()
     assert [outputs[i] for i in range(len(prompts))] == hf_greedy(path, prompts, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_mixed_steps_padded_to_graph_shapes_match_transformers(arch, tmp_path, monkeypatch):
+    # As on a GPU: each step with a prompt chunk is padded to a mixed graph shape (32 tokens,
+    # max_num_seqs + 1 sequences), the padding tokens owned by a sequence of their own.
+    monkeypatch.setattr(model_runner, "pads_mixed_steps", lambda device: True)
+    path = make_tiny_model(arch, tmp_path)
+    prompts = random_prompts([3, 41, 17, 9, 26], seed=3)
+    worker = make_worker(path, max_num_seqs=8)
+    shapes = []
+    prepare = worker.runner._prepare
+    worker.runner._prepare = lambda *args: shapes.append((step := prepare(*args)).graph) or step
+    scheduler = MiniScheduler(worker, budget=16, seed=3)
+    for seq_id, prompt in enumerate(prompts):
+        scheduler.add(seq_id, Seq(list(prompt), NEW_TOKENS))
+    outputs = scheduler.run_to_completion()
+    assert [outputs[i] for i in range(len(prompts))] == hf_greedy(path, prompts, NEW_TOKENS)
+    assert (32, 9, True) in shapes and (8, 8, False) in shapes
 
 
 def test_block_size_4_one_prompt_per_step(llama):
