@@ -13,22 +13,24 @@ from pagedserve.scheduler_svc.request import Request
 FCFS, PRIORITY = "fcfs", "priority"
 # What background requests may add to a step beside interactive ones, which every interactive
 # decode waits for; both shrink to 0 as interactive requests fill max_num_seqs. Decode rows keep a
-# step pure decode, which runs as a CUDA graph: on the H200 (Llama-3.1-8B shape) a decode step costs
-# 5.21 ms at batch 16 and 6.21 ms at 64, about 21 us a row, so 32 rows add about 0.7 ms. A prefill
-# chunk makes a step eager, about 25 ms at 50-70 rows against 6 ms as a graph: with a 64-token
-# allowance of any kind, background chunks in every step took interactive TPOT at concurrency 10
-# from 5.8 to 25.6 ms and TTFT p50 from 35 to 110 ms (`bench batch`, 2026-12-02). So background
-# prompts are computed only in steps that prefill an interactive prompt anyway, at most
-# BACKGROUND_PREFILL_TOKENS there, which bounds what that prompt's first token waits for them.
+# step pure decode: on the H200 (Llama-3.1-8B shape) a decode graph costs 5.21 ms at batch 16 and
+# 6.21 ms at 64, about 21 us a row, so 32 rows add about 0.7 ms. A step that computes any prompt
+# costs more: eagerly about 25 ms at 50-70 rows, and even as a mixed-step graph (cuda_graphs.py)
+# 32 background rows and 32 prompt tokens in every step took interactive TPOT at concurrency 10
+# from 5.7 to 7.95 ms (`bench batch`, 2026-12-02). So background prompts are computed only in
+# steps that prefill an interactive prompt anyway, at most BACKGROUND_PREFILL_TOKENS there, which
+# bounds what that prompt's first token waits for them.
 BACKGROUND_ROWS = 32
 BACKGROUND_PREFILL_TOKENS = 256
 # Without interactive prompts arriving (one long stream, say), a background prompt makes a step of
-# its own after this many steps: one eager step of about 25 ms in 64 of about 6 ms, +7% at most.
+# its own after this many steps: one step of at most about 25 ms in 64 of about 6 ms, +7% at most.
 BACKGROUND_PREFILL_INTERVAL = 64
-# The three trade interactive latency for batch throughput. `bench batch` on the H200 (concurrency
-# 10 beside a 2,000-line batch, 2026-12-02): these values kept TTFT p50 at 0.98x and TPOT at 1.06x
-# of the interactive load alone, the batch taking 31% of what it left; 64 rows, 768 prefill tokens
-# and an interval of 32 gave 1.18x, 1.23x and 54%.
+# The three trade interactive latency for batch throughput. `bench batch` on the H200 with
+# mixed-step graphs (concurrency 10 beside a 2,000-line batch, 2026-12-02; TTFT p50 / TPOT against
+# the interactive load alone, and the batch's share of the capacity it left): these values 1.32x /
+# 1.11x / 32%; 64 rows and 64 prompt tokens every other step 1.07x / 1.35x / 57%, every step 1.26x /
+# 1.56x / 74%; 32 rows and 32 tokens every step 1.27x / 1.40x / 47%. TTFT p50 alone varied from 33
+# to 39 ms between those runs. BENCHMARKS.md has the table.
 
 _is_background = attrgetter("background")
 
