@@ -53,8 +53,7 @@ def resolve_linear_dtype(name: str, model: ModelConfig, device: torch.device, dt
     projections keep bfloat16 weights under float32 activations: a decode step reads its weights
     once, and half the bytes make it nearly twice as fast, while the residual stream, norms,
     attention, KV cache and LM head stay float32 (whole-bfloat16 activations changed the
-    default model's greedy answers far more often). layers/linear.py's narrow_linears also keeps
-    weights on a 4-bit grid as their codes, for steps of few rows."""
+    default model's greedy answers far more often)."""
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     narrow = (name == "auto" and device.type == "cpu" and dtype == torch.float32 and native
               and model.dtype != "float32" and not quantization)

@@ -73,54 +73,24 @@ def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParall
     return RowParallelLinear(in_features, out_features, bias, tp)
 
 
-# A narrowed projection whose weights lie on a 4-bit grid also keeps them packed for torch's CPU
-# int4 kernel, which steps of at most INT4_MAX_ROWS rows run: on the 2-core CPU (SmolLM2's 30
-# layers of projections, distinct weights, one thread) it took 8.9 ms at 1 row, 13.3 at 4 and 45 at
-# 16, where bfloat16 took 28-35 ms at any of them.
-INT4_MAX_ROWS = 4
-INT4_GROUP = 32
-
-
 def narrow_linears(model: nn.Module, dtype: torch.dtype) -> None:
     """Stores the weights of the model's decoder projections (its `Linear`s) in `dtype` (bfloat16
-    under float32 on a CPU: executor_svc/device.py's resolve_linear_dtype), and also as 4-bit codes
-    where they are on a 4-bit grid (`int4_grid`); their input is cast to `dtype` and their output
-    back. A forward of its own, so that a model not narrowed (every GPU) pays for no cast."""
+    under float32 on a CPU: executor_svc/device.py's resolve_linear_dtype); their input is cast to
+    it and their output back. Hooks, so that a model not narrowed (every GPU) pays for no cast."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.int4 = int4_grid(module.weight.detach())
+            module.register_forward_hook(partial(_to_activation_dtype, module.weight.dtype))
+            module.register_forward_pre_hook(_to_weight_dtype)
             module.to(dtype)
-            module.forward = partial(_narrowed_forward, module)
 
 
-def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """weight [N, K] as 4-bit codes packed for `_weight_int4pack_mm_for_cpu`, with a scale and
-    offset per group of INT4_GROUP inputs (bfloat16), when each group's values are low + code *
-    step for codes 0 to 15, its least value at code 0 and its greatest at 15 (as a Q4_1 GGUF's
-    are); else None."""
-    n, k = weight.shape
-    # The packing's own constraint on N.
-    if k % INT4_GROUP or n % 16:
-        return None
-    w = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
-    low = w.amin(-1, keepdim=True)
-    step = (w.amax(-1, keepdim=True) - low) / 15
-    codes = ((w - low) / step.clamp(min=torch.finfo(torch.float32).tiny)).round()
-    if ((codes * step + low - w).abs() > 0.01 * step).any():
-        return None
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int().reshape(n, k), 1)
-    # The kernel computes (code - 8) * scale + zero.
-    scales = torch.cat((step, low + 8 * step), -1).transpose(0, 1).to(torch.bfloat16).contiguous()
-    return packed, scales
+def _to_weight_dtype(module: Linear, args: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+    return (args[0].to(module.weight.dtype),)
 
 
-def _narrowed_forward(module: Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.to(module.weight.dtype)
-    if module.int4 is None or len(rows) > INT4_MAX_ROWS:
-        return nn.functional.linear(rows, module.weight, module.bias).to(x.dtype)
-    packed, scales = module.int4
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales)
-    return (out if module.bias is None else out + module.bias).to(x.dtype)
+def _to_activation_dtype(dtype: torch.dtype, module: Linear, args: tuple[torch.Tensor],
+                         out: torch.Tensor) -> torch.Tensor:
+    return out.to(dtype)
 
 
 def embedding(num_embeddings: int, embedding_dim: int, tp: TensorParallel | None) -> nn.Embedding:
