@@ -88,8 +88,8 @@ class GraphShapes:
 
     def largest(self) -> list[GraphShape]:
         """The largest decode shape and the largest mixed one, where there are any."""
-        decode = [GraphShape(max(self.decode), max(self.decode), False)] if self.decode else []
-        return decode + ([self._mixed(max(self.mixed))] if self.mixed else [])
+        decode = [GraphShape(size, size, False) for size in self.decode[-1:]]
+        return decode + [self._mixed(tokens) for tokens in self.mixed[-1:]]
 
     def _mixed(self, num_tokens: int) -> GraphShape:
         return GraphShape(num_tokens, min(num_tokens, self.max_num_seqs) + 1, True)
@@ -163,7 +163,7 @@ class CudaGraphs:
 
     def forward(self, shape: GraphShape, kv_caches: list[KVCache]) -> torch.Tensor:
         """The eager forward that `replay(shape)` repeats."""
-        b, num_tokens = self.buffers, shape[0]
+        b, num_tokens = self.buffers, shape.num_tokens
         return self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], kv_caches,
                           self.metas[shape])
 
