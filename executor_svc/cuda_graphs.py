@@ -110,14 +110,13 @@ def graph_metadata(buffers: StepBuffers, shape: GraphShape, max_model_len: int,
     if not mixed:
         return _decode_metadata(buffers, num_seqs, max_model_len, num_heads, num_kv_heads,
                                 head_dim, dtype, kv_dtype)
-    # Unsplit, so that the decode rows get a launch of their own tiling (paged_attention's
-    # num_decode_seqs), whenever num_seqs of them would fill the GPU.
+    # Unsplit: at most MAX_MIXED_TOKENS tokens attend in one launch of small tiles
+    # (kernels/attention.py), whose q blocks of num_seqs sequences fill the GPU without a split.
     return AttentionMetadata(slot_mapping=buffers.slot_mapping[:num_tokens],
                              query_start_loc=buffers.query_start_loc[:num_seqs + 1],
                              seq_lens=buffers.seq_lens[:num_seqs],
                              block_tables=buffers.block_tables[:num_seqs],
-                             max_query_len=num_tokens, max_seq_len=max_model_len, num_splits=1,
-                             num_decode_seqs=num_seqs)
+                             max_query_len=num_tokens, max_seq_len=max_model_len, num_splits=1)
 
 
 def _decode_metadata(buffers: StepBuffers, size: int, max_model_len: int, num_heads: int,

@@ -22,6 +22,17 @@ MAX_SPLITS = 16
 # Which sequences a launch attends for (its run-time `rows` argument): all, those with more than
 # one query (prefill chunks), or those with one (decode rows, one program per sequence).
 ALL_ROWS, PREFILL_ROWS, DECODE_ROWS = 0, 1, 2
+# A launch of few queries (a decode batch beside a prompt chunk or two, as mixed-step CUDA graphs
+# run it) attends every row in one launch of small tiles, 16 rows up to SMALL_STEP_TOKENS and 64
+# up to MEDIUM_STEP_TOKENS: prompt chunks then spread over many programs rather than a few that
+# each walk the whole context, and the decode rows need no launch of their own. On an H200
+# (Llama-3.1-8B shape, a layer padded as mixed graphs pad it, 2026-12-02) 42 decode rows of 530
+# keys plus a 32-token chunk over 300 cached took 32.5 us against 55.5 in the prefill tiling and
+# a decode launch (the decode rows alone: 32.2); plus 200 prompt tokens 40.5 against 62.6; 4 x
+# 120 prompt tokens 18.9 against 36.4 (64-row tiles); 448 prompt tokens over 3,000 cached 146.7
+# against 143.0, where 16-row tiles took 259.5, rereading the context for every 4 queries.
+SMALL_STEP_TOKENS = 256
+MEDIUM_STEP_TOKENS = 512
 _ALL_ROWS, _DECODE_ROWS = tl.constexpr(ALL_ROWS), tl.constexpr(DECODE_ROWS)
 
 
@@ -406,9 +417,11 @@ class AttentionConfig:
 
 
 def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len: int,
-                   fresh_kv: bool = False, kv_bytes: int | None = None) -> AttentionConfig:
-    """The tiling `paged_attention` picks when given none; `fresh_kv` when it is given k_new;
-    elem_bytes is the query's element size, kv_bytes the cache's (default: the same)."""
+                   fresh_kv: bool = False, kv_bytes: int | None = None,
+                   num_tokens: int | None = None) -> AttentionConfig:
+    """The tiling `paged_attention` picks when given none for a launch of num_tokens queries (None:
+    as many as a prefill tiling suits); `fresh_kv` when it is given k_new; elem_bytes is the
+    query's element size, kv_bytes the cache's (default: the same)."""
     # Decode rows fill BLOCK_M with the GQA group (16 rows is the smallest tensor-core tile)
     # and stream 16 KiB KV tiles, K loaded [head_dim, tile]. A sweep on an H200 (Llama-3.1-8B
     # shape, batch 64-512 x context 1k-16k) measured bf16 fastest with 64-token tiles and 2
@@ -417,10 +430,12 @@ def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len
     # ms at 256 x 16k against 3.92 for bf16.
     # Tiles hold heads padded to a power of two (Phi-3-mini's 96 dims as 128).
     head_dim = triton.next_power_of_2(head_dim)
-    if max_query_len * group_pad <= 16:
+    small = num_tokens is not None and num_tokens <= MEDIUM_STEP_TOKENS
+    if max_query_len * group_pad <= 16 or small:
         kv_bytes = kv_bytes or elem_bytes
         tile = max(16, min(128, 16384 // (head_dim * kv_bytes)))
-        return AttentionConfig(max(16, group_pad), tile, num_warps=4,
+        rows = 16 if max_query_len * group_pad <= 16 or num_tokens <= SMALL_STEP_TOKENS else 64
+        return AttentionConfig(max(rows, group_pad), tile, num_warps=4,
                                num_stages=2 if kv_bytes >= 2 else 3, k_transposed=True)
     # Prefill: 128-row tiles so a KV tile is reused by many queries, 128-token KV tiles (32 KiB),
     # longest q blocks first (FlashAttention-2's order), the step's own keys through TMA when
@@ -460,7 +475,8 @@ def default_num_splits(num_tokens: int, num_seqs: int, num_heads: int, num_kv_he
     """The KV segment count `paged_attention` picks when none is given: a CUDA graph fixes it
     for its batch size at capture."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    cfg = default_config(group_pad, head_dim, elem_bytes, max_query_len, kv_bytes=kv_bytes)
+    cfg = default_config(group_pad, head_dim, elem_bytes, max_query_len, kv_bytes=kv_bytes,
+                         num_tokens=num_tokens)
     return _num_splits(cfg, group_pad, num_tokens, num_seqs, num_kv_heads, max_query_len,
                        max_seq_len, device)
 
@@ -482,8 +498,9 @@ def _decode_launch(config: AttentionConfig | None, group_pad: int, head_dim: int
     on an H200 (Llama-3.1-8B shape, 16,384 tokens of prompts of 128-1,024 tokens plus 250 / 480
     decode rows of contexts 150-1,100) one launch took 851 / 1,201 us a layer, the prefill chunks
     alone 446 / 425 and the decode rows alone 182 / 328. Only unsplit launches are parted, since
-    each split launch's merge writes every token's output."""
-    if config is not None or not num_decode_seqs or max_query_len == 1 or num_splits > 1:
+    each split launch's merge writes every token's output; steps of small tiles are not."""
+    if (config is not None or not num_decode_seqs or max_query_len == 1 or num_splits > 1
+            or len(q) <= MEDIUM_STEP_TOKENS):
         return None
     cfg = default_config(group_pad, head_dim, q.element_size(), 1, kv_bytes=k_cache.element_size())
     splits = _num_splits(cfg, group_pad, num_decode_seqs, num_decode_seqs, num_kv_heads, 1,
@@ -558,7 +575,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     attended_len = min(max_seq_len, sliding_window + max_query_len) if windowed else max_seq_len
     capped = bool(softcap)
     cfg = config or default_config(group_pad, head_dim, q.element_size(), max_query_len,
-                                   fresh_kv=k_new is not None, kv_bytes=k_cache.element_size())
+                                   fresh_kv=k_new is not None, kv_bytes=k_cache.element_size(),
+                                   num_tokens=num_tokens)
     if cfg.block_m < group_pad:
         raise ValueError(f"block_m {cfg.block_m} is below the padded GQA group {group_pad}")
     block_q = cfg.block_m // group_pad

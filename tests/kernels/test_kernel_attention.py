@@ -160,10 +160,19 @@ def test_fresh_kv_from_the_step(config: AttentionConfig, num_splits: int) -> Non
              fresh=True, poison_new=num_splits == 1)
 
 
+@pytest.fixture
+def large_step_tilings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles and launches as a step of more than MEDIUM_STEP_TOKENS tokens gets them, at this
+    test's few tokens."""
+    monkeypatch.setattr(attention, "SMALL_STEP_TOKENS", 0)
+    monkeypatch.setattr(attention, "MEDIUM_STEP_TOKENS", 0)
+
+
 # The default prefill tiling given k_new (128-token KV tiles): chunks after cached prefixes
 # longer than themselves (a whole tile and a partial one; a block of 16-token pages), a decode
 # row, and a prompt past one KV tile. The new tokens' cache slots hold NaN, so only a kernel
 # that reads them from k_new / v_new and the prefixes from the paged cache passes.
+@pytest.mark.usefixtures("large_step_tilings")
 def test_default_prefill_reads_chunks_over_a_cached_prefix() -> None:
     run_case([(150, 40), (260, 3), (9, 1), (0, 200)], 4, 32, 16, torch.float32,
              num_splits=None, fresh=True, poison_new=True)
@@ -230,6 +239,7 @@ class LaunchSpy:
 # A mixed step told its decode rows attends them in a second launch of the decode tiling, one
 # program per sequence, while the prefill launch skips them: over a bf16-like or an fp8 cache,
 # with the step's new keys read from k_new (their cache slots poisoned) where the cache allows.
+@pytest.mark.usefixtures("large_step_tilings")
 @pytest.mark.parametrize("kv_scales", [None, (0.02, 3.0)], ids=["cache", "fp8-cache"])
 def test_mixed_step_attends_decode_rows_in_a_launch_of_their_own(
         monkeypatch: pytest.MonkeyPatch, kv_scales: tuple[float, float] | None) -> None:
@@ -241,12 +251,33 @@ def test_mixed_step_attends_decode_rows_in_a_launch_of_their_own(
 
 
 # The same under a 24-key window: both launches skip the tiles before each query's window.
+@pytest.mark.usefixtures("large_step_tilings")
 def test_sliding_window_mixed_step_decode_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     spy = LaunchSpy(attention._attention_kernel)
     monkeypatch.setattr(attention, "_attention_kernel", spy)
     run_case(MIXED, 4, 32, 8, torch.float32, num_splits=None, fresh=True, poison_new=True,
              decode_launch=True, sliding_window=24, q_gain=3.0)
     assert len(spy.grids) == 2
+
+
+# A step of few tokens, told its decode rows and given k_new as serving gives them, attends all
+# its rows in one launch of small tiles that read the cache: 16-row tiles at MIXED's 138 tokens,
+# 64-row tiles past SMALL_STEP_TOKENS (lowered to 100 here), under a window and a cap too.
+@pytest.mark.parametrize("small_step_tokens, block_m", [(256, 16), (100, 64)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (24, 4.0)], ids=["full", "w24-softcap"])
+def test_small_step_attends_in_one_launch_of_small_tiles(
+        monkeypatch: pytest.MonkeyPatch, small_step_tokens: int, block_m: int, window: int | None,
+        softcap: float | None) -> None:
+    monkeypatch.setattr(attention, "SMALL_STEP_TOKENS", small_step_tokens)
+    configs = []
+    default_config = attention.default_config
+    monkeypatch.setattr(attention, "default_config",
+                        lambda *a, **kw: configs.append(default_config(*a, **kw)) or configs[-1])
+    spy = LaunchSpy(attention._attention_kernel)
+    monkeypatch.setattr(attention, "_attention_kernel", spy)
+    run_case(MIXED, 4, 32, 8, torch.float32, num_splits=None, fresh=True, decode_launch=True,
+             sliding_window=window, softcap=softcap, q_gain=3.0)
+    assert len(spy.grids) == 1 and [c.block_m for c in configs] == [block_m]
 
 
 def test_strided_q_and_cache_views() -> None:
