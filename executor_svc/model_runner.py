@@ -99,7 +99,9 @@ class ModelRunner:
         # Padded steps run through CUDA graphs on a GPU; padded decode steps run eagerly, same
         # shapes, elsewhere.
         decode = [] if config.enforce_eager else capture_sizes(config.max_num_seqs)
-        mixed = (mixed_capture_sizes(config.max_num_batched_tokens)
+        # A mixed graph's padding sequence reads its keys through a block-table row, which holds
+        # max_model_len tokens.
+        mixed = (mixed_capture_sizes(min(config.max_num_batched_tokens, max_model_len))
                  if decode and pads_mixed_steps(device) else [])
         self.shapes = GraphShapes(decode, mixed, config.max_num_seqs)
         # The profiling step packs max_num_batched_tokens into sequences of max_model_len.

@@ -49,6 +49,13 @@ def test_mixed_steps_padded_to_graph_shapes_match_transformers(arch, tmp_path, m
     assert (32, 9, True) in shapes and (8, 8, False) in shapes
 
 
+def test_mixed_graph_shapes_stop_at_max_model_len(llama, monkeypatch):
+    # The padding sequence of a mixed graph reads its keys through one block-table row.
+    monkeypatch.setattr(model_runner, "pads_mixed_steps", lambda device: True)
+    assert make_worker(llama, max_model_len=100, max_num_batched_tokens=512).runner.shapes.mixed == [
+        32, 64, 96, 100]
+
+
 def test_block_size_4_one_prompt_per_step(llama):
     prompts = random_prompts([13, 5, 22], seed=1)
     scheduler = MiniScheduler(make_worker(llama, block_size=4), budget=64, seed=1)
