@@ -240,9 +240,11 @@ class ModelRunner:
             self._apply_sampled(step)
 
     @torch.inference_mode()
-    def dummy_run(self, num_tokens: int, num_sample_rows: int, num_splits: int | None = None) -> None:
+    def dummy_run(self, num_tokens: int, num_sample_rows: int, num_splits: int | None = None,
+                  decode_rows: int = 0) -> None:
         """One forward of `num_tokens` prompt tokens (in sequences of up to max_model_len sharing
-        one scratch KV cache, their KV in `num_splits` segments if given), the largest prompt
+        one scratch KV cache, their KV in `num_splits` segments if given) and `decode_rows`
+        one-token sequences, the largest prompt
         logprobs pass (a chunk of positions, MAX_LOGPROBS top tokens), then logits and sampling
         for `num_sample_rows` rows, the first greedy and the others top-p: the largest step the
         engine will run, for memory profiling and warm-up."""
@@ -251,7 +253,7 @@ class ModelRunner:
         scratch = allocate_kv_cache(self.model.config, num_blocks, self.block_size, self.kv_dtype,
                                     self.device)
         full, rest = divmod(num_tokens, seq_len)
-        lens = np.array([seq_len] * full + ([rest] if rest else []), dtype=np.int64)
+        lens = np.array([seq_len] * full + ([rest] if rest else []) + [1] * decode_rows, dtype=np.int64)
         # Negative ids: the scheduler's seq_ids start at 1.
         rows = np.array([self.batch.add(NewRequest(-1 - i, [0] * n, 0, n, list(range(num_blocks)),
                                                    SamplingParams()))
