@@ -30,7 +30,9 @@ BACKGROUND_PREFILL_INTERVAL = 64
 # the interactive load alone, and the batch's share of the capacity it left): these values 1.32x /
 # 1.11x / 32%; 64 rows and 64 prompt tokens every other step 1.07x / 1.35x / 57%, every step 1.26x /
 # 1.56x / 74%; 32 rows and 32 tokens every step 1.27x / 1.40x / 47%. TTFT p50 alone varied from 33
-# to 39 ms between those runs. BENCHMARKS.md has the table.
+# to 39 ms between those runs. With mixed steps in one launch of small tiles (kernels/attention.py)
+# these values gave 1.19x / 1.09x / 33% and 64 rows and 64 tokens every step 1.34x / 1.49x / 80%.
+# BENCHMARKS.md has the tables.
 
 _is_background = attrgetter("background")
 
