@@ -244,10 +244,9 @@ class ModelRunner:
                   decode_rows: int = 0) -> None:
         """One forward of `num_tokens` prompt tokens (in sequences of up to max_model_len sharing
         one scratch KV cache, their KV in `num_splits` segments if given) and `decode_rows`
-        one-token sequences, the largest prompt
-        logprobs pass (a chunk of positions, MAX_LOGPROBS top tokens), then logits and sampling
-        for `num_sample_rows` rows, the first greedy and the others top-p: the largest step the
-        engine will run, for memory profiling and warm-up."""
+        one-token sequences, the largest prompt logprobs pass (a chunk of positions, MAX_LOGPROBS
+        top tokens), then logits and sampling for `num_sample_rows` rows, the first greedy and the
+        others top-p: the largest step the engine will run, for memory profiling and warm-up."""
         seq_len = min(num_tokens, self.max_model_len)
         num_blocks = -(-seq_len // self.block_size)
         scratch = allocate_kv_cache(self.model.config, num_blocks, self.block_size, self.kv_dtype,

@@ -552,7 +552,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     given) reads them instead of their cache slots when the launch is unsplit and the cache is
     not fp8 (whose values differ from them); decode tilings ignore them.
     num_decode_seqs: how many of the sequences have a single query (decode rows), host-known;
-    with prefill chunks beside them and no `config`, they get a launch of the decode tiling.
+    with prefill chunks beside them, no `config` and more than MEDIUM_STEP_TOKENS tokens in all,
+    they get a launch of the decode tiling (fewer tokens attend in one launch of small tiles).
     The last dim of q, out and the caches must be contiguous, and k_cache and v_cache share
     their strides; other strides are free.
     """
