@@ -8,6 +8,7 @@ import sys
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import configure, get_logger
+from pagedserve.common.process import die_with_parent
 from pagedserve.executor_svc.worker import Worker
 
 log = get_logger(__name__)
@@ -17,6 +18,9 @@ def main() -> int:
     spec = json.loads(sys.argv[1])
     rank = int(os.environ["RANK"])
     configure(spec["log"]["level"], service=f"executor-rank{rank}", fmt=spec["log"]["fmt"])
+    # Asked here, not in a Popen preexec_fn, which would make subprocess fork (see
+    # common/process.die_with_launcher).
+    die_with_parent()
     if os.getppid() != spec["parent"]:
         # Rank 0 died before this process asked to die with it.
         return 1

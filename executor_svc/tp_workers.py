@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import get_logger, settings
-from pagedserve.common.process import die_with_parent
 from pagedserve.executor_svc.parallel import TensorParallel, free_port, init_group
 
 log = get_logger(__name__)
@@ -72,8 +71,7 @@ def start_workers(config: EngineConfig, offline: bool, device: torch.device) -> 
                        "log": settings, "parent": os.getpid()})
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size)}
     processes = [subprocess.Popen([sys.executable, "-m", WORKER_MODULE, spec],
-                                  env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                  preexec_fn=die_with_parent)
+                                  env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
                  for rank in range(1, size)]
     workers = Workers(processes)
     for rank, process in enumerate(processes, 1):

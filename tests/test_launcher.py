@@ -1,8 +1,14 @@
-"""SEC-19: `pagedserve serve` gives the API key to the gateway alone; the scheduler and the executor
-never see it in their environment."""
+"""The launcher's children: SEC-19, `pagedserve serve` gives the API key to the gateway alone (the
+scheduler and the executor never see it in their environment); and they die with the launcher."""
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psutil
+
+from pagedserve.common.process import PARENT_PID_ENV
 from pagedserve.entrypoints.launcher import Launcher
 from tests.gateway.fake_engine import build_tiny_tokenizer
 from tests.serving import free_port
@@ -32,3 +38,24 @@ def test_only_the_gateway_child_gets_the_key(tmp_path, monkeypatch):
         assert _environ(gateway.process.pid)["PAGEDSERVE_API_KEY"] == "sk-gateway"
     finally:
         launcher.stop()
+
+
+# A launcher killed outright takes its children with it; they ask for that themselves once they
+# run (a Popen preexec_fn would make subprocess fork, and gRPC's fork handlers could hang it).
+def test_children_die_with_a_killed_launcher(tmp_path):
+    build_tiny_tokenizer(tmp_path)
+    script = ("import sys, time; from pagedserve.entrypoints.launcher import Launcher; l = Launcher(); "
+              f"c = l.spawn('gateway', ['gateway', {str(tmp_path)!r}, '--scheduler-address', '127.0.0.1:1', "
+              f"'--port', '{free_port()}']); print(c.process.pid, flush=True); time.sleep(600)")
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(launcher.stdout.readline()))
+    _environ(child.pid)
+    launcher.kill()
+    launcher.wait()
+    child.wait(timeout=30)
+
+
+def test_a_child_whose_launcher_is_gone_exits_at_once():
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "--help"], capture_output=True,
+                         env={**os.environ, PARENT_PID_ENV: "1"})
+    assert run.returncode == 1 and not run.stdout

@@ -6,11 +6,14 @@ import sys
 
 # Environment variables that hold secrets: only the gateway, which checks the API key, gets them.
 SECRET_VARIABLES = frozenset({"PAGEDSERVE_API_KEY"})
+# Set by the launcher to its pid: the child then asks to die with it (die_with_launcher).
+PARENT_PID_ENV = "PAGEDSERVE_DIE_WITH_PARENT"
 
 
 def die_with_parent() -> None:
-    """Asks Linux to SIGTERM this process when the thread that started it ends: a preexec_fn for
-    subprocess.Popen, so that a child dies with its parent even if the parent is killed."""
+    """Asks Linux to SIGTERM this process when the thread that started it ends, so that a child
+    dies with its parent even if the parent is killed: called in the child, as a Popen
+    preexec_fn or at its start (die_with_launcher)."""
     if sys.platform == "linux":
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -19,3 +22,17 @@ def die_with_parent() -> None:
 def environment_without_secrets() -> dict[str, str]:
     """This process's environment less SECRET_VARIABLES, for a child that needs none of them."""
     return {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
+
+
+def die_with_launcher() -> None:
+    """Called first thing by `python -m pagedserve`: with PARENT_PID_ENV set, die_with_parent(), and
+    exit at once if that parent is gone already. Done here after exec, not as a Popen preexec_fn:
+    a preexec_fn makes subprocess fork() rather than vfork(), which runs gRPC's fork handlers, and
+    in the launcher those deadlock now and then with the thread that shuts gRPC down once a health
+    probe's channel closes (the launcher then hangs in Popen, never starting the next child)."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is None:
+        return
+    die_with_parent()
+    if os.getppid() != int(parent):
+        os._exit(1)

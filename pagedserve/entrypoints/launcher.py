@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.common import service
 from pagedserve.common.log import get_logger
-from pagedserve.common.process import die_with_parent, environment_without_secrets
+from pagedserve.common.process import PARENT_PID_ENV, environment_without_secrets
 from pagedserve.entrypoints.preflight import connect_host
 
 log = get_logger(__name__)
@@ -74,11 +74,11 @@ class Launcher:
         secrets (the gateway gets the API key in its own `env`); with `restart`, supervise() starts
         it again whenever it exits."""
         command = [sys.executable, "-m", "pagedserve", *argv]
-        environment = environment_without_secrets() | (env or {})
+        environment = environment_without_secrets() | (env or {}) | {PARENT_PID_ENV: str(os.getpid())}
 
         def start() -> subprocess.Popen:
-            return subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent,
-                                    pass_fds=pass_fds, env=environment)
+            # No preexec_fn: the child asks to die with this process itself (die_with_launcher).
+            return subprocess.Popen(command, start_new_session=True, pass_fds=pass_fds, env=environment)
         child = Child(name, start(), start if restart else None)
         self.children.append(child)
         return child
