@@ -2,6 +2,7 @@
 its batch folder a temporary one): the openai SDK's files -> batches -> poll -> content against the
 same requests sent online at temperature 0, cancel, bad lines in the error file, a server killed
 (SIGKILL, every process) mid-batch and started again, and `pagedserve run-batch` on a file."""
+import contextlib
 import io
 import json
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from tests.serving import DEFAULT_MODEL_NAME, free_port, wait_http
@@ -45,8 +47,15 @@ class Server:
         wait_http(f"{self.url}/health", self.process, timeout=240)
 
     def kill(self) -> None:
+        # The launcher starts each child in a session of its own: killing its group alone would leave
+        # them to a graceful SIGTERM shutdown (PDEATHSIG) that overlaps the restart.
+        children = psutil.Process(self.process.pid).children(recursive=True)
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        psutil.wait_procs(children, timeout=30)
 
     def stop(self) -> None:
         if self.process.poll() is None:
