@@ -7,7 +7,7 @@ import yaml
 
 from pagedserve.common.tokenizer import Tokenizer
 from tests.gateway.fake_engine import (SPEC, SPEC_NAME, FakeEngine, add_fake_engine, build_tiny_tokenizer,
-                                       serve_gateway)
+                                       serve_gateway, wait_serving)
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +42,7 @@ async def serve(engine, tokenizer):
     async def start_one(**options) -> str:
         runner, url = await serve_gateway(tokenizer, engine.address, **options)
         runners.append(runner)
+        await wait_serving(url)
         return url
 
     yield start_one
@@ -52,6 +53,7 @@ async def serve(engine, tokenizer):
 @pytest.fixture
 async def base_url(engine, tokenizer):
     runner, url = await serve_gateway(tokenizer, engine.address)
+    await wait_serving(url)
     yield url
     await runner.cleanup()
 
