@@ -8,7 +8,7 @@ import sys
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.log import configure, get_logger
-from pagedserve.common.process import die_with_parent
+from pagedserve.common.process import die_with
 from pagedserve.executor_svc.worker import Worker
 
 log = get_logger(__name__)
@@ -20,8 +20,7 @@ def main() -> int:
     configure(spec["log"]["level"], service=f"executor-rank{rank}", fmt=spec["log"]["fmt"])
     # Asked here, not in a Popen preexec_fn, which would make subprocess fork (see
     # common/process.die_with_launcher).
-    die_with_parent()
-    if os.getppid() != spec["parent"]:
+    if not die_with(spec["parent"]):
         # Rank 0 died before this process asked to die with it.
         return 1
     try:

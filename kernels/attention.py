@@ -33,6 +33,12 @@ ALL_ROWS, PREFILL_ROWS, DECODE_ROWS = 0, 1, 2
 # against 143.0, where 16-row tiles took 259.5, rereading the context for every 4 queries.
 SMALL_STEP_TOKENS = 256
 MEDIUM_STEP_TOKENS = 512
+
+
+def small_step(num_tokens: int | None) -> bool:
+    """Whether a launch of num_tokens queries (None: as many as a prefill tiling suits) attends all
+    its rows in one launch of small tiles."""
+    return num_tokens is not None and num_tokens <= MEDIUM_STEP_TOKENS
 _ALL_ROWS, _DECODE_ROWS = tl.constexpr(ALL_ROWS), tl.constexpr(DECODE_ROWS)
 
 
@@ -430,11 +436,11 @@ def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len
     # ms at 256 x 16k against 3.92 for bf16.
     # Tiles hold heads padded to a power of two (Phi-3-mini's 96 dims as 128).
     head_dim = triton.next_power_of_2(head_dim)
-    small = num_tokens is not None and num_tokens <= MEDIUM_STEP_TOKENS
-    if max_query_len * group_pad <= 16 or small:
+    decode = max_query_len * group_pad <= 16
+    if decode or small_step(num_tokens):
         kv_bytes = kv_bytes or elem_bytes
         tile = max(16, min(128, 16384 // (head_dim * kv_bytes)))
-        rows = 16 if max_query_len * group_pad <= 16 or num_tokens <= SMALL_STEP_TOKENS else 64
+        rows = 16 if decode or num_tokens <= SMALL_STEP_TOKENS else 64
         return AttentionConfig(max(rows, group_pad), tile, num_warps=4,
                                num_stages=2 if kv_bytes >= 2 else 3, k_transposed=True)
     # Prefill: 128-row tiles so a KV tile is reused by many queries, 128-token KV tiles (32 KiB),
@@ -500,7 +506,7 @@ def _decode_launch(config: AttentionConfig | None, group_pad: int, head_dim: int
     alone 446 / 425 and the decode rows alone 182 / 328. Only unsplit launches are parted, since
     each split launch's merge writes every token's output; steps of small tiles are not."""
     if (config is not None or not num_decode_seqs or max_query_len == 1 or num_splits > 1
-            or len(q) <= MEDIUM_STEP_TOKENS):
+            or small_step(len(q))):
         return None
     cfg = default_config(group_pad, head_dim, q.element_size(), 1, kv_bytes=k_cache.element_size())
     splits = _num_splits(cfg, group_pad, num_decode_seqs, num_decode_seqs, num_kv_heads, 1,

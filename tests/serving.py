@@ -1,4 +1,5 @@
 """Helpers for tests that run pagedserve's command line or start it as a server."""
+import asyncio
 import socket
 import subprocess
 import sys
@@ -6,6 +7,8 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+import aiohttp
 
 from pagedserve.entrypoints import cli
 
@@ -17,6 +20,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def wait_health(http: aiohttp.ClientSession, base: str, status: int, timeout: float = 120) -> None:
+    """Returns once the gateway at `base` answers /health with `status`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        async with http.get(f"{base}/health") as r:
+            if r.status == status:
+                return
+        assert time.monotonic() < deadline, f"/health never answered {status}"
+        await asyncio.sleep(0.1)
 
 
 def wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:

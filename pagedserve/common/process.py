@@ -19,6 +19,13 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def die_with(parent: int) -> bool:
+    """In a child started without a preexec_fn: die_with_parent(), and whether `parent` is still
+    this process's parent (if not, it died before the request and the child should exit)."""
+    die_with_parent()
+    return os.getppid() == parent
+
+
 def environment_without_secrets() -> dict[str, str]:
     """This process's environment less SECRET_VARIABLES, for a child that needs none of them."""
     return {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
@@ -31,8 +38,5 @@ def die_with_launcher() -> None:
     in the launcher those deadlock now and then with the thread that shuts gRPC down once a health
     probe's channel closes (the launcher then hangs in Popen, never starting the next child)."""
     parent = os.environ.pop(PARENT_PID_ENV, None)
-    if parent is None:
-        return
-    die_with_parent()
-    if os.getppid() != int(parent):
+    if parent is not None and not die_with(int(parent)):
         os._exit(1)

@@ -16,7 +16,7 @@ import pytest
 
 from pagedserve.entrypoints.launcher import grpc_ready, http_ready
 from pagedserve.gateway.server import raise_open_files_limit
-from tests.serving import free_port, pagedserve
+from tests.serving import free_port, pagedserve, wait_health
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -251,12 +251,3 @@ async def test_a_split_deployment_survives_restarted_executor_and_scheduler(tmp_
     log.seek(0)
     assert "Traceback" not in log.read()
 
-
-async def wait_health(http: aiohttp.ClientSession, base: str, status: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        async with http.get(f"{base}/health") as r:
-            if r.status == status:
-                return
-        assert time.monotonic() < deadline, f"/health never answered {status}"
-        await asyncio.sleep(0.1)

@@ -7,7 +7,8 @@ import yaml
 
 from pagedserve.common.tokenizer import Tokenizer
 from tests.gateway.fake_engine import (SPEC, SPEC_NAME, FakeEngine, add_fake_engine, build_tiny_tokenizer,
-                                       serve_gateway, wait_serving)
+                                       serve_gateway)
+from tests.serving import wait_health
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +33,14 @@ async def engine(tokenizer):
     fake.address = f"127.0.0.1:{port}"
     yield fake
     await server.stop(0)
+
+
+async def wait_serving(url: str) -> None:
+    """Waits for /health to answer 200, the engine pool having polled the fake scheduler: under load
+    its first poll (2 s deadline) could fail, and a test's first request met a 503 while the
+    scheduler waited out its backoff."""
+    async with aiohttp.ClientSession() as http:
+        await wait_health(http, url, 200, timeout=30)
 
 
 @pytest.fixture

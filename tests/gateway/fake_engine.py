@@ -7,7 +7,6 @@ import re
 import time
 from pathlib import Path
 
-import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -255,17 +254,3 @@ async def serve_gateway(tokenizer, address: str, **options):
     host, port = runner.addresses[0][:2]
     return runner, f"http://{host}:{port}"
 
-
-async def wait_serving(url: str, timeout: float = 30.0) -> None:
-    """Returns once the gateway at `url` answers /health with 200: its engine pool has polled its
-    scheduler. Before, a loaded machine could fail the pool's first poll (2 s deadline), and the
-    next request met a 503 while the scheduler waited out its backoff."""
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while True:
-            async with session.get(f"{url}/health") as reply:
-                if reply.status == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the gateway at {url} did not serve within {timeout} s")
-            await asyncio.sleep(0.05)
