@@ -1,5 +1,4 @@
 """Which device and dtype the executor runs on, from --device and --dtype."""
-import os
 from contextlib import contextmanager
 
 import torch
@@ -14,14 +13,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but torch sees no CUDA GPU; use --device cpu")
     return device
-
-
-def leave_a_core(device: torch.device) -> None:
-    """On the CPU, unless OMP_NUM_THREADS says otherwise, the executor's torch threads leave one
-    core to the gateway and the scheduler, which run each step's Python beside it: an OpenMP team
-    as wide as the host stalls at every barrier while they hold a core."""
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
 
 
 def device_broken(error: BaseException) -> bool:

@@ -1,5 +1,9 @@
 """The executor's Run stream: plans launched as they arrive, results in plan order, errors fail it,
 and a failed device turns the executor NOT_SERVING for good."""
+import asyncio
+import os
+import signal
+import threading
 from functools import partial
 
 import grpc
@@ -8,8 +12,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from pagedserve.executor_svc import server as executor_server
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.common import service
+from pagedserve.common.config import EngineConfig
 from pagedserve.executor_svc.null_worker import TOKEN, NullWorker, null_executor_info
 from pagedserve.common.plan import ContinuingRequest, NewRequest, StepPlan, plan_to_proto, result_from_proto
 from pagedserve.common.sampling_params import SamplingParams
@@ -89,3 +95,36 @@ async def test_a_plan_error_leaves_the_executor_serving(executor, tmp_path):
     await second.write(plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5], 0, 1, [1], SamplingParams())])))
     assert result_from_proto(await second.read()).token_ids == [TOKEN]
     await second.done_writing()
+
+
+class ThreadRecorder(NullWorker):
+    """Records the thread that builds it and each that launches a step."""
+    threads: list[int] = []
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(null_executor_info(num_blocks=16, block_size=4, max_model_len=64))
+        self.threads.append(threading.get_ident())
+
+    def launch(self, plan: StepPlan):
+        self.threads.append(threading.get_ident())
+        return super().launch(plan)
+
+
+async def test_the_worker_is_built_on_the_thread_that_runs_its_steps(tmp_path, monkeypatch):
+    # libgomp gives each thread that starts a parallel region an OpenMP team of its own, and with
+    # two teams on two cores its barriers stop spinning: a CPU step then took 1.7x as long.
+    monkeypatch.setattr(executor_server, "Worker", ThreadRecorder)
+    address = f"unix://{tmp_path}/executor.sock"
+    serving = asyncio.create_task(executor_server.serve(EngineConfig(), address))
+    await service.wait_serving(address, timeout=30)
+    async with service.channel(address) as channel:
+        call = executor_pb2_grpc.ExecutorStub(channel).Run()
+        for step_id in (1, 2):
+            plan = StepPlan(step_id, new_requests=[NewRequest(step_id, [5, 6], 0, 2, [1], SamplingParams())])
+            await call.write(plan_to_proto(plan))
+            await call.read()
+        await call.done_writing()
+    os.kill(os.getpid(), signal.SIGTERM)
+    await serving
+    assert len(ThreadRecorder.threads) == 3 and len(set(ThreadRecorder.threads)) == 1
+    assert ThreadRecorder.threads[0] != threading.get_ident()
