@@ -54,8 +54,7 @@ def _token_head(model: nn.Module, model_config: ModelConfig, tokenizer_path: str
                          "is_original_qwen3_reranker true (a Qwen3-Reranker)")
     vocab = Tokenizer.load(tokenizer_path)
     false_id, true_id = (vocab.token_id(t) for t in tokens)
-    head = model.model.embed_tokens if model_config.tie_word_embeddings else model.lm_head
-    return from_token_classifier(head.weight, true_id, false_id)
+    return from_token_classifier(model.head_weight(), true_id, false_id)
 
 
 def pooling_info(model_config: ModelConfig, pooler_config: PoolerConfig) -> PoolingInfo:

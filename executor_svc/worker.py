@@ -16,7 +16,8 @@ from pagedserve.executor_svc.device import (default_dtype, dtype_name, resolve_d
 from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
 from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
                                               resolve_kv_cache_dtype)
-from pagedserve.executor_svc.layers.linear import narrow_linears
+from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.layers.linear import NarrowHead, narrow_linears
 from pagedserve.executor_svc.memory_profile import profile_peak_bytes, used_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.model_runner import Launched, ModelRunner
@@ -154,6 +155,8 @@ class Worker:
         load_weights(self.model, config.model, config.load_format, config.seed, quantize)
         if self.linear_dtype != self.dtype:
             narrow_linears(self.model, self.linear_dtype)
+            if isinstance(self.model, CausalLM):
+                self.model.narrow_head = NarrowHead(self.model.head_weight())
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info("model_loaded", model=config.model, weights_gib=round(weight_bytes / 2**30, 3),
                  parameters=sum(p.numel() for p in self.model.parameters()),

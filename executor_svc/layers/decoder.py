@@ -13,7 +13,7 @@ from torch import nn
 from pagedserve.executor_svc.attention_backend import AttentionMetadata
 from pagedserve.executor_svc.fp8 import Fp8Linear, takes_quantized
 from pagedserve.executor_svc.kv_cache import KVCache
-from pagedserve.executor_svc.layers.linear import embedding, shard
+from pagedserve.executor_svc.layers.linear import NarrowHead, embedding, shard
 from pagedserve.executor_svc.layers.norm import Norm
 from pagedserve.executor_svc.layers.rotary import RotaryEmbedding
 from pagedserve.executor_svc.model_config import ModelConfig
@@ -107,6 +107,8 @@ class CausalLM(nn.Module):
         self.model = self.decoder_model(config, tp, make_layer, norm, rotary)
         if not config.tie_word_embeddings:
             self.lm_head = shard(nn.Linear(config.hidden_size, config.vocab_size, bias=False), tp, 0)
+        # Set where the worker narrows the projections (executor_svc/layers/linear.py).
+        self.narrow_head: NarrowHead | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -116,9 +118,15 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (the whole vocabulary on
         every rank: each computes its slice and the ranks all-gather them)."""
-        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        logits = nn.functional.linear(hidden, head.weight)
+        if self.narrow_head is not None:
+            logits = self.narrow_head(hidden)
+        else:
+            logits = nn.functional.linear(hidden, self.head_weight())
         return (logits if self.tp is None else self.tp.all_gather(logits)).float()
+
+    def head_weight(self) -> torch.Tensor:
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return head.weight
 
     @staticmethod
     def read_hf_config(config: dict) -> dict:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedserve.executor_svc.device import resolve_linear_dtype
-from pagedserve.executor_svc.layers.linear import Linear, narrow_linears
+from pagedserve.executor_svc.layers.linear import Linear, NarrowHead, narrow_linears
 from pagedserve.executor_svc.model_config import load_model_config
 from tests.tiny_models import make_tiny_model
 
@@ -51,3 +51,17 @@ def test_narrowed_linear_takes_and_gives_float32():
     out = model[0](x)
     assert out.dtype == torch.float32
     assert torch.allclose(out, expected, atol=0.05) and not torch.equal(out, expected)
+
+
+def test_narrow_head_gives_float32_logits_near_each_rows_greatest():
+    torch.manual_seed(0)
+    weight = torch.randn(4096, 64)
+    hidden = torch.randn(6, 64) * 4
+    exact = hidden @ weight.T
+    logits = NarrowHead(weight)(hidden)
+    assert logits.dtype == torch.float32
+    near = exact >= exact.amax(-1, keepdim=True) - 1
+    assert torch.allclose(logits[near], exact[near], rtol=0, atol=1e-4)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    far = ~near & (logits - exact).abs().gt(1e-3)
+    assert far.any() and (logits - exact).abs().max() < 0.01 * exact.abs().max()
