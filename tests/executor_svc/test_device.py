@@ -1,12 +1,13 @@
 """The dtype of the decoder's linear weights, and projections whose weights are narrower than
 their activations."""
+import copy
 import dataclasses
 
 import pytest
 import torch
 
 from pagedserve.executor_svc.device import resolve_linear_dtype
-from pagedserve.executor_svc.layers.linear import Linear, NarrowHead, narrow_linears
+from pagedserve.executor_svc.layers.linear import INT4_MAX_ROWS, Linear, NarrowHead, int4_grid, narrow_linears
 from pagedserve.executor_svc.model_config import load_model_config
 from tests.tiny_models import make_tiny_model
 
@@ -65,3 +66,38 @@ def test_narrow_head_gives_float32_logits_near_each_rows_greatest():
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
     far = ~near & (logits - exact).abs().gt(1e-3)
     assert far.any() and (logits - exact).abs().max() < 0.01 * exact.abs().max()
+
+
+def q4_grid_weight(n: int, k: int) -> torch.Tensor:
+    """A weight as a Q4_1 GGUF holds it: per group of 32 inputs, low + code * step for codes 0-15,
+    each group using both ends."""
+    codes = torch.randint(0, 16, (n, k // 32, 32))
+    codes[..., 0], codes[..., 1] = 0, 15
+    low, step = torch.randn(n, k // 32, 1) * 0.05, torch.rand(n, k // 32, 1) * 0.01 + 0.001
+    return (low + codes * step).reshape(n, k)
+
+
+def test_a_4_bit_grid_runs_the_int4_kernel_at_few_rows_and_bfloat16_at_many():
+    torch.manual_seed(0)
+    layer = Linear(128, 64)
+    with torch.no_grad():
+        layer.weight.copy_(q4_grid_weight(64, 128))
+    model = torch.nn.Sequential(copy.deepcopy(layer), Linear(128, 64))
+    narrow_linears(model, torch.bfloat16)
+    assert model[0].int4 is not None and model[1].int4 is None
+    for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1):
+        x = torch.randn(rows, 128)
+        out = model[0](x)
+        assert out.dtype == torch.float32
+        assert torch.allclose(out, layer(x), rtol=0.02, atol=0.02)
+        # The int4 kernel and the bfloat16 GEMM round differently.
+        bf16 = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), model[0].weight, model[0].bias, "none", [], "")
+        assert torch.equal(out, bf16.float()) == (rows > INT4_MAX_ROWS)
+
+
+def test_int4_grid_refuses_weights_off_a_4_bit_grid():
+    torch.manual_seed(0)
+    grid = q4_grid_weight(16, 64)
+    assert int4_grid(grid) is not None
+    assert int4_grid(grid + 0.003 * torch.rand(16, 64)) is None
+    assert int4_grid(torch.randn(16, 64)) is None and int4_grid(q4_grid_weight(8, 64)) is None
