@@ -159,15 +159,16 @@ async def test_a_killed_executor_fails_only_its_engines_requests(tmp_path):
             assert sorted(await per_engine(http, base, "num_requests_running")) == ["0", "1"]
             started: list[int] = []
             # Prompts under one KV block carry no prefix affinity: the least loaded engine takes each.
-            body = {"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "stream": True}
+            # Long enough to outlast the gauges' catching up on a fast CPU step (20 ms a token).
+            body = {"prompt": "Once upon a time", "max_tokens": 128, "ignore_eos": True, "stream": True}
             streams = [asyncio.create_task(read_stream(http, base + COMPLETIONS, body, started)) for _ in range(4)]
             while len(started) < 4:
                 assert not any(s.done() for s in streams)
                 await asyncio.sleep(0.1)
             # The gauges come from the gateway's poll of each scheduler, which can trail the streams'
-            # start on a loaded machine (CI once read engine 0 at 0 with its stream running).
+            # start (CI once read engine 0 at 0 with its stream running, and once 1 of its 2).
             running = await per_engine(http, base, "num_requests_running")
-            while min(running.values()) < 1 and not any(s.done() for s in streams):
+            while sum(running.values()) < len(streams) and not any(s.done() for s in streams):
                 await asyncio.sleep(0.1)
                 running = await per_engine(http, base, "num_requests_running")
             executors[0].kill()
