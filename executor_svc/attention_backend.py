@@ -86,7 +86,7 @@ class TorchAttentionBackend:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The references, but a decode step's attention in a few batched matmuls for the whole batch
+    """The references, but a decode step's attention in one SDPA call for the whole batch
     (kernels/cpu_attention.py) and its cache write without a mask: the reference's per-sequence
     loop of small ops costs more than the arithmetic on a CPU. Prefill chunks, sliding windows,
     soft caps and fp8 caches take the references."""

@@ -43,8 +43,10 @@ def resolve_linear_dtype(name: str, model: ModelConfig, device: torch.device, dt
     neither float32 nor quantized (a GGUF of quantized blocks counts as float16). There the
     projections keep bfloat16 weights under float32 activations: a decode step reads its weights
     once, and half the bytes make it nearly twice as fast, while the residual stream, norms,
-    attention, KV cache and LM head stay float32 (whole-bfloat16 activations changed the
-    default model's greedy answers far more often)."""
+    attention and KV cache stay float32 (whole-bfloat16 activations changed the default model's
+    greedy answers far more often). There layers/linear.py also keeps weights on a 4-bit grid as
+    their codes, and the worker gives the LM head a bfloat16 copy corrected to float32 near each
+    row's greatest logit (NarrowHead)."""
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     narrow = (name == "auto" and device.type == "cpu" and dtype == torch.float32 and native
               and model.dtype != "float32" and not quantization)

@@ -107,7 +107,7 @@ class CausalLM(nn.Module):
         self.model = self.decoder_model(config, tp, make_layer, norm, rotary)
         if not config.tie_word_embeddings:
             self.lm_head = shard(nn.Linear(config.hidden_size, config.vocab_size, bias=False), tp, 0)
-        # Set where the worker narrows the projections (executor_svc/layers/linear.py).
+        # Set by the worker where it narrows the projections (executor_svc/worker.py).
         self.narrow_head: NarrowHead | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -96,8 +96,7 @@ def narrow_linears(model: nn.Module, dtype: torch.dtype) -> None:
             # torch's linear lays a bfloat16 weight out for oneDNN on every call: SmolLM2's 30
             # layers of projections at one row took 29 ms that way and 21 ms packed once (one
             # thread, the 2-core machine).
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-            module.weight = nn.Parameter(packed, requires_grad=False)
+            module.weight = nn.Parameter(pack(module.weight.detach()), requires_grad=False)
             module.forward = partial(_narrowed_forward, module)
 
 
@@ -122,6 +121,15 @@ def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return packed, scales
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [N, K] laid out once for oneDNN's inner product (`packed_linear`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class NarrowHead:
     """An LM head's logits from a bfloat16 copy of its float32 weight, laid out for oneDNN, with
     the logits near each row's greatest recomputed in float32: the only ones a greedy argmax or a
@@ -132,16 +140,15 @@ class NarrowHead:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.to(torch.bfloat16))
+        self.packed = pack(self.weight.to(torch.bfloat16))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.ops.mkldnn._linear_pointwise(hidden.to(torch.bfloat16), self.packed, None, "none", [], "")
-        logits = logits.float()
+        logits = packed_linear(hidden.to(torch.bfloat16), self.packed).float()
         top = logits.amax(-1, keepdim=True)
         # bfloat16 logits were off by at most 0.2 at logits up to 46 (SmolLM2, 223 rows): the
         # margin is five times that there, and grows with the logits.
         rows, cols = (logits >= top - 1 - top.abs() / 16).nonzero(as_tuple=True)
-        logits[rows, cols] = (hidden[rows].float() * self.weight[cols]).sum(-1)
+        logits[rows, cols] = (hidden[rows] * self.weight[cols]).sum(-1)
         return logits
 
 
@@ -151,7 +158,7 @@ def _narrowed_forward(module: Linear, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, module.int4[0], INT4_GROUP, module.int4[1])
         out = out if module.bias is None else out + module.bias
     else:
-        out = torch.ops.mkldnn._linear_pointwise(rows, module.weight, module.bias, "none", [], "")
+        out = packed_linear(rows, module.weight, module.bias)
     return out.to(x.dtype)
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pagedserve.executor_svc.device import resolve_linear_dtype
-from pagedserve.executor_svc.layers.linear import INT4_MAX_ROWS, Linear, NarrowHead, int4_grid, narrow_linears
+from pagedserve.executor_svc.layers.linear import (INT4_MAX_ROWS, Linear, NarrowHead, int4_grid, narrow_linears,
+                                                   packed_linear)
 from pagedserve.executor_svc.model_config import load_model_config
 from tests.tiny_models import make_tiny_model
 
@@ -91,7 +92,7 @@ def test_a_4_bit_grid_runs_the_int4_kernel_at_few_rows_and_bfloat16_at_many():
         assert out.dtype == torch.float32
         assert torch.allclose(out, layer(x), rtol=0.02, atol=0.02)
         # The int4 kernel and the bfloat16 GEMM round differently.
-        bf16 = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), model[0].weight, model[0].bias, "none", [], "")
+        bf16 = packed_linear(x.bfloat16(), model[0].weight, model[0].bias)
         assert torch.equal(out, bf16.float()) == (rows > INT4_MAX_ROWS)
 
 

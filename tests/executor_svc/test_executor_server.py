@@ -114,6 +114,7 @@ async def test_the_worker_is_built_on_the_thread_that_runs_its_steps(tmp_path, m
     # libgomp gives each thread that starts a parallel region an OpenMP team of its own, and with
     # two teams on two cores its barriers stop spinning: a CPU step then took 1.7x as long.
     monkeypatch.setattr(executor_server, "Worker", ThreadRecorder)
+    monkeypatch.setattr(ThreadRecorder, "threads", [])
     address = f"unix://{tmp_path}/executor.sock"
     serving = asyncio.create_task(executor_server.serve(EngineConfig(), address))
     await service.wait_serving(address, timeout=30)
