@@ -1,8 +1,10 @@
 """Which device and dtype the executor runs on, from --device and --dtype."""
+import os
 from contextlib import contextmanager
 
 import torch
 
+from pagedserve.common.cpus import usable_cpus
 from pagedserve.executor_svc.model_config import ModelConfig
 
 
@@ -13,6 +15,13 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but torch sees no CUDA GPU; use --device cpu")
     return device
+
+
+def cap_cpu_threads() -> None:
+    """Sizes torch's CPU threads to the CPUs this process may use, quota included, unless
+    OMP_NUM_THREADS chose them."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(min(torch.get_num_threads(), usable_cpus()))
 
 
 def device_broken(error: BaseException) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pagedserve.common.cpus import usable_cpus
 from pagedserve.executor_svc.model_config import ModelConfig
 
 # torch 2.13 renamed all_gather_into_tensor (which it deprecates) to all_gather_single.
@@ -112,6 +113,6 @@ def init_group(rank: int, size: int, device: torch.device, init_method: str = "e
         dist.init_process_group("nccl", init_method, rank=rank, world_size=size, device_id=device)
         return TensorParallel(rank, size, dist.group.WORLD, dist.new_group(backend="gloo"))
     # The ranks share the host's cores; more threads than cores would spin against each other.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(max(1, usable_cpus() // size))
     dist.init_process_group("gloo", init_method, rank=rank, world_size=size)
     return TensorParallel(rank, size, dist.group.WORLD, dist.group.WORLD)

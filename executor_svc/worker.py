@@ -11,8 +11,8 @@ import torch
 
 from pagedserve.executor_svc.attention_backend import get_backend
 from pagedserve.executor_svc.batch_limits import batch_defaults, resolve_batch_limits
-from pagedserve.executor_svc.device import (default_dtype, dtype_name, resolve_device, resolve_dtype,
-                                            resolve_linear_dtype)
+from pagedserve.executor_svc.device import (cap_cpu_threads, default_dtype, dtype_name, resolve_device,
+                                            resolve_dtype, resolve_linear_dtype)
 from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
 from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
                                               resolve_kv_cache_dtype)
@@ -51,6 +51,8 @@ class Worker:
 
     def __init__(self, config: EngineConfig, offline: bool = False, rank: int = 0) -> None:
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            cap_cpu_threads()
         torch.manual_seed(config.seed)
         self.model_config: ModelConfig = load_model_config(config.model, config.hf_overrides)
         self.runner_kind = resolve_runner(config, self.model_config)
