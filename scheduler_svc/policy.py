@@ -12,27 +12,22 @@ from pagedserve.scheduler_svc.request import Request
 
 FCFS, PRIORITY = "fcfs", "priority"
 # What background requests may add to a step beside interactive ones, which every interactive
-# decode waits for; both shrink to 0 as interactive requests fill max_num_seqs. Decode rows keep a
-# step pure decode: on the H200 (Llama-3.1-8B shape) a decode graph costs 5.21 ms at batch 16 and
-# 6.21 ms at 64, about 21 us a row, so 32 rows add about 0.7 ms. A step that computes any prompt
-# costs more: eagerly about 25 ms at 50-70 rows, and even as a mixed-step graph (cuda_graphs.py)
-# 32 background rows and 32 prompt tokens in every step took interactive TPOT at concurrency 10
-# from 5.7 to 7.95 ms (`bench batch`, 2026-12-02). So background prompts are computed only in
-# steps that prefill an interactive prompt anyway, at most BACKGROUND_PREFILL_TOKENS there, which
-# bounds what that prompt's first token waits for them.
-BACKGROUND_ROWS = 32
-BACKGROUND_PREFILL_TOKENS = 256
-# Without interactive prompts arriving (one long stream, say), a background prompt makes a step of
-# its own after this many steps: one step of at most about 25 ms in 64 of about 6 ms, +7% at most.
-BACKGROUND_PREFILL_INTERVAL = 64
-# The three trade interactive latency for batch throughput. `bench batch` on the H200 with
-# mixed-step graphs (concurrency 10 beside a 2,000-line batch, 2026-12-02; TTFT p50 / TPOT against
-# the interactive load alone, and the batch's share of the capacity it left): these values 1.32x /
-# 1.11x / 32%; 64 rows and 64 prompt tokens every other step 1.07x / 1.35x / 57%, every step 1.26x /
-# 1.56x / 74%; 32 rows and 32 tokens every step 1.27x / 1.40x / 47%. TTFT p50 alone varied from 33
-# to 39 ms between those runs. With mixed steps in one launch of small tiles (kernels/attention.py)
-# these values gave 1.19x / 1.09x / 33% and 64 rows and 64 tokens every step 1.34x / 1.49x / 80%.
-# BENCHMARKS.md has the tables.
+# decode waits for; both shrink to 0 as interactive requests fill max_num_seqs. Each background
+# output token of a chat workload costs a decode row per step and about two prompt tokens, and
+# both are cheap in a step that is a CUDA graph anyway: on the H200 (Llama-3.1-8B shape, a Worker
+# driven by hand, 2026-12-03) 42 decode rows took 6.04 ms of device time a step against 5.22 for 10,
+# and 32 more prompt tokens (contexts under 1,000) beside the 42 rows 0.23 ms more. So background
+# rows and prompt chunks join every step that does not prefill an interactive prompt, and none that
+# does: that prompt's first token waits for no background work.
+BACKGROUND_ROWS = 16
+BACKGROUND_PREFILL_TOKENS = 32
+# Should interactive prompts arrive in every step, background work still joins one step in this many.
+BACKGROUND_INTERVAL = 64
+# The two trade interactive TPOT for batch throughput. `bench batch` on the H200 (interactive
+# concurrency 10 beside a 2,000-line batch; TTFT p50 and TPOT against the load alone, and the
+# batch's share of the capacity it left; 2026-12-03): 16 rows and 32 tokens 1.08x / 1.19x / 43%,
+# 24 and 48 1.08x / 1.25x / 54%, 32 and 64 0.97x / 1.30x / 64%. The policy before, background
+# prompts only in steps that prefilled an interactive prompt, gave 1.19x / 1.09x / 33%.
 
 _is_background = attrgetter("background")
 
@@ -84,22 +79,25 @@ def admit(running: list[Request], request: Request, policy: str) -> None:
         bisect.insort(running, request, 0, num_interactive(running), key=order_key)
 
 
-def prefill_turn(prefills: bool, steps_without: int) -> tuple[bool, int]:
-    """Whether background prompts may be computed in a step, which `prefills` an interactive prompt
-    or not, after `steps_without` steps that did not let them; and the count after this step."""
-    if prefills or steps_without >= BACKGROUND_PREFILL_INTERVAL:
+def background_turn(prefills: bool, steps_without: int) -> tuple[bool, int]:
+    """Whether background requests may join a step, which `prefills` an interactive prompt or not,
+    after `steps_without` steps that left them out; and the count after this step."""
+    if not prefills or steps_without >= BACKGROUND_INTERVAL:
         return True, 0
     return False, steps_without + 1
 
 
-def background_budget(left: int, num_interactive: int, max_num_seqs: int, prefills: bool) -> tuple[int, int]:
-    """The tokens of a step that background requests may take once interactive ones took theirs and
-    `left` remain, and the most of them one background prompt may take: all of them with no
-    interactive request running or waiting; else BACKGROUND_ROWS decode rows, plus, when the step
-    `prefills` an interactive prompt, BACKGROUND_PREFILL_TOKENS of background prompts, both less in
-    proportion as interactive requests fill max_num_seqs."""
+def background_budget(left: int, num_interactive: int, max_num_seqs: int, turn: bool) -> tuple[int, int, int]:
+    """What background requests may take of a step once interactive ones took theirs and `left`
+    tokens remain: tokens, the most of them one prompt may take, and how many background requests
+    may run (admission stops there). All of it with no interactive request running or waiting; none
+    when it is not their `turn` (background_turn); else BACKGROUND_ROWS requests and tokens for as
+    many decode rows plus BACKGROUND_PREFILL_TOKENS of prompts, less in proportion as interactive
+    requests fill max_num_seqs."""
     if not num_interactive:
-        return left, left
+        return left, left, max_num_seqs
+    if not turn:
+        return 0, 0, 0
     share = max(0.0, 1.0 - num_interactive / max_num_seqs)
-    prefill = int(BACKGROUND_PREFILL_TOKENS * share) if prefills else 0
-    return min(left, int(BACKGROUND_ROWS * share) + prefill), min(left, prefill)
+    rows, prefill = int(BACKGROUND_ROWS * share), int(BACKGROUND_PREFILL_TOKENS * share)
+    return min(left, rows + prefill), min(left, prefill), rows

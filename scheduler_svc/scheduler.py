@@ -9,8 +9,8 @@ from pagedserve.common.plan import ContinuingRequest, ExecutorInfo, RequestError
 from pagedserve.common.sampling_params import check_request
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
 from pagedserve.scheduler_svc.logprobs import attach_logprobs, gather_prompt_logprobs
-from pagedserve.scheduler_svc.policy import (admit, background_budget, check_priority, enqueue, num_interactive,
-                                             prefill_turn, requeue)
+from pagedserve.scheduler_svc.policy import (admit, background_budget, background_turn, check_priority, enqueue,
+                                             num_interactive, requeue)
 from pagedserve.scheduler_svc.pooling import check_pooling
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, drop_deferred
 from pagedserve.scheduler_svc.request_checks import check_prompt
@@ -65,8 +65,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.waiting_background: deque[Request] = deque()
         self.running: list[Request] = []
-        # Steps with background work since background prompts last could run (policy.prefill_turn).
-        self.steps_without_background_prefill = 0
+        # Steps with background work that left it out (policy.background_turn).
+        self.steps_without_background = 0
         self.num_arrivals = 0
         self.requests: dict[int, Request] = {}
         self.request_ids: dict[str, Request] = {}
@@ -171,15 +171,16 @@ class Scheduler:
         """Background requests, once interactive ones are planned: running ones in admission order
         and, if no interactive request waits, waiting ones, within background_budget. Those a step
         leaves out keep their blocks until an interactive request needs them (_make_room): preempting
-        them recomputes their prompts, which only steps that prefill anyway take."""
+        them would recompute their prompts."""
         start = num_interactive(self.running)
         # More tokens than requests planned: one of them is prefilling.
         prefills = bool(plan.new_requests) or self.max_num_batched_tokens - budget > len(plan.continuing)
-        prefills, self.steps_without_background_prefill = prefill_turn(prefills, self.steps_without_background_prefill)
-        budget, max_chunk = background_budget(budget, start + len(self.waiting), self.max_num_seqs, prefills)
+        turn, self.steps_without_background = background_turn(prefills, self.steps_without_background)
+        budget, max_chunk, max_rows = background_budget(budget, start + len(self.waiting), self.max_num_seqs, turn)
         budget = self._schedule_running(plan, budget, max_chunk, start, len(self.running))
         if self.num_preemptions == num_preemptions and not self.waiting and max_chunk:
-            self._schedule_waiting(plan, min(budget, max_chunk), self.waiting_background)
+            self._schedule_waiting(plan, min(budget, max_chunk), self.waiting_background,
+                                   min(self.max_num_seqs, start + max_rows))
 
     def _schedule_running(self, plan: StepPlan, budget: int, max_chunk: int, start: int, end: int) -> int:
         """Plans running[start:end] in order until the budget is spent, a prompt at most max_chunk
@@ -228,13 +229,16 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_waiting(self, plan: StepPlan, budget: int, waiting: deque[Request]) -> int:
-        """Admits requests from the head of `waiting` while they fit; returns the budget left."""
+    def _schedule_waiting(self, plan: StepPlan, budget: int, waiting: deque[Request],
+                          max_running: int | None = None) -> int:
+        """Admits requests from the head of `waiting` while they fit, up to max_running running
+        (default max_num_seqs); returns the budget left."""
         block_size = self.block_size
         block_manager = self.block_manager
         running = self.running
+        max_running = max_running or self.max_num_seqs
         while waiting and budget:
-            if len(running) >= self.max_num_seqs and not self._make_room(waiting):
+            if len(running) >= max_running and not self._make_room(waiting):
                 break
             request = waiting[0]
             num_tokens = len(request.token_ids)

@@ -3,8 +3,8 @@ from collections import deque
 import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.scheduler_svc.policy import (BACKGROUND_PREFILL_INTERVAL, BACKGROUND_PREFILL_TOKENS, BACKGROUND_ROWS,
-                                             FCFS, PRIORITY, admit, background_budget, prefill_turn,
+from pagedserve.scheduler_svc.policy import (BACKGROUND_INTERVAL, BACKGROUND_PREFILL_TOKENS, BACKGROUND_ROWS,
+                                             FCFS, PRIORITY, admit, background_budget, background_turn,
                                              check_priority, enqueue, num_interactive, requeue)
 from pagedserve.scheduler_svc.request import Request
 
@@ -59,23 +59,23 @@ def test_under_priority_the_interactive_victim_has_the_largest_priority_and_arri
 
 
 def test_background_budget_is_everything_left_without_interactive_load_else_a_shrinking_allowance():
-    assert background_budget(500, 0, 256, False) == background_budget(500, 0, 256, True) == (500, 500)
-    # Beside interactive decodes: decode rows only (no prompt), so the step stays a CUDA graph.
-    assert background_budget(500, 128, 256, False) == (BACKGROUND_ROWS // 2, 0)
-    # In a step that prefills an interactive prompt anyway, background prompts too.
-    prefill = BACKGROUND_PREFILL_TOKENS // 2
-    assert background_budget(500, 128, 256, True) == (BACKGROUND_ROWS // 2 + prefill, prefill)
-    assert background_budget(10, 1, 256, True) == (10, 10)
-    assert background_budget(500, 256, 256, True) == background_budget(500, 300, 256, True) == (0, 0)
+    assert background_budget(500, 0, 256, False) == background_budget(500, 0, 256, True) == (500, 500, 256)
+    # Beside interactive requests, in its turn: decode rows and a prompt chunk.
+    rows, prefill = BACKGROUND_ROWS // 2, BACKGROUND_PREFILL_TOKENS // 2
+    assert background_budget(500, 128, 256, True) == (rows + prefill, prefill, rows)
+    # Out of its turn (a step that prefills an interactive prompt): nothing.
+    assert background_budget(500, 128, 256, False) == (0, 0, 0)
+    assert background_budget(10, 1, 256, True)[:2] == (10, 10)
+    assert background_budget(500, 256, 256, True) == background_budget(500, 300, 256, True) == (0, 0, 0)
     allowances = [background_budget(8192, n, 256, True) for n in range(1, 300)]
     assert allowances == sorted(allowances, reverse=True)
 
 
-def test_background_prompts_take_a_step_of_their_own_only_after_the_interval_without_one():
-    assert prefill_turn(True, 5) == (True, 0)
-    assert prefill_turn(False, 0) == (False, 1)
-    assert prefill_turn(False, BACKGROUND_PREFILL_INTERVAL - 1) == (False, BACKGROUND_PREFILL_INTERVAL)
-    assert prefill_turn(False, BACKGROUND_PREFILL_INTERVAL) == (True, 0)
+def test_background_work_skips_steps_that_prefill_interactive_prompts_until_the_interval():
+    assert background_turn(False, 5) == (True, 0)
+    assert background_turn(True, 0) == (False, 1)
+    assert background_turn(True, BACKGROUND_INTERVAL - 1) == (False, BACKGROUND_INTERVAL)
+    assert background_turn(True, BACKGROUND_INTERVAL) == (True, 0)
 
 
 def test_a_nonzero_priority_is_refused_only_under_fcfs():

@@ -2,7 +2,7 @@
 the background share of a step, and preemption victims."""
 import pytest
 
-from pagedserve.scheduler_svc.policy import BACKGROUND_PREFILL_INTERVAL, background_budget
+from pagedserve.scheduler_svc.policy import BACKGROUND_INTERVAL, background_budget
 from pagedserve.scheduler_svc.request import RequestStatus
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from tests.scheduler_svc.helpers import add, make_scheduler, scheduled, step
@@ -58,24 +58,23 @@ def test_a_running_background_request_makes_room_for_a_waiting_interactive_one()
     assert s.requests[1].status is RequestStatus.WAITING and s.num_preemptions == 1
 
 
-def test_beside_interactive_decodes_background_prompts_wait_for_a_step_that_prefills_anyway():
+def test_beside_interactive_decodes_a_background_prompt_runs_in_chunks_and_skips_interactive_prefill_steps():
     s = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
     for seq_id in (1, 2):
         add(s, seq_id, 4, first_token=10 * seq_id, max_tokens=60)
     step(s)
     add(s, 3, 200, first_token=100, background=True, max_tokens=30)
-    for _ in range(3):
-        plan, _ = step(s)
-        # Pure decode steps (a CUDA graph on a GPU): no background prompt joins them.
-        assert scheduled(plan) == {1: 1, 2: 1} and s.requests[3].status is RequestStatus.WAITING
+    budget, max_chunk, _ = background_budget(64 - 2, 2, 8, True)
+    plan, _ = step(s)
+    # A decode step: the background prompt joins it, one allowance's chunk at a time.
+    assert scheduled(plan) == {1: 1, 2: 1, 3: min(budget, max_chunk)}
     add(s, 4, 10, first_token=400, max_tokens=60)
     plan, _ = step(s)
-    # The interactive prompt makes this step a prefill step: the background prompt takes what the
-    # allowance leaves it there, and waits again in the decode steps after.
-    budget, max_chunk = background_budget(64 - 12, 3, 8, True)
-    assert scheduled(plan) == {1: 1, 2: 1, 4: 10, 3: min(budget, max_chunk)}
+    # The interactive prompt makes this step a prefill step: background work waits it out.
+    assert scheduled(plan) == {1: 1, 2: 1, 4: 10}
     plan, _ = step(s)
-    assert scheduled(plan) == {1: 1, 2: 1, 4: 1} and s.requests[3].status is RequestStatus.RUNNING
+    budget, max_chunk, _ = background_budget(64 - 3, 3, 8, True)
+    assert scheduled(plan) == {1: 1, 2: 1, 4: 1, 3: min(budget, max_chunk)}
     # Once no interactive request is left, background ones fill the step.
     for rid in ("r1", "r2", "r4"):
         s.abort(rid)
@@ -83,33 +82,46 @@ def test_beside_interactive_decodes_background_prompts_wait_for_a_step_that_pref
     assert background_tokens(s, plan) == plan.num_tokens == 64
 
 
-def test_without_interactive_prompts_a_background_prompt_runs_after_the_interval():
-    s = make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024)
-    add(s, 1, 4, max_tokens=500)
-    step(s)
+def test_while_every_step_prefills_an_interactive_prompt_background_work_runs_after_the_interval():
+    s = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
     add(s, 2, 8, first_token=100, background=True, max_tokens=4)
     waited = 0
     while s.requests[2].status is RequestStatus.WAITING:
+        add(s, 1000 + waited, 2, max_tokens=2)
         step(s)
         waited += 1
-    assert waited == BACKGROUND_PREFILL_INTERVAL + 1
+    assert waited == BACKGROUND_INTERVAL + 1
 
 
 def test_background_decode_rows_beside_interactive_ones_stay_within_the_allowance_the_rest_wait_running():
-    s = make_scheduler(num_blocks=256, max_num_seqs=40, max_num_batched_tokens=64)
-    for seq_id in range(1, 33):
-        add(s, seq_id, 1, first_token=10 * seq_id, background=True, max_tokens=50)
+    s = make_scheduler(num_blocks=512, max_num_seqs=128, max_num_batched_tokens=128)
+    for seq_id in range(1, 121):
+        add(s, seq_id, 1, first_token=seq_id, background=True, max_tokens=50)
     step(s)
-    add(s, 40, 2, first_token=900, max_tokens=50)
-    step(s)
+    add(s, 900, 2, first_token=900, max_tokens=50)
     plan, _ = step(s)
-    rows, _ = background_budget(64 - 1, 1, 40, False)
-    assert 0 < rows < 32
-    assert scheduled(plan)[40] == 1 and background_tokens(s, plan) == rows
+    # The interactive prompt's step takes no background work.
+    assert scheduled(plan) == {900: 2}
+    plan, _ = step(s)
+    budget, _, _ = background_budget(128 - 1, 1, 128, True)
+    assert 0 < budget < 120
+    assert scheduled(plan)[900] == 1 and background_tokens(s, plan) == budget
     assert all(n == 1 for n in scheduled(plan).values())
-    # Those left out keep their blocks (no prompt to recompute) and come first in the next step.
-    assert not s.waiting_background and len(s.running) == 33
-    assert min(scheduled(plan)) == 1 and set(scheduled(step(s)[0])) == set(scheduled(plan))
+    # Those left out keep their blocks (no prompt to recompute); the next step serves the same ones.
+    assert not s.waiting_background and len(s.running) == 121
+    assert set(scheduled(step(s)[0])) == set(scheduled(plan))
+
+
+def test_beside_interactive_load_background_admission_stops_at_the_allowance_of_rows():
+    s = make_scheduler(num_blocks=512, max_num_seqs=64, max_num_batched_tokens=256)
+    add(s, 1, 2, max_tokens=200)
+    step(s)
+    for seq_id in range(2, 100):
+        add(s, seq_id, 4, first_token=10 * seq_id, background=True, max_tokens=200)
+    for _ in range(40):
+        step(s)
+    _, _, max_rows = background_budget(256 - 1, 1, 64, True)
+    assert len(s.running) - 1 == max_rows and s.waiting_background
 
 
 def test_with_no_interactive_load_background_requests_use_the_whole_budget_as_interactive_ones_would():
