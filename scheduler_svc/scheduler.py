@@ -236,7 +236,8 @@ class Scheduler:
         block_size = self.block_size
         block_manager = self.block_manager
         running = self.running
-        max_running = max_running or self.max_num_seqs
+        if max_running is None:
+            max_running = self.max_num_seqs
         while waiting and budget:
             if len(running) >= max_running and not self._make_room(waiting):
                 break
