@@ -1,10 +1,8 @@
 import os
 
 import pytest
-import torch
 
 from pagedserve.common import cpus
-from pagedserve.executor_svc.device import cap_cpu_threads
 
 
 @pytest.fixture
@@ -35,17 +33,3 @@ def test_a_cgroup_v1_quota_counts_where_v2_has_none(cgroup, tmp_path):
 
 def test_no_cgroup_files_leave_the_affinity_mask(cgroup):
     assert cpus.usable_cpus() == 64
-
-
-def test_torch_threads_shrink_to_the_quota_unless_omp_num_threads_is_set(cgroup, monkeypatch):
-    threads = torch.get_num_threads()
-    cgroup("100000 100000\n")
-    try:
-        monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
-        cap_cpu_threads()
-        assert torch.get_num_threads() == threads
-        monkeypatch.delenv("OMP_NUM_THREADS")
-        cap_cpu_threads()
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(threads)

@@ -1,12 +1,13 @@
-"""The dtype of the decoder's linear weights, and projections whose weights are narrower than
-their activations."""
+"""The CPU executor's thread count, the dtype of the decoder's linear weights, and projections whose
+weights are narrower than their activations."""
 import copy
 import dataclasses
 
 import pytest
 import torch
 
-from pagedserve.executor_svc.device import resolve_linear_dtype
+from pagedserve.executor_svc import device
+from pagedserve.executor_svc.device import cap_cpu_threads, resolve_linear_dtype
 from pagedserve.executor_svc.layers.linear import (INT4_MAX_ROWS, Linear, NarrowHead, int4_grid, narrow_linears,
                                                    packed_linear)
 from pagedserve.executor_svc.model_config import load_model_config
@@ -102,3 +103,17 @@ def test_int4_grid_refuses_weights_off_a_4_bit_grid():
     assert int4_grid(grid) is not None
     assert int4_grid(grid + 0.003 * torch.rand(16, 64)) is None
     assert int4_grid(torch.randn(16, 64)) is None and int4_grid(q4_grid_weight(8, 64)) is None
+
+
+def test_torch_threads_shrink_to_the_usable_cpus_unless_omp_num_threads_is_set(monkeypatch):
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(device, "usable_cpus", lambda: 1)
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+        cap_cpu_threads()
+        assert torch.get_num_threads() == threads
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        cap_cpu_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
