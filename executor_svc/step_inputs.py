@@ -37,7 +37,7 @@ def host_inputs(batch: InputBatch, rows: np.ndarray, query_lens: np.ndarray, sha
     known = batch.known_tokens(rows)
     _check_lengths(batch, rows, seq_lens, known, max_model_len)
     num_seqs, num_tokens = len(rows), int(query_lens.sum())
-    graph = shapes.shape(num_tokens, num_seqs)
+    graph = shapes.shape(num_tokens, num_seqs, int(seq_lens.max()))
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     if num_tokens != num_seqs:
