@@ -157,14 +157,13 @@ class CudaGraphs:
 
     def fill_padding(self, shape: GraphShape) -> None:
         """Makes the first rows of the buffers a step of `shape` that is all padding."""
-        b = self.buffers
-        num_tokens, num_seqs, mixed = shape
+        b, num_tokens, num_seqs = self.buffers, shape.num_tokens, shape.num_seqs
         b.input_ids[:num_tokens].zero_()
         b.positions[:num_tokens].zero_()
         b.slot_mapping[:num_tokens].fill_(-1)
         # Block 0 only: the profiling step measures a graph's forward on a one-block cache.
         b.block_tables[:num_seqs].zero_()
-        if not mixed:
+        if not shape.mixed:
             b.seq_lens[:num_seqs].fill_(1)
             return
         b.seq_lens[:num_seqs].zero_()

@@ -5,8 +5,9 @@ import torch
 
 from pagedserve.executor_svc import model_runner, worker
 from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
-from pagedserve.executor_svc.cuda_graphs import (GraphShape, GraphShapes, bucket, capture_sizes,
-                                                 mixed_capture_sizes)
+from pagedserve.executor_svc.cuda_graphs import (CudaGraphs, GraphShape, GraphShapes, bucket,
+                                                 capture_sizes, mixed_capture_sizes)
+from pagedserve.executor_svc.step_buffers import StepBuffers
 from pagedserve.kernels.attention import SHORT_DECODE_CONTEXT
 from tests.executor_svc.harness import (NEW_TOKENS, MiniScheduler, Seq, make_worker,
                                                   random_prompts)
@@ -59,6 +60,22 @@ def test_a_short_decode_step_replays_the_graph_of_the_short_context_bound():
         GraphShape(n, n, False, LONG) for n in (8, 16, 64))
     assert sorted(shapes.all()) == sorted([*short, *long, GraphShape(32, 33, True, LONG)])
     assert GraphShapes([8], [], 16, SHORT_DECODE_CONTEXT).all() == [GraphShape(8, 8, False, SHORT_DECODE_CONTEXT)]
+
+
+def test_capture_fills_the_buffers_with_an_all_padding_step_of_each_shape():
+    graphs = CudaGraphs(None, StepBuffers.allocate(64, 17, 4, torch.device("cpu")), {})
+    b = graphs.buffers
+    for buffer in (b.input_ids, b.positions, b.seq_lens, b.block_tables):
+        buffer.fill_(7)
+    graphs.fill_padding(GraphShape(8, 8, False, SHORT_DECODE_CONTEXT))
+    assert b.input_ids[:8].eq(0).all() and b.positions[:8].eq(0).all()
+    assert b.slot_mapping[:8].eq(-1).all() and b.block_tables[:8].eq(0).all()
+    assert b.seq_lens[:8].tolist() == [1] * 8 and b.seq_lens[8] == 7
+    # A mixed step: empty sequences, then one that owns every token, without context.
+    graphs.fill_padding(GraphShape(32, 17, True, LONG))
+    assert b.seq_lens.tolist() == [0] * 16 + [32]
+    assert b.query_start_loc.tolist() == [0] * 17 + [32]
+    assert b.slot_mapping[:32].eq(-1).all() and b.block_tables.eq(0).all()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),
