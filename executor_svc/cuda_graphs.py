@@ -8,10 +8,7 @@ MAX_MIXED_TOKENS tokens is padded to the next captured token count T and to min(
 context (slot -1). The attention kernel finds each query block's sequence on the device, so one
 graph serves every split of T tokens into sequences. Each graph reads the first rows of the
 persistent StepBuffers, with the attention launch configuration fixed at capture
-(max_query_len, max_seq_len and the KV tiling and split count of its shape). Decode sizes with a
-launch of their own for short contexts (kernels/attention.py's SHORT_DECODE_CONTEXT) are captured
-twice where max_model_len exceeds it: a step whose contexts all fit in it replays the graph of that
-bound, others the max_model_len one."""
+(max_query_len, max_seq_len = max_model_len and the KV split count of its shape)."""
 import bisect
 import time
 from dataclasses import dataclass
@@ -23,7 +20,7 @@ from pagedserve.executor_svc.attention_backend import AttentionMetadata
 from pagedserve.executor_svc.kv_cache import KVCache
 from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.step_buffers import StepBuffers
-from pagedserve.kernels.attention import SHORT_DECODE_CONTEXT, default_num_splits, short_decode
+from pagedserve.kernels.attention import default_num_splits
 from pagedserve.common.log import get_logger
 
 log = get_logger(__name__)
@@ -60,12 +57,10 @@ def pads_mixed_steps(device: torch.device) -> bool:
 
 
 class GraphShape(NamedTuple):
-    """A padded step: num_tokens tokens of num_seqs sequences, mixed or pure decode, of contexts of
-    at most max_seq_len tokens."""
+    """A padded step: num_tokens tokens of num_seqs sequences, mixed or pure decode."""
     num_tokens: int
     num_seqs: int
     mixed: bool
-    max_seq_len: int
 
 
 @dataclass(slots=True)
@@ -74,14 +69,13 @@ class GraphShapes:
     decode: list[int]
     mixed: list[int]
     max_num_seqs: int
-    max_model_len: int
 
-    def shape(self, num_tokens: int, num_seqs: int, max_seq_len: int) -> GraphShape | None:
-        """The shape a step of num_tokens tokens of num_seqs sequences, whose longest context is
-        max_seq_len tokens, pads to, or None when it runs eagerly."""
+    def shape(self, num_tokens: int, num_seqs: int) -> GraphShape | None:
+        """The shape a step of num_tokens tokens of num_seqs sequences pads to, or None when it
+        runs eagerly."""
         if num_tokens == num_seqs:
             size = bucket(self.decode, num_seqs)
-            return None if size is None else GraphShape(size, size, False, self._bound(size, max_seq_len))
+            return None if size is None else GraphShape(size, size, False)
         tokens = bucket(self.mixed, num_tokens)
         if tokens is None:
             return None
@@ -89,23 +83,16 @@ class GraphShapes:
         return shape if num_seqs < shape.num_seqs else None
 
     def all(self) -> list[GraphShape]:
-        return ([GraphShape(size, size, False, bound) for size in self.decode
-                 for bound in sorted({self._bound(size, 1), self.max_model_len})]
+        return ([GraphShape(size, size, False) for size in self.decode]
                 + [self._mixed(tokens) for tokens in self.mixed])
 
     def largest(self) -> list[GraphShape]:
         """The largest decode shape and the largest mixed one, where there are any."""
-        decode = [GraphShape(size, size, False, self.max_model_len) for size in self.decode[-1:]]
+        decode = [GraphShape(size, size, False) for size in self.decode[-1:]]
         return decode + [self._mixed(tokens) for tokens in self.mixed[-1:]]
 
-    def _bound(self, size: int, max_seq_len: int) -> int:
-        """The context bound of the decode graph of `size` rows that a step of contexts up to
-        max_seq_len replays."""
-        short = short_decode(size, 1, max_seq_len) and SHORT_DECODE_CONTEXT < self.max_model_len
-        return SHORT_DECODE_CONTEXT if short else self.max_model_len
-
     def _mixed(self, num_tokens: int) -> GraphShape:
-        return GraphShape(num_tokens, min(num_tokens, self.max_num_seqs) + 1, True, self.max_model_len)
+        return GraphShape(num_tokens, min(num_tokens, self.max_num_seqs) + 1, True)
 
 
 def bucket(sizes: list[int], num_seqs: int) -> int | None:
@@ -114,13 +101,14 @@ def bucket(sizes: list[int], num_seqs: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def graph_metadata(buffers: StepBuffers, shape: GraphShape, num_heads: int, num_kv_heads: int,
-                   head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> AttentionMetadata:
+def graph_metadata(buffers: StepBuffers, shape: GraphShape, max_model_len: int,
+                   num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   kv_dtype: torch.dtype) -> AttentionMetadata:
     """The metadata of a step padded to `shape`, with a launch configuration that does not depend
     on the step's values."""
-    num_tokens, num_seqs, mixed, max_seq_len = shape
+    num_tokens, num_seqs, mixed = shape
     if not mixed:
-        return _decode_metadata(buffers, num_seqs, max_seq_len, num_heads, num_kv_heads,
+        return _decode_metadata(buffers, num_seqs, max_model_len, num_heads, num_kv_heads,
                                 head_dim, dtype, kv_dtype)
     # Unsplit: at most MAX_MIXED_TOKENS tokens attend in one launch of small tiles
     # (kernels/attention.py), whose q blocks of num_seqs sequences fill the GPU without a split.
@@ -128,20 +116,20 @@ def graph_metadata(buffers: StepBuffers, shape: GraphShape, num_heads: int, num_
                              query_start_loc=buffers.query_start_loc[:num_seqs + 1],
                              seq_lens=buffers.seq_lens[:num_seqs],
                              block_tables=buffers.block_tables[:num_seqs],
-                             max_query_len=num_tokens, max_seq_len=max_seq_len, num_splits=1)
+                             max_query_len=num_tokens, max_seq_len=max_model_len, num_splits=1)
 
 
-def _decode_metadata(buffers: StepBuffers, size: int, max_seq_len: int, num_heads: int,
+def _decode_metadata(buffers: StepBuffers, size: int, max_model_len: int, num_heads: int,
                      num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                      kv_dtype: torch.dtype) -> AttentionMetadata:
     num_splits = default_num_splits(size, size, num_heads, num_kv_heads, head_dim,
-                                    dtype.itemsize, 1, max_seq_len, buffers.input_ids.device,
+                                    dtype.itemsize, 1, max_model_len, buffers.input_ids.device,
                                     kv_bytes=kv_dtype.itemsize)
     return AttentionMetadata(slot_mapping=buffers.slot_mapping[:size],
                              query_start_loc=buffers.decode_query_start_loc[:size + 1],
                              seq_lens=buffers.seq_lens[:size],
                              block_tables=buffers.block_tables[:size], max_query_len=1,
-                             max_seq_len=max_seq_len, num_splits=num_splits)
+                             max_seq_len=max_model_len, num_splits=num_splits)
 
 
 class CudaGraphs:

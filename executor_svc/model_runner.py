@@ -103,7 +103,7 @@ class ModelRunner:
         # max_model_len tokens.
         mixed = (mixed_capture_sizes(min(config.max_num_batched_tokens, max_model_len))
                  if decode and pads_mixed_steps(device) else [])
-        self.shapes = GraphShapes(decode, mixed, config.max_num_seqs, max_model_len)
+        self.shapes = GraphShapes(decode, mixed, config.max_num_seqs)
         # The profiling step packs max_num_batched_tokens into sequences of max_model_len.
         self.max_seqs = max(config.max_num_seqs, -(-config.max_num_batched_tokens // max_model_len))
         max_tokens = max([config.max_num_batched_tokens, *decode])
@@ -123,7 +123,7 @@ class ModelRunner:
         # Each row's most recently sampled token, which the next step reads before the host has it.
         self.last_sampled = torch.zeros(self.max_seqs, dtype=torch.int64, device=device)
         mc = model.config
-        self.graph_metas = {shape: graph_metadata(self.buffers, shape, mc.num_attention_heads,
+        self.graph_metas = {shape: graph_metadata(self.buffers, shape, max_model_len, mc.num_attention_heads,
                                                   mc.num_key_value_heads, mc.head_dim, dtype, kv_dtype)
                             for shape in self.shapes.all()}
         self.graphs = CudaGraphs(model, self.buffers, self.graph_metas)
@@ -259,7 +259,7 @@ class ModelRunner:
                          for i, n in enumerate(lens.tolist())], dtype=np.int64)
         try:
             # Unpadded: its metadata is its own, not a graph's.
-            step = self._prepare(rows, lens, GraphShapes([], [], 0, self.max_model_len))
+            step = self._prepare(rows, lens, GraphShapes([], [], 0))
             step.meta.num_splits = num_splits
             hidden = self._forward(step, scratch)
             positions = torch.arange(min(num_tokens, PROMPT_LOGPROBS_CHUNK), device=self.device)

@@ -39,7 +39,7 @@ def host_inputs(batch: InputBatch, rows: np.ndarray, query_lens: np.ndarray, sha
     max_seq_len = int(seq_lens.max())
     _check_lengths(batch, rows, seq_lens, known, max_seq_len, max_model_len)
     num_seqs, num_tokens = len(rows), int(query_lens.sum())
-    graph = shapes.shape(num_tokens, num_seqs, max_seq_len)
+    graph = shapes.shape(num_tokens, num_seqs)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     if num_tokens != num_seqs:

@@ -33,25 +33,6 @@ ALL_ROWS, PREFILL_ROWS, DECODE_ROWS = 0, 1, 2
 # against 143.0, where 16-row tiles took 259.5, rereading the context for every 4 queries.
 SMALL_STEP_TOKENS = 256
 MEDIUM_STEP_TOKENS = 512
-# A decode of at most SHORT_DECODE_ROWS rows whose contexts all fit in SHORT_DECODE_CONTEXT tokens
-# takes 32 KiB KV tiles and splits only below one program per multiprocessor: a long-context grid's
-# segments and merge cost more than they save there. On an H200 (Llama-3.1-8B shape, a layer in a
-# CUDA graph of 32 layers' caches, 2026-12-03), us at 600 / 1,024 / 2,048 tokens against the
-# long-context tiling (64-token tiles, about 4 programs per multiprocessor): 32 rows unsplit 24.7 /
-# 36.9 / 66.8 against 33.8 / 47.6 / 80.0; 24 rows 22.2 / 32.3 / 58.3 against 29.1 / 38.8 / 64.6; 16
-# rows in 2 segments 21.5 / 27.8 / 42.9 against 23.4 / 28.5 / 45.1; 8 rows in 4 16.7 / 16.7 / 25.1
-# against 17.2 / 19.7 / 27.8; an fp8 cache (128-token tiles either way), 32 rows 20.4 / 29.7 / 52.2
-# against 34.2 / 45.1 / 68.6. Past 32 rows the grid fills the GPU unsplit, and 128-token bf16 tiles
-# were slower (48 rows at 600 tokens: 40.9 against 35.9).
-SHORT_DECODE_CONTEXT = 2048
-SHORT_DECODE_ROWS = 32
-
-
-def short_decode(num_tokens: int | None, max_query_len: int, max_seq_len: int | None) -> bool:
-    """Whether a launch of num_tokens queries, at most max_query_len per sequence, over contexts of
-    at most max_seq_len tokens is a short decode (see SHORT_DECODE_CONTEXT)."""
-    return (max_query_len == 1 and num_tokens is not None and num_tokens <= SHORT_DECODE_ROWS
-            and max_seq_len is not None and max_seq_len <= SHORT_DECODE_CONTEXT)
 
 
 def small_step(num_tokens: int | None) -> bool:
@@ -443,11 +424,10 @@ class AttentionConfig:
 
 def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len: int,
                    fresh_kv: bool = False, kv_bytes: int | None = None,
-                   num_tokens: int | None = None, max_seq_len: int | None = None) -> AttentionConfig:
+                   num_tokens: int | None = None) -> AttentionConfig:
     """The tiling `paged_attention` picks when given none for a launch of num_tokens queries (None:
-    as many as a prefill tiling suits) over contexts of at most max_seq_len tokens (None: any);
-    `fresh_kv` when it is given k_new; elem_bytes is the query's element size, kv_bytes the
-    cache's (default: the same)."""
+    as many as a prefill tiling suits); `fresh_kv` when it is given k_new; elem_bytes is the
+    query's element size, kv_bytes the cache's (default: the same)."""
     # Decode rows fill BLOCK_M with the GQA group (16 rows is the smallest tensor-core tile)
     # and stream 16 KiB KV tiles, K loaded [head_dim, tile]. A sweep on an H200 (Llama-3.1-8B
     # shape, batch 64-512 x context 1k-16k) measured bf16 fastest with 64-token tiles and 2
@@ -459,8 +439,7 @@ def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len
     decode = max_query_len * group_pad <= 16
     if decode or small_step(num_tokens):
         kv_bytes = kv_bytes or elem_bytes
-        tile_bytes = 32768 if short_decode(num_tokens, max_query_len, max_seq_len) else 16384
-        tile = max(16, min(128, tile_bytes // (head_dim * kv_bytes)))
+        tile = max(16, min(128, 16384 // (head_dim * kv_bytes)))
         rows = 16 if decode or num_tokens <= SMALL_STEP_TOKENS else 64
         return AttentionConfig(max(rows, group_pad), tile, num_warps=4,
                                num_stages=2 if kv_bytes >= 2 else 3, k_transposed=True)
@@ -478,25 +457,19 @@ def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len
 
 
 def choose_num_splits(num_q_blocks: int, num_kv_heads: int, max_seq_len: int, tile: int,
-                      num_sms: int, short: bool = False) -> int:
+                      num_sms: int) -> int:
     """KV segments per sequence: split only when the unsplit grid cannot fill the GPU.
 
     With fewer than 2 programs per multiprocessor (small decode batches, few KV heads), each
     sequence's KV is cut into a power-of-two number of segments so the grid reaches about 4
     programs per multiprocessor, capped at 16 segments and at one segment per 2 KV tiles of
     the longest context. On an H200 (132 SMs, Llama-3.1-8B shape, ctx 1k-16k) it chose the
-    fastest of the segment counts measured at every batch from 8 to 256. A `short` decode
-    (`short_decode`) splits only below 1 program per multiprocessor, to at most about 2 (rounding
-    the segment count down).
+    fastest of the segment counts measured at every batch from 8 to 256.
     """
     programs = num_q_blocks * num_kv_heads
-    if programs >= (1 if short else 2) * num_sms:
+    if programs >= 2 * num_sms:
         return 1
-    if short:
-        wanted = triton.cdiv(2 * num_sms, programs)
-        splits = 1 << (wanted.bit_length() - 1)
-    else:
-        splits = triton.next_power_of_2(triton.cdiv(4 * num_sms, programs))
+    splits = triton.next_power_of_2(triton.cdiv(4 * num_sms, programs))
     while splits > 1 and 2 * splits * tile > max_seq_len:
         splits //= 2
     return min(splits, MAX_SPLITS)
@@ -509,7 +482,7 @@ def default_num_splits(num_tokens: int, num_seqs: int, num_heads: int, num_kv_he
     for its batch size at capture."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     cfg = default_config(group_pad, head_dim, elem_bytes, max_query_len, kv_bytes=kv_bytes,
-                         num_tokens=num_tokens, max_seq_len=max_seq_len)
+                         num_tokens=num_tokens)
     return _num_splits(cfg, group_pad, num_tokens, num_seqs, num_kv_heads, max_query_len,
                        max_seq_len, device)
 
@@ -520,8 +493,7 @@ def _num_splits(cfg: AttentionConfig, group_pad: int, num_tokens: int, num_seqs:
     block_q = cfg.block_m // group_pad
     # With short queries (decode rows) each sequence busies one q block per KV head.
     busy_blocks = num_seqs if max_query_len <= block_q else num_tokens // block_q + num_seqs
-    return choose_num_splits(busy_blocks, num_kv_heads, max_seq_len, cfg.tile, _num_sms(device),
-                             short_decode(num_tokens, max_query_len, max_seq_len))
+    return choose_num_splits(busy_blocks, num_kv_heads, max_seq_len, cfg.tile, _num_sms(device))
 
 
 def _decode_launch(config: AttentionConfig | None, group_pad: int, head_dim: int, q: torch.Tensor,
@@ -611,7 +583,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     capped = bool(softcap)
     cfg = config or default_config(group_pad, head_dim, q.element_size(), max_query_len,
                                    fresh_kv=k_new is not None, kv_bytes=k_cache.element_size(),
-                                   num_tokens=num_tokens, max_seq_len=attended_len)
+                                   num_tokens=num_tokens)
     if cfg.block_m < group_pad:
         raise ValueError(f"block_m {cfg.block_m} is below the padded GQA group {group_pad}")
     block_q = cfg.block_m // group_pad

@@ -8,7 +8,6 @@ from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
 from pagedserve.executor_svc.cuda_graphs import (CudaGraphs, GraphShape, GraphShapes, bucket,
                                                  capture_sizes, mixed_capture_sizes)
 from pagedserve.executor_svc.step_buffers import StepBuffers
-from pagedserve.kernels.attention import SHORT_DECODE_CONTEXT
 from tests.executor_svc.harness import (NEW_TOKENS, MiniScheduler, Seq, make_worker,
                                                   random_prompts)
 from tests.tiny_models import hf_greedy, make_tiny_model
@@ -34,32 +33,14 @@ def test_mixed_capture_sizes_step_32_then_64_up_to_the_token_budget():
     assert mixed_capture_sizes(300) == [32, 64, 96, 128, 160, 192, 224, 256, 300]
 
 
-LONG = 4 * SHORT_DECODE_CONTEXT
-
-
 @pytest.mark.parametrize("num_tokens, num_seqs, shape", [
-    (3, 3, GraphShape(4, 4, False, SHORT_DECODE_CONTEXT)), (9, 9, GraphShape(16, 16, False, SHORT_DECODE_CONTEXT)),
-    (17, 1, GraphShape(32, 17, True, LONG)), (33, 16, GraphShape(64, 17, True, LONG)),
-    (300, 12, GraphShape(320, 17, True, LONG)), (513, 5, None), (17, 17, None)])
+    (3, 3, GraphShape(4, 4, False)), (9, 9, GraphShape(16, 16, False)), (17, 1, GraphShape(32, 17, True)),
+    (33, 16, GraphShape(64, 17, True)), (300, 12, GraphShape(320, 17, True)), (513, 5, None),
+    (17, 17, None)])
 def test_a_step_pads_to_the_smallest_shape_that_holds_it(num_tokens, num_seqs, shape):
     # max_num_seqs 16: decode steps of up to 16 rows, mixed ones of up to 512 tokens, with room
     # for every sequence and one of padding.
-    shapes = GraphShapes(capture_sizes(16), mixed_capture_sizes(8192), 16, LONG)
-    assert shapes.shape(num_tokens, num_seqs, 100) == shape
-
-
-def test_a_short_decode_step_replays_the_graph_of_the_short_context_bound():
-    shapes = GraphShapes([8, 16, 64], [32], 64, LONG)
-    assert shapes.shape(5, 5, SHORT_DECODE_CONTEXT).max_seq_len == SHORT_DECODE_CONTEXT
-    assert shapes.shape(5, 5, SHORT_DECODE_CONTEXT + 1).max_seq_len == LONG
-    # Past SHORT_DECODE_ROWS the launch is the same either way: one graph, max_model_len's; so for
-    # mixed steps, and for decode steps when max_model_len is short itself.
-    assert shapes.shape(40, 40, 100).max_seq_len == LONG
-    assert shapes.shape(20, 2, 40).max_seq_len == LONG
-    short, long = (GraphShape(n, n, False, SHORT_DECODE_CONTEXT) for n in (8, 16)), (
-        GraphShape(n, n, False, LONG) for n in (8, 16, 64))
-    assert sorted(shapes.all()) == sorted([*short, *long, GraphShape(32, 33, True, LONG)])
-    assert GraphShapes([8], [], 16, SHORT_DECODE_CONTEXT).all() == [GraphShape(8, 8, False, SHORT_DECODE_CONTEXT)]
+    assert GraphShapes(capture_sizes(16), mixed_capture_sizes(8192), 16).shape(num_tokens, num_seqs) == shape
 
 
 def test_capture_fills_the_buffers_with_an_all_padding_step_of_each_shape():
@@ -67,12 +48,12 @@ def test_capture_fills_the_buffers_with_an_all_padding_step_of_each_shape():
     b = graphs.buffers
     for buffer in (b.input_ids, b.positions, b.seq_lens, b.block_tables):
         buffer.fill_(7)
-    graphs.fill_padding(GraphShape(8, 8, False, SHORT_DECODE_CONTEXT))
+    graphs.fill_padding(GraphShape(8, 8, False))
     assert b.input_ids[:8].eq(0).all() and b.positions[:8].eq(0).all()
     assert b.slot_mapping[:8].eq(-1).all() and b.block_tables[:8].eq(0).all()
     assert b.seq_lens[:8].tolist() == [1] * 8 and b.seq_lens[8] == 7
     # A mixed step: empty sequences, then one that owns every token, without context.
-    graphs.fill_padding(GraphShape(32, 17, True, LONG))
+    graphs.fill_padding(GraphShape(32, 17, True))
     assert b.seq_lens.tolist() == [0] * 16 + [32]
     assert b.query_start_loc.tolist() == [0] * 17 + [32]
     assert b.slot_mapping[:32].eq(-1).all() and b.block_tables.eq(0).all()

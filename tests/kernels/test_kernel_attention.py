@@ -331,16 +331,3 @@ def test_split_heuristic() -> None:
     # Short contexts keep at least 2 KV tiles per segment.
     assert choose_num_splits(4, 8, 256, 64, num_sms=132) == 2
     assert choose_num_splits(4, 8, 64, 64, num_sms=132) == 1
-    # A short decode splits only below 1 program per multiprocessor, to about 2.
-    assert choose_num_splits(24, 8, 2048, 128, num_sms=132, short=True) == 1
-    assert choose_num_splits(16, 8, 2048, 128, num_sms=132, short=True) == 2
-    assert choose_num_splits(8, 8, 2048, 128, num_sms=132, short=True) == 4
-    assert choose_num_splits(1, 8, 2048, 128, num_sms=132, short=True) == 8
-
-
-@pytest.mark.parametrize("num_rows, max_seq_len, tile", [
-    (32, attention.SHORT_DECODE_CONTEXT, 128), (33, attention.SHORT_DECODE_CONTEXT, 64),
-    (32, attention.SHORT_DECODE_CONTEXT + 1, 64), (32, None, 64)])
-def test_short_decodes_take_32_kib_tiles(num_rows: int, max_seq_len: int | None, tile: int) -> None:
-    cfg = attention.default_config(4, 128, 2, 1, num_tokens=num_rows, max_seq_len=max_seq_len)
-    assert cfg.tile == tile and cfg.block_m == 16
