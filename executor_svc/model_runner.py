@@ -359,7 +359,7 @@ class ModelRunner:
         # Graph steps never read the decode-row count: their metadata was fixed at capture.
         meta = AttentionMetadata(buf.slot_mapping[:num_tokens], buf.query_start_loc[:num_seqs + 1],
                                  buf.seq_lens[:num_seqs], buf.block_tables[:num_seqs],
-                                 int(host.query_lens.max()), host.max_seq_len,
+                                 int(host.query_lens.max()), int(host.seq_lens.max()),
                                  num_decode_seqs=int(np.count_nonzero(host.query_lens == 1)))
         return Step(num_tokens, meta, None, host.sample_rows, logits)
 

@@ -19,7 +19,6 @@ class HostInputs:
     positions: np.ndarray                # [num_tokens]
     slot_mapping: np.ndarray             # [num_tokens]
     seq_lens: np.ndarray                 # [num_seqs]
-    max_seq_len: int                     # of the unpadded seq_lens
     query_lens: np.ndarray               # [num_seqs], unpadded
     query_start_loc: np.ndarray          # [num_seqs + 1]
     # The hidden-state rows to sample; None when they are the first len(sample_rows) rows.
@@ -36,8 +35,7 @@ def host_inputs(batch: InputBatch, rows: np.ndarray, query_lens: np.ndarray, sha
     computed = batch.num_computed[rows]
     seq_lens = computed + query_lens
     known = batch.known_tokens(rows)
-    max_seq_len = int(seq_lens.max())
-    _check_lengths(batch, rows, seq_lens, known, max_seq_len, max_model_len)
+    _check_lengths(batch, rows, seq_lens, known, max_model_len)
     num_seqs, num_tokens = len(rows), int(query_lens.sum())
     graph = shapes.shape(num_tokens, num_seqs)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -58,8 +56,8 @@ def host_inputs(batch: InputBatch, rows: np.ndarray, query_lens: np.ndarray, sha
     # One token per sequence, all sampling: the logits rows are the first hidden-state rows.
     logits_indices = (None if num_tokens == num_seqs == len(sample_rows)
                       else query_start_loc[1:][sample_rows] - 1)
-    host = HostInputs(rows, input_ids, late, positions, slot_mapping, seq_lens, max_seq_len,
-                      query_lens, query_start_loc, logits_indices, sample_rows, graph)
+    host = HostInputs(rows, input_ids, late, positions, slot_mapping, seq_lens, query_lens,
+                      query_start_loc, logits_indices, sample_rows, graph)
     if graph is not None:
         _pad_to_graph(host, graph)
     return host
@@ -82,7 +80,7 @@ def _pad_to_graph(host: HostInputs, graph: GraphShape) -> None:
 
 
 def _check_lengths(batch: InputBatch, rows: np.ndarray, seq_lens: np.ndarray, known: np.ndarray,
-                   max_seq_len: int, max_model_len: int) -> None:
+                   max_model_len: int) -> None:
     blocks, block_size = batch.num_blocks[rows], batch.block_size
     if (seq_lens > known).any():
         raise ValueError("step plan schedules tokens past a request's known tokens: "
@@ -90,7 +88,7 @@ def _check_lengths(batch: InputBatch, rows: np.ndarray, seq_lens: np.ndarray, kn
     if (seq_lens > blocks * block_size).any():
         raise ValueError(f"step plan gives too few blocks: context lengths {seq_lens.tolist()}, "
                          f"blocks {blocks.tolist()} of {block_size} tokens")
-    if max_seq_len > max_model_len:
+    if seq_lens.max() > max_model_len:
         raise ValueError(f"step plan exceeds max_model_len {max_model_len}: "
                          f"context lengths {seq_lens.tolist()}")
 
