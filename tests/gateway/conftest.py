@@ -7,8 +7,7 @@ import yaml
 
 from pagedserve.common.tokenizer import Tokenizer
 from tests.gateway.fake_engine import (SPEC, SPEC_NAME, FakeEngine, add_fake_engine, build_tiny_tokenizer,
-                                       serve_gateway)
-from tests.serving import wait_health
+                                       serve_gateway, serve_live_gateway)
 
 
 @pytest.fixture(scope="session")
@@ -35,23 +34,14 @@ async def engine(tokenizer):
     await server.stop(0)
 
 
-async def wait_serving(url: str) -> None:
-    """Waits for /health to answer 200, the engine pool having polled the fake scheduler: under load
-    its first poll (2 s deadline) could fail, and a test's first request met a 503 while the
-    scheduler waited out its backoff."""
-    async with aiohttp.ClientSession() as http:
-        await wait_health(http, url, 200, timeout=30)
-
-
 @pytest.fixture
 async def serve(engine, tokenizer):
     """Starts gateways on the fake engine with build_app's options; returns their base URLs."""
     runners = []
 
     async def start_one(**options) -> str:
-        runner, url = await serve_gateway(tokenizer, engine.address, **options)
+        runner, url = await serve_live_gateway(tokenizer, engine.address, **options)
         runners.append(runner)
-        await wait_serving(url)
         return url
 
     yield start_one
@@ -61,8 +51,7 @@ async def serve(engine, tokenizer):
 
 @pytest.fixture
 async def base_url(engine, tokenizer):
-    runner, url = await serve_gateway(tokenizer, engine.address)
-    await wait_serving(url)
+    runner, url = await serve_live_gateway(tokenizer, engine.address)
     yield url
     await runner.cleanup()
 

@@ -7,6 +7,7 @@ import re
 import time
 from pathlib import Path
 
+import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -18,6 +19,7 @@ from pagedserve.gateway.app import build_app
 from pagedserve.gateway.server import start
 from pagedserve.v1 import engine_pb2 as pb
 from pagedserve.v1 import engine_pb2_grpc
+from tests.serving import wait_health
 
 # Outside the repository (../shared/specs), so looked up in every parent of this file.
 SPEC_NAME = Path("shared", "specs", "openai-openapi.yaml")
@@ -253,4 +255,18 @@ async def serve_gateway(tokenizer, address: str, **options):
     runner = await start(build_app(tokenizer, address, **options), "127.0.0.1", 0)
     host, port = runner.addresses[0][:2]
     return runner, f"http://{host}:{port}"
+
+
+async def serve_live_gateway(tokenizer, address: str, **options):
+    """serve_gateway on a scheduler that is up, returned once /health answers 200: under load the
+    engine pool's first poll (2 s deadline) can fail, and a request sent before its retry puts the
+    scheduler in rotation meets a 503 (a test waiting for that request to reach the engine hung)."""
+    runner, url = await serve_gateway(tokenizer, address, **options)
+    try:
+        async with aiohttp.ClientSession() as http:
+            await wait_health(http, url, 200, timeout=30)
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, url
 

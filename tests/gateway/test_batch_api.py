@@ -194,9 +194,9 @@ async def test_cancel_stops_new_lines_and_reports_counts(serve, tmp_path, engine
 
 
 async def test_a_restarted_gateway_resumes_and_answers_each_line_once(serve, tokenizer, tmp_path, engine):
-    from tests.gateway.fake_engine import serve_gateway
+    from tests.gateway.fake_engine import serve_live_gateway
     engine.delay = 0.01
-    runner, url = await serve_gateway(tokenizer, engine.address, batch_dir=tmp_path, batch_concurrency=3)
+    runner, url = await serve_live_gateway(tokenizer, engine.address, batch_dir=tmp_path, batch_concurrency=3)
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as sdk:
         batch = await run_batch(sdk, [chat_line(f"r{i}", max_tokens=5) for i in range(30)], wait=False)
         while (await sdk.batches.retrieve(batch.id)).request_counts.completed < 5:
@@ -231,9 +231,9 @@ async def test_metrics_and_the_request_log_mark_batch_lines(serve, tmp_path, htt
 async def test_a_second_gateway_on_one_batch_dir_takes_the_batch_api_once_the_first_stops(
         serve, tokenizer, engine, tmp_path, http, monkeypatch):
     from pagedserve.gateway import batch_runner
-    from tests.gateway.fake_engine import serve_gateway
+    from tests.gateway.fake_engine import serve_live_gateway
     monkeypatch.setattr(batch_runner, "_REOPEN_S", 0.05)
-    runner, first = await serve_gateway(tokenizer, engine.address, batch_dir=tmp_path)
+    runner, first = await serve_live_gateway(tokenizer, engine.address, batch_dir=tmp_path)
     second = await serve(batch_dir=tmp_path)
     async with http.get(f"{second}/v1/files") as r:
         assert r.status == 503 and "--batch-dir" in (await r.json())["error"]["message"]

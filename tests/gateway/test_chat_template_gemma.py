@@ -10,7 +10,7 @@ import pytest
 import transformers
 
 from pagedserve.common.tokenizer import ChatTemplateError, Tokenizer
-from tests.gateway.fake_engine import serve_gateway
+from tests.gateway.fake_engine import serve_live_gateway
 
 TEMPLATES = {name: (Path(__file__).parent / "templates" / f"{name}.jinja").read_text()
              for name in ("google-gemma-2-2b-it", "google-gemma-3-4b-it")}
@@ -59,7 +59,7 @@ def test_only_gemma_3_takes_a_system_message(tokenizer_dir):
                                         ("turns out of order", "Conversation roles must alternate")])
 async def test_what_gemma_2_refuses_is_a_400_naming_messages(http, engine, tokenizer_dir, chat, says):
     tokenizer = Tokenizer.from_dir(tokenizer_dir, chat_template=TEMPLATES["google-gemma-2-2b-it"])
-    runner, url = await serve_gateway(tokenizer, engine.address)
+    runner, url = await serve_live_gateway(tokenizer, engine.address)
     try:
         async with http.post(f"{url}/v1/chat/completions", json={"messages": CHATS[chat]}) as r:
             status, error = r.status, (await r.json())["error"]

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from pagedserve.common.sampling_params import sampling_from_proto
 from pagedserve.common.tokenizer import Tokenizer
-from tests.gateway.fake_engine import serve_gateway
+from tests.gateway.fake_engine import serve_live_gateway
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -71,7 +71,7 @@ async def test_a_constraint_leaves_a_reasoning_models_thinking_free(http, engine
     body = {"messages": MSG, "guided_choice": ["a", "b"]}
     for tok, expected in ((thinking, [thinking.encode("</think>", add_special_tokens=False)[0]]),
                           (Tokenizer.from_dir(tokenizer_dir), None)):
-        runner, url = await serve_gateway(tok, engine.address, reasoning_parser="qwen3")
+        runner, url = await serve_live_gateway(tok, engine.address, reasoning_parser="qwen3")
         try:
             assert (await sent(http, url, engine, CHAT, body)).structured_outputs.reasoning_end_ids == expected
         finally:

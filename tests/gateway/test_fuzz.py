@@ -8,7 +8,7 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from tests.gateway.fake_engine import LEAK, MODEL, FakeEngine, add_fake_engine, serve_gateway
+from tests.gateway.fake_engine import LEAK, MODEL, FakeEngine, add_fake_engine, serve_live_gateway
 
 EXAMPLES = 40
 
@@ -28,7 +28,7 @@ def gateway_url(tokenizer):
         await add_fake_engine(server, engine)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        runner, found["url"] = await serve_gateway(tokenizer, f"127.0.0.1:{port}")
+        runner, found["url"] = await serve_live_gateway(tokenizer, f"127.0.0.1:{port}")
         ready.set()
         await stop.wait()
         await runner.cleanup()
@@ -36,7 +36,7 @@ def gateway_url(tokenizer):
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()
-    assert ready.wait(10)
+    assert ready.wait(40)
     yield found["url"]
     loop.call_soon_threadsafe(stop.set)
     thread.join(10)

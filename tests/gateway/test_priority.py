@@ -12,7 +12,7 @@ from pagedserve.executor_svc.null_worker import NullWorker, null_executor_info
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.scheduler_svc.server import serve
 from pagedserve.v1 import executor_pb2_grpc
-from tests.gateway.fake_engine import MODEL, serve_gateway
+from tests.gateway.fake_engine import MODEL, serve_live_gateway
 
 CHAT = [{"role": "user", "content": "Say hello"}]
 
@@ -31,7 +31,7 @@ async def start_stack(tmp_path, tokenizer):
         config = EngineConfig(served_model_name=[MODEL], scheduling_policy=policy)
         serving = asyncio.create_task(serve(config, address, executor_address))
         await service.wait_serving(address, timeout=10)
-        runner, url = await serve_gateway(tokenizer, address)
+        runner, url = await serve_live_gateway(tokenizer, address)
         stopping.append((runner, serving, executor))
         return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 

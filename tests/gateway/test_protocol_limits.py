@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from pagedserve.gateway.state import GATEWAY
-from tests.gateway.fake_engine import MODEL, serve_gateway
+from tests.gateway.fake_engine import MODEL, serve_live_gateway
 from tests.gateway.test_metrics import scrape
 from tests.gateway.test_hostile_requests import ARGUMENT, TOOL_CALL, poll_health
 from tests.gateway.test_server import gateway_process
@@ -56,7 +56,7 @@ async def test_a_scheduler_shedding_load_is_a_503(http, base_url, engine, route)
 
 
 async def test_while_draining_new_requests_get_a_503_in_the_protocols_shape(http, engine, tokenizer):
-    runner, url = await serve_gateway(tokenizer, engine.address)
+    runner, url = await serve_live_gateway(tokenizer, engine.address)
     engine.delay = 0.05
     try:
         running = await http.post(url + "/api/chat", json=ROUTES["ollama chat"][1](200))

@@ -10,7 +10,7 @@ import requests
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.gateway.pooling_outputs import cosine
 from pagedserve.gateway.state import GATEWAY
-from tests.gateway.fake_engine import LEAK, MODEL, classified, embedded, serve_gateway
+from tests.gateway.fake_engine import LEAK, MODEL, classified, embedded, serve_live_gateway
 from tests.gateway.test_metrics import scrape, value
 
 QUERY = "What is the capital of the United States?"
@@ -204,7 +204,7 @@ async def test_a_client_that_leaves_aborts_its_pool_calls(reranker, serve, http)
 
 async def test_admission_and_shutdown_cover_pooling(reranker, tokenizer, http):
     reranker.delay = 5
-    runner, url = await serve_gateway(tokenizer, reranker.address, max_concurrent_requests=1)
+    runner, url = await serve_live_gateway(tokenizer, reranker.address, max_concurrent_requests=1)
     try:
         first = asyncio.ensure_future(http.post(url + "/score", json={"text_1": "q", "text_2": "a"}))
         while not reranker.pool_requests:
@@ -252,7 +252,7 @@ async def test_a_decoder_reranker_gets_its_pairs_from_the_score_template(reranke
                 ' | first }}\n<Document>: {{ messages | selectattr("role", "eq", "document") | '
                 'map(attribute="content") | first }}<|im_end|>\n<|im_start|>assistant\n')
     scorer = Tokenizer.from_dir(tokenizer_dir, chat_template=template)
-    runner, url = await serve_gateway(scorer, reranker.address)
+    runner, url = await serve_live_gateway(scorer, reranker.address)
     try:
         async with http.post(url + "/rerank", json={"query": "q", "documents": ["a", "b"]}) as r:
             assert r.status == 200

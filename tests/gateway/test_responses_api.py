@@ -14,7 +14,7 @@ from pagedserve.gateway.response_store import ResponseStore, StoredResponse
 from pagedserve.gateway.state import GATEWAY
 from pagedserve.gateway.responses_api import chat_messages
 from pagedserve.gateway.responses_schemas import InputItem, Part, Response, TextOptions
-from tests.gateway.fake_engine import CHAT_TEMPLATE, MODEL, serve_gateway
+from tests.gateway.fake_engine import CHAT_TEMPLATE, MODEL, serve_live_gateway
 from tests.gateway.test_openapi_shapes import validate  # noqa: F401 (a fixture)
 
 RESPONSES = "/v1/responses"
@@ -85,7 +85,7 @@ async def test_prompt_holds_instructions_then_history_then_the_turn(http, base_u
 async def test_reasoning_effort_reaches_the_template(http, engine, tokenizer_dir):
     template = "{{ reasoning_effort }}|" + CHAT_TEMPLATE
     tokenizer = Tokenizer.from_dir(tokenizer_dir, chat_template=template)
-    runner, url = await serve_gateway(tokenizer, engine.address)
+    runner, url = await serve_live_gateway(tokenizer, engine.address)
     try:
         await post(http, url, {"input": "hi", "reasoning": {"effort": "low"}, "max_output_tokens": 1})
     finally:
@@ -245,7 +245,7 @@ async def test_background_work_counts_against_max_concurrent_requests(http, serv
 
 async def test_shutdown_cancels_background_responses(http, engine, tokenizer):
     engine.delay = 0.05
-    runner, url = await serve_gateway(tokenizer, engine.address)
+    runner, url = await serve_live_gateway(tokenizer, engine.address)
     queued = json.loads((await post(http, url, {"input": "hi", "background": True, "max_output_tokens": 100}))[1])
     store = runner.app[GATEWAY].responses
     await asyncio.sleep(0.1)

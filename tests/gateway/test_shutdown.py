@@ -6,14 +6,14 @@ import json
 import pytest
 
 from pagedserve.gateway.state import GATEWAY
-from tests.gateway.fake_engine import serve_gateway
+from tests.gateway.fake_engine import serve_live_gateway
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
 
 
 @pytest.fixture
 async def gateway(engine, tokenizer):
-    runner, url = await serve_gateway(tokenizer, engine.address)
+    runner, url = await serve_live_gateway(tokenizer, engine.address)
     yield url, runner.app[GATEWAY].drain
     await runner.cleanup()
 
