@@ -56,10 +56,15 @@ def resolve_linear_dtype(name: str, model: ModelConfig, device: torch.device, dt
     greedy answers far more often). There layers/linear.py also keeps weights on a 4-bit grid as
     their codes, and the worker gives the LM head a bfloat16 copy corrected to float32 near each
     row's greatest logit (NarrowHead)."""
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    narrow = (name == "auto" and device.type == "cpu" and dtype == torch.float32 and native
-              and model.dtype != "float32" and not quantization)
+    narrow = (name == "auto" and device.type == "cpu" and dtype == torch.float32
+              and cpu_computes_bf16() and model.dtype != "float32" and not quantization)
     return torch.bfloat16 if narrow else dtype
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX); oneDNN's bfloat16
+    inner product needs it or AVX-512 (an AVX2-only CPU refuses the layout)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def dtype_name(dtype: torch.dtype) -> str:

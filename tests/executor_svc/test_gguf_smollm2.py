@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedserve import LLM
+from pagedserve.executor_svc.device import cpu_computes_bf16
 from tests.real_model import (CHATS, RAW_PROMPTS, smollm2_path, smollm2_transformers_model,
                               smollm2_transformers_tokenizer)
 from tests.tiny_models import hf_greedy, llm_greedy
@@ -58,7 +59,7 @@ def test_prefix_caching_on_the_shared_chat_prefix(smollm2):
     assert llm.scheduler.prefix_cache_hits > 0
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported(),
+@pytest.mark.skipif(not cpu_computes_bf16(),
                     reason="--dtype auto narrows the linear weights only on a CPU with native bfloat16")
 def test_default_dtype_on_a_bf16_cpu_keeps_most_greedy_tokens(smollm2):
     # bfloat16 projection weights under float32 activations (device.resolve_linear_dtype): the
