@@ -193,9 +193,16 @@ def _attend_span(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, s
                  q_limit, q_first, kv_start, kv_end, tile_lo, tile_hi, first_full, num_full,
                  qk_scale, cap, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-                 K_T: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                 K_T: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ONE_LOOP: tl.constexpr):
     # Paged tiles [tile_lo, tile_hi): masked before first_full (a row's window starts inside
-    # them) and from num_full on (the causal diagonal or kv_end cross them), unmasked between.
+    # them) and from num_full on (the causal diagonal or kv_end cross them), unmasked between;
+    # with ONE_LOOP all of them masked, in one loop (see AttentionConfig.one_loop).
+    if ONE_LOOP:
+        return _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b,
+                             stride_s, q_limit, q_first, kv_start, kv_end, tile_lo, tile_hi,
+                             qk_scale, cap, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE, True,
+                             LAZY_RESCALE, K_T, WINDOW, SOFTCAP)
     if WINDOW:
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head,
                                       stride_b, stride_s, q_limit, q_first, kv_start, kv_end,
@@ -265,7 +272,7 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
                       TILE: tl.constexpr, SPLIT: tl.constexpr, KV_SCALED: tl.constexpr,
                       REVERSE: tl.constexpr, LAZY_RESCALE: tl.constexpr, FRESH: tl.constexpr,
                       K_T: tl.constexpr, DOT_FP16: tl.constexpr, WINDOW: tl.constexpr,
-                      SOFTCAP: tl.constexpr, PDL: tl.constexpr):
+                      SOFTCAP: tl.constexpr, ONE_LOOP: tl.constexpr, PDL: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     if REVERSE:
         # Causal work grows along a sequence: start the longest q blocks first so that the
@@ -346,7 +353,7 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
                                      stride_b, stride_s, q_limit, q_first, kv_start, context_len,
                                      tile_lo, tl.cdiv(context_len, TILE), first_full,
                                      context_len // TILE, qk_scale, cap, HEAD_DIM, HEAD_PAD,
-                                     BLOCK_SIZE, TILE, LAZY_RESCALE, K_T, WINDOW, SOFTCAP)
+                                     BLOCK_SIZE, TILE, LAZY_RESCALE, K_T, WINDOW, SOFTCAP, False)
         first_fresh = q_local * BLOCK_Q
         fresh_end = tl.minimum(first_fresh + BLOCK_Q, query_len)
         fresh_lo, fresh_first_full = _window_tiles(first_fresh, fresh_end, window, TILE, WINDOW)
@@ -360,7 +367,7 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
                                      stride_b, stride_s, q_limit, q_first, kv_start, kv_end,
                                      tile_lo, tile_hi, first_full, num_full, qk_scale, cap,
                                      HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE, LAZY_RESCALE, K_T,
-                                     WINDOW, SOFTCAP)
+                                     WINDOW, SOFTCAP, ONE_LOOP)
     if KV_SCALED:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -411,7 +418,8 @@ class AttentionConfig:
     q blocks first, `lazy_rescale` rescales the accumulator only when a row's max grows by more
     than 2^8, `fresh_kv` reads each sequence's new keys and values through tensor descriptors
     (TMA on Hopper) from the k_new / v_new given to `paged_attention` rather than from the
-    paged cache, `k_transposed` loads cached keys as [head_dim, tile]."""
+    paged cache, `k_transposed` loads cached keys as [head_dim, tile], `one_loop` attends every
+    KV tile in one masked loop rather than masked and unmasked spans."""
     block_m: int
     tile: int
     num_warps: int
@@ -420,6 +428,7 @@ class AttentionConfig:
     lazy_rescale: bool = False
     fresh_kv: bool = False
     k_transposed: bool = False
+    one_loop: bool = False
 
 
 def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len: int,
@@ -441,8 +450,18 @@ def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len
         kv_bytes = kv_bytes or elem_bytes
         tile = max(16, min(128, 16384 // (head_dim * kv_bytes)))
         rows = 16 if decode or num_tokens <= SMALL_STEP_TOKENS else 64
+        # 16-row programs read few tiles (a decode graph's segments hold 1-3), so a software
+        # pipeline's fill and drain per span cost more than masking every tile: one masked loop
+        # took, in us per layer on an H200 (Llama-3.1-8B shape, CUDA graphs of 32 calls, bf16 /
+        # fp8 KV), 15.4 / 15.5 against 16.8 / 20.1 at 8 rows x 700 keys, 16.2 / 19.7 against
+        # 21.3 / 23.4 at 16 x 600, 47.2 / 48.7 against 49.1 / 51.8 at 42 x 720, 70.7 / 60.8
+        # against 75.0 / 64.1 for 42 rows beside a 64-token chunk over 2,000 keys, 294 against
+        # 321 for fp8 at 512 x 150-1,100 (its kernel no longer spills), and the same at 32 x 600
+        # in bf16; 64-row programs of medium steps lost (31.2 against 28.5 at 10 rows beside
+        # 2 x 246 prompt tokens). End to end: BENCHMARKS.md.
         return AttentionConfig(max(rows, group_pad), tile, num_warps=4,
-                               num_stages=2 if kv_bytes >= 2 else 3, k_transposed=True)
+                               num_stages=2 if kv_bytes >= 2 else 3, k_transposed=True,
+                               one_loop=rows == 16)
     # Prefill: 128-row tiles so a KV tile is reused by many queries, 128-token KV tiles (32 KiB),
     # longest q blocks first (FlashAttention-2's order), the step's own keys through TMA when
     # given. `python -m pagedserve.bench.kernels --prefill-sweep` on an H200 (torch 2.11,
@@ -625,6 +644,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             BLOCK_SIZE=block_size, TILE=cfg.tile, SPLIT=num_splits > 1, KV_SCALED=scaled,
             REVERSE=cfg.reverse, LAZY_RESCALE=cfg.lazy_rescale, FRESH=descs[0] is not None,
             K_T=cfg.k_transposed, DOT_FP16=fp8, WINDOW=windowed, SOFTCAP=capped,
+            ONE_LOOP=cfg.one_loop,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **launch)
 

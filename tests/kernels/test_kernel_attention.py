@@ -135,10 +135,11 @@ def test_mixed_batch(group: int, head_dim: int, block_size: int, dtype: torch.dt
 
 # Prefill tilings the benchmark sweeps: reverse order, 128-token KV tiles, 64-row tiles, the
 # lazy rescale, on sharp scores (q x 6) whose running max grows past 2^8 in some tiles only, and
-# keys loaded transposed (the decode tiling's) under a causal diagonal.
+# keys loaded transposed (the decode tiling's) under a causal diagonal, in spans or in one loop.
 @pytest.mark.parametrize("config", [
     AttentionConfig(128, 64, 8, 3, reverse=False),
     AttentionConfig(64, 32, 4, 2, k_transposed=True),
+    AttentionConfig(16, 32, 4, 2, k_transposed=True, one_loop=True),
     AttentionConfig(128, 128, 8, 3, reverse=True),
     AttentionConfig(64, 32, 4, 2, reverse=True, lazy_rescale=True),
     AttentionConfig(128, 16, 8, 3, lazy_rescale=True),
@@ -197,7 +198,8 @@ def test_fp8_cache(batch: list[tuple[int, int]], max_query_len: int | None, num_
 @pytest.mark.parametrize("window, softcap, config", [
     (5, 4.0, AttentionConfig(64, 16, 4, 2, reverse=True)),
     (40, None, AttentionConfig(64, 16, 4, 2, lazy_rescale=True, fresh_kv=True)),
-], ids=["w5-softcap", "w40-fresh"])
+    (40, None, AttentionConfig(16, 16, 4, 2, k_transposed=True, one_loop=True)),
+], ids=["w5-softcap", "w40-fresh", "w40-one-loop"])
 def test_sliding_window_prefill(window: int, softcap: float | None,
                                 config: AttentionConfig) -> None:
     run_case(MIXED, 4, 32, 8, torch.float32, 1, config=config, q_gain=6.0, fresh=config.fresh_kv,
