@@ -419,7 +419,8 @@ class AttentionConfig:
     than 2^8, `fresh_kv` reads each sequence's new keys and values through tensor descriptors
     (TMA on Hopper) from the k_new / v_new given to `paged_attention` rather than from the
     paged cache, `k_transposed` loads cached keys as [head_dim, tile], `one_loop` attends every
-    KV tile in one masked loop rather than masked and unmasked spans."""
+    KV tile in one masked loop rather than masked and unmasked spans (in launches with neither a
+    sliding window nor a soft cap)."""
     block_m: int
     tile: int
     num_warps: int
@@ -458,7 +459,9 @@ def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len
         # against 75.0 / 64.1 for 42 rows beside a 64-token chunk over 2,000 keys, 294 against
         # 321 for fp8 at 512 x 150-1,100 (its kernel no longer spills), and the same at 32 x 600
         # in bf16; 64-row programs of medium steps lost (31.2 against 28.5 at 10 rows beside
-        # 2 x 246 prompt tokens). End to end: BENCHMARKS.md.
+        # 2 x 246 prompt tokens), and so did Gemma 2 9B's windowed, soft-capped layers (32-token
+        # tiles): 13.93 ms a decode step at 16 rows x 6,000 keys against 13.24 in spans, which
+        # such launches keep. End to end: BENCHMARKS.md.
         return AttentionConfig(max(rows, group_pad), tile, num_warps=4,
                                num_stages=2 if kv_bytes >= 2 else 3, k_transposed=True,
                                one_loop=rows == 16)
@@ -644,7 +647,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             BLOCK_SIZE=block_size, TILE=cfg.tile, SPLIT=num_splits > 1, KV_SCALED=scaled,
             REVERSE=cfg.reverse, LAZY_RESCALE=cfg.lazy_rescale, FRESH=descs[0] is not None,
             K_T=cfg.k_transposed, DOT_FP16=fp8, WINDOW=windowed, SOFTCAP=capped,
-            ONE_LOOP=cfg.one_loop,
+            ONE_LOOP=cfg.one_loop and not windowed and not capped,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **launch)
 

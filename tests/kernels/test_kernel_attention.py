@@ -198,8 +198,7 @@ def test_fp8_cache(batch: list[tuple[int, int]], max_query_len: int | None, num_
 @pytest.mark.parametrize("window, softcap, config", [
     (5, 4.0, AttentionConfig(64, 16, 4, 2, reverse=True)),
     (40, None, AttentionConfig(64, 16, 4, 2, lazy_rescale=True, fresh_kv=True)),
-    (40, None, AttentionConfig(16, 16, 4, 2, k_transposed=True, one_loop=True)),
-], ids=["w5-softcap", "w40-fresh", "w40-one-loop"])
+], ids=["w5-softcap", "w40-fresh"])
 def test_sliding_window_prefill(window: int, softcap: float | None,
                                 config: AttentionConfig) -> None:
     run_case(MIXED, 4, 32, 8, torch.float32, 1, config=config, q_gain=6.0, fresh=config.fresh_kv,
