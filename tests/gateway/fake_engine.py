@@ -269,4 +269,3 @@ async def serve_live_gateway(tokenizer, address: str, **options):
         await runner.cleanup()
         raise
     return runner, url
-
