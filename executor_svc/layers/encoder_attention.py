@@ -8,14 +8,10 @@ longest and run through SDPA with a key mask: exact, and the padding only costs 
 FLOPs, which at 512 tokens and hidden 1024 are ~8% of a layer's (4·L·d against the GEMMs'
 24·d² per token)."""
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch.nn import functional as F
-
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch < 2.9
-    varlen_attn = None
 
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -45,7 +41,18 @@ def pack_sequences(seq_lens: list[int], device: torch.device, dtype: torch.dtype
 
 
 def use_varlen(device: torch.device, dtype: torch.dtype) -> bool:
-    return varlen_attn is not None and device.type == "cuda" and dtype in FLASH_DTYPES
+    return device.type == "cuda" and dtype in FLASH_DTYPES and _varlen_attn() is not None
+
+
+@cache
+def _varlen_attn():
+    # Imported on first use: torch.nn.attention.varlen imports torch._dynamo, which took 2 s of
+    # every process's start (the launcher's and the executor's) on the 2-core CPU.
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.9
+        return None
+    return varlen_attn
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSequences) -> torch.Tensor:
@@ -56,7 +63,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSequ
         # and v are views of the fused projection; contiguous copies cost <1% of the layer and
         # spare relying on each backend's (flash, cuDNN) stride support.
         q, k, v = (x.contiguous() for x in (q, k, v))
-        return varlen_attn(q, k, v, packed.cu_seqlens, packed.cu_seqlens, packed.max_len, packed.max_len)
+        return _varlen_attn()(q, k, v, packed.cu_seqlens, packed.cu_seqlens, packed.max_len, packed.max_len)
     batch = packed.key_mask.shape[0]
     q, k, v = (_padded(x, packed, batch) for x in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.key_mask)
