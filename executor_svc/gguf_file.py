@@ -173,6 +173,19 @@ def dequantize(data: np.memmap, tensor: GGUFTensorInfo, rope_heads: int | None =
     if index is not None:
         byte_index, columns = _byte_index(index, tensor)
         raw = raw[byte_index]
+    weights = _dequantize_rows(raw, tensor)
+    if columns is not None:
+        weights = weights[..., columns]
+    if rope_heads is None:
+        return weights
+    return unpermute(weights, rope_heads * weights.shape[0] // tensor.shape[0])
+
+
+def _dequantize_rows(raw: np.ndarray, tensor: GGUFTensorInfo) -> torch.Tensor:
+    if tensor.ggml_type in TORCH_DEQUANTIZERS:
+        _, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
+        blocks = torch.from_numpy(np.array(raw)).view(-1, type_size)
+        return TORCH_DEQUANTIZERS[tensor.ggml_type](blocks).view(*raw.shape[:-1], -1)
     try:
         values = gguf.quants.dequantize(raw, tensor.ggml_type)
     except NotImplementedError:
@@ -182,12 +195,26 @@ def dequantize(data: np.memmap, tensor: GGUFTensorInfo, rope_heads: int | None =
     # F32 data comes back as a view of the read-only file mapping, which torch will not wrap.
     if not values.flags.writeable:
         values = values.copy()
-    weights = torch.from_numpy(values)
-    if columns is not None:
-        weights = weights[..., columns]
-    if rope_heads is None:
-        return weights
-    return unpermute(weights, rope_heads * weights.shape[0] // tensor.shape[0])
+    return torch.from_numpy(values)
+
+
+def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    # gguf-py's operations (quants.Q8_0), in the same order, so the same float32 values.
+    return blocks[:, 2:].view(torch.int8).float() * blocks[:, :2].view(torch.float16).float()
+
+
+def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    # As gguf-py's quants.Q4_1: low nibbles are the block's first 16 values, high ones the rest.
+    d, m = (blocks[:, i:i + 2].view(torch.float16).float() for i in (0, 2))
+    nibbles = torch.cat((blocks[:, 4:] & 0x0F, blocks[:, 4:] >> 4), dim=1).float()
+    return d * nibbles + m
+
+
+# The default model's block types, on torch's threads: gguf-py dequantizes in numpy on one. Reading
+# all of SmolLM2's tensors took 0.7 s with these against 1.6 s for gguf-py's Q4_1 and Q8_0 alone
+# (the 2-core CPU).
+TORCH_DEQUANTIZERS = {gguf.GGMLQuantizationType.Q8_0: _dequantize_q8_0,
+                      gguf.GGMLQuantizationType.Q4_1: _dequantize_q4_1}
 
 
 def _byte_index(index: tuple[int | slice, ...], tensor: GGUFTensorInfo) -> tuple[tuple, slice | None]:

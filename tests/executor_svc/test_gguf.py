@@ -3,6 +3,7 @@ metadata, weights equal to the Hugging Face checkpoint's (q/k un-permuted for ll
 tokens equal to transformers', quantized tensors within their type's error, and clear errors."""
 from dataclasses import replace
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -11,7 +12,7 @@ from safetensors.numpy import load_file
 
 from pagedserve import LLM
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
-from pagedserve.executor_svc.gguf_file import ARCHITECTURES, find_gguf
+from pagedserve.executor_svc.gguf_file import ARCHITECTURES, TORCH_DEQUANTIZERS, find_gguf
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.models import build_model
@@ -89,10 +90,12 @@ def test_a_directory_with_one_gguf_serves_it(llama_dir, tmp_path):
         find_gguf(tmp_path)
 
 
-@pytest.mark.parametrize("qtype, max_step", [(Q.Q8_0, 1 / 127), (Q.Q4_0, 1 / 8)], ids=["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype, max_step", [(Q.Q8_0, 1 / 127), (Q.Q4_0, 1 / 8), (Q.Q4_1, 1 / 15)],
+                         ids=["Q8_0", "Q4_0", "Q4_1"])
 def test_quantized_tensors_load_within_their_error(llama_dir, tmp_path, qtype, max_step):
-    # A quantization step is a block's largest magnitude over 127 (Q8_0) or 8 (Q4_0); rounding
-    # to the nearest step errs by at most half of one, Q4_0's clamped top level by one.
+    # A quantization step is a block's largest magnitude over 127 (Q8_0) or 8 (Q4_0), or its
+    # range over 15 (Q4_1); rounding to the nearest step errs by at most half of one, Q4_0's
+    # clamped top level by one.
     names = {"blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
              # Un-permuted after dequantizing: a row left in llama.cpp's order would err by far more.
              "blk.1.attn_q.weight": "model.layers.1.self_attn.q_proj.weight"}
@@ -103,6 +106,15 @@ def test_quantized_tensors_load_within_their_error(llama_dir, tmp_path, qtype, m
         expected = torch.from_numpy(original[hf_name])
         error = (targets[hf_name].view - expected).abs().max().item()
         assert 0 < error <= expected.abs().max().item() * max_step * 1.01, hf_name
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=["Q8_0", "Q4_1"])
+def test_torch_dequantizes_as_gguf_py(qtype):
+    # Any bytes, NaN and infinite scales among them: the same float32 values.
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(0).integers(0, 256, (6, 4 * type_size), dtype=np.uint8)
+    values = TORCH_DEQUANTIZERS[qtype](torch.from_numpy(raw).view(-1, type_size)).view(6, -1)
+    np.testing.assert_array_equal(values.numpy(), gguf.quants.dequantize(raw, qtype))
 
 
 def test_unsupported_architecture_is_named(llama_dir, tmp_path):
