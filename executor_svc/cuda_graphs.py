@@ -184,6 +184,10 @@ class CudaGraphs:
                  seconds=round(time.perf_counter() - start, 2),
                  memory_gib=round((free_before - torch.cuda.mem_get_info()[0]) / 2**30, 3))
 
+    def mixed_tokens(self) -> int:
+        """The token count of the largest mixed step captured (0: none)."""
+        return max((shape.num_tokens for shape in self.graphs if shape.mixed), default=0)
+
     def replay(self, shape: GraphShape) -> torch.Tensor:
         graph, out = self.graphs[shape]
         graph.replay()

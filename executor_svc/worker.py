@@ -172,6 +172,7 @@ class Worker:
                  quantization=self.quantization, linear_dtype=dtype_name(self.linear_dtype))
 
     def describe(self) -> ExecutorInfo:
+        mixed_graph_tokens = 0 if self.runner_kind == "pooling" else self.runner.graphs.mixed_tokens()
         return ExecutorInfo(num_blocks=self.num_blocks, block_size=self.block_size,
                             dtype=dtype_name(self.dtype), device=self.device.type,
                             vocab_size=self.model_config.vocab_size,
@@ -180,7 +181,8 @@ class Worker:
                             max_num_seqs=self.config.max_num_seqs,
                             max_num_batched_tokens=self.config.max_num_batched_tokens,
                             gpu_memory_utilization=self.config.gpu_memory_utilization,
-                            runner=self.runner_kind, pooling=self.pooling)
+                            runner=self.runner_kind, pooling=self.pooling,
+                            mixed_graph_tokens=mixed_graph_tokens)
 
     def launch(self, plan: StepPlan) -> Launched:
         """Queues the plan's step on the device (see ModelRunner.launch); every rank does too."""

@@ -54,3 +54,8 @@ def test_pooling_requests_and_pooled_data_survive_the_wire():
     info = ExecutorInfo(8, 16, "float32", "cpu", 100, 64, [2], 4, 64, runner="pooling",
                         pooling=PoolingInfo(["embed"], 32, [16, 8], True, 0, "query: "))
     assert info_from_proto(info_to_proto(info)) == info
+
+
+def test_the_largest_mixed_graph_survives_the_wire():
+    info = ExecutorInfo(8, 16, "bfloat16", "cuda", 100, 64, [2], 4, 64, mixed_graph_tokens=512)
+    assert info_from_proto(info_to_proto(info)) == info

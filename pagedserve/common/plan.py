@@ -150,6 +150,9 @@ class ExecutorInfo:
     gpu_memory_utilization: float = 0.0
     runner: str = "generate"
     pooling: PoolingInfo = field(default_factory=PoolingInfo)
+    # The most tokens of a step with prompt chunks that the executor replays as a CUDA graph
+    # (0: such steps run eagerly); the scheduler sizes prompt chunks beside decode rows by it.
+    mixed_graph_tokens: int = 0
 
 
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
@@ -232,7 +235,8 @@ def info_to_proto(i: ExecutorInfo) -> pb.ExecutorInfo:
                            gpu_memory_utilization=i.gpu_memory_utilization, runner=i.runner,
                            pooling_tasks=p.tasks, embedding_size=p.embedding_size,
                            matryoshka_dimensions=p.matryoshka_dimensions, is_matryoshka=p.is_matryoshka,
-                           num_labels=p.num_labels, default_prompt=p.default_prompt)
+                           num_labels=p.num_labels, default_prompt=p.default_prompt,
+                           mixed_graph_tokens=i.mixed_graph_tokens)
 
 
 def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
@@ -240,4 +244,5 @@ def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
                           m.is_matryoshka, m.num_labels, m.default_prompt)
     return ExecutorInfo(m.num_blocks, m.block_size, m.dtype, m.device, m.vocab_size,
                         m.max_model_len, list(m.eos_token_ids), m.max_num_seqs,
-                        m.max_num_batched_tokens, m.gpu_memory_utilization, m.runner or "generate", pooling)
+                        m.max_num_batched_tokens, m.gpu_memory_utilization, m.runner or "generate", pooling,
+                        m.mixed_graph_tokens)

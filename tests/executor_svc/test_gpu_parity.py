@@ -59,6 +59,9 @@ def test_greedy_tokens_agree_with_transformers_in_bf16(model_path, prompts, hf_m
     llm = LLM(str(model_path), dtype="bfloat16", device="cuda", max_model_len=256,
               max_num_seqs=8, num_gpu_blocks_override=256, enforce_eager=enforce_eager)
     assert bool(llm.worker.runner.graphs.graphs) != enforce_eager
+    # What the scheduler sizes prompt chunks beside decode rows by (scheduler_svc/policy.py).
+    mixed = llm.worker.runner.shapes.mixed
+    assert llm.worker.describe().mixed_graph_tokens == (0 if enforce_eager else max(mixed))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ours = [o.outputs[0].token_ids for o in outputs]

@@ -126,6 +126,8 @@ def test_describe_reports_the_model_and_cache(llama):
     info = make_worker(llama, block_size=4).describe()
     assert (info.num_blocks, info.block_size, info.dtype, info.device) == (NUM_BLOCKS, 4, "float32", "cpu")
     assert (info.vocab_size, info.max_model_len, info.eos_token_ids) == (512, 256, [2])
+    # No CUDA graphs on a CPU: the scheduler never chunks prompts beside decode rows for them.
+    assert info.mixed_graph_tokens == 0
 
 
 def test_dummy_run_covers_a_full_token_budget(llama):
