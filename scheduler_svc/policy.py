@@ -1,5 +1,6 @@
 """Who runs first: the order of the waiting queues, the order of the running list (whose last entry
-is the preemption victim), and the share of a step left to background (batch) requests.
+is the preemption victim), how many prompt tokens a step computes beside decode rows, and the
+share of a step left to background (batch) requests.
 
 Interactive requests always come before background ones. Within a class, --scheduling-policy fcfs
 orders by arrival and priority by (priority, arrival), lower first, as vLLM does."""
@@ -29,7 +30,33 @@ BACKGROUND_INTERVAL = 64
 # 24 and 48 1.08x / 1.25x / 54%, 32 and 64 0.97x / 1.30x / 64%. The policy before, background
 # prompts only in steps that prefilled an interactive prompt, gave 1.19x / 1.09x / 33%.
 
+# A decode step reads every weight once and leaves the tensor cores mostly idle meanwhile: prompt
+# tokens beside its decode rows cost little until the step's tokens make the projections compute-
+# bound, while a step of whole prompts pays about 21 us a token at the H200's bf16 peak (Llama-3.1-8B
+# shape; BENCHMARKS.md). So while requests decode and mixed steps replay as CUDA graphs, a step
+# computes at most STEP_TOKENS tokens in all, prompt chunks filling what its decode rows leave;
+# unless more prompt tokens wait than BACKLOG_STEPS such steps would take in (a burst of arrivals),
+# whose first tokens would then wait longer than whole-prompt steps make them. `bench serve --dataset
+# mixed` on the H200 (Llama-3.1-8B shape, 2026-12-04), against whole-prompt steps in the same device
+# call: output tok/s +4.5 / +6.2 / +10.1 / +9.6 / +9.0% at concurrency 10-50, TPOT 5.4-7.6 ms
+# against 5.7-8.6; STEP_TOKENS 192 and 320 gave 0.5-1.7% less than 256; with the backlog rule the
+# TTFT mean at 50 fell from 156 to 144 ms, and BACKLOG_STEPS 4 cut it by 0.4-8 ms more for 0.3-2%
+# of the throughput.
+STEP_TOKENS = 256
+BACKLOG_STEPS = 8
+
 _is_background = attrgetter("background")
+
+
+def prompt_budget(num_running: int, backlog: int, max_num_batched_tokens: int, mixed_graph_tokens: int) -> int:
+    """How many prompt tokens a step may compute beside num_running running requests while `backlog`
+    prompt tokens wait, with mixed steps of up to mixed_graph_tokens tokens replayed as CUDA graphs
+    (0: none). All the step's budget when none runs, or where the rows alone come near STEP_TOKENS
+    (the step is compute-bound anyway, and a trickle of prompt tokens would starve the batch)."""
+    target = min(STEP_TOKENS, mixed_graph_tokens)
+    if not num_running or 2 * num_running >= target or backlog > BACKLOG_STEPS * (target - num_running):
+        return max_num_batched_tokens
+    return target - num_running
 
 
 def check_priority(priority: int, policy: str) -> None:

@@ -10,7 +10,7 @@ from pagedserve.common.sampling_params import check_request
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
 from pagedserve.scheduler_svc.logprobs import attach_logprobs, gather_prompt_logprobs
 from pagedserve.scheduler_svc.policy import (admit, background_budget, background_turn, check_priority, enqueue,
-                                             num_interactive, requeue)
+                                             num_interactive, prompt_budget, requeue)
 from pagedserve.scheduler_svc.pooling import check_pooling
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, drop_deferred
 from pagedserve.scheduler_svc.request_checks import check_prompt
@@ -47,6 +47,7 @@ class Scheduler:
         self.max_num_queued_reqs = config.max_num_queued_reqs
         self.policy = config.scheduling_policy
         self.max_num_batched_tokens = info.max_num_batched_tokens
+        self.mixed_graph_tokens = info.mixed_graph_tokens
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.eos_token_ids = frozenset(info.eos_token_ids)
@@ -157,10 +158,13 @@ class Scheduler:
         running = self.running
         background = self.waiting_background or running and running[-1].background
         end = num_interactive(running) if background else len(running)
-        budget = self._schedule_running(plan, self.max_num_batched_tokens, self.max_num_batched_tokens, 0, end)
+        backlog = sum(len(request.token_ids) for request in self.waiting)
+        prompts = prompt_budget(end, backlog, self.max_num_batched_tokens, self.mixed_graph_tokens)
+        budget, prompts = self._schedule_running(plan, self.max_num_batched_tokens, prompts, 0, end)
         # After a preemption the pool is short: admitting would only cause more preemptions.
         if self.num_preemptions == num_preemptions:
-            budget = self._schedule_waiting(plan, budget, self.waiting)
+            admitted = min(budget, prompts)
+            budget -= admitted - self._schedule_waiting(plan, admitted, self.waiting)
         if background:
             self._schedule_background(plan, budget, num_preemptions)
         plan.dropped, self.dropped = self.dropped, []
@@ -176,15 +180,17 @@ class Scheduler:
         # More tokens than requests planned: one of them is prefilling.
         prefills = bool(plan.new_requests) or self.max_num_batched_tokens - budget > len(plan.continuing)
         turn, self.steps_without_background = background_turn(prefills, self.steps_without_background)
-        budget, max_chunk, max_rows = background_budget(budget, start + len(self.waiting), self.max_num_seqs, turn)
-        budget = self._schedule_running(plan, budget, max_chunk, start, len(self.running))
-        if self.num_preemptions == num_preemptions and not self.waiting and max_chunk:
-            self._schedule_waiting(plan, min(budget, max_chunk), self.waiting_background,
+        budget, prompts, max_rows = background_budget(budget, start + len(self.waiting), self.max_num_seqs, turn)
+        budget, prompts = self._schedule_running(plan, budget, prompts, start, len(self.running))
+        if self.num_preemptions == num_preemptions and not self.waiting and prompts:
+            self._schedule_waiting(plan, min(budget, prompts), self.waiting_background,
                                    min(self.max_num_seqs, start + max_rows))
 
-    def _schedule_running(self, plan: StepPlan, budget: int, max_chunk: int, start: int, end: int) -> int:
-        """Plans running[start:end] in order until the budget is spent, a prompt at most max_chunk
-        tokens (0: prompts wait); preempts from the end of `running` when the pool runs out of blocks."""
+    def _schedule_running(self, plan: StepPlan, budget: int, prompts: int, start: int,
+                          end: int) -> tuple[int, int]:
+        """Plans running[start:end] in order until the budget is spent, prompt chunks at most
+        `prompts` tokens in all (0: prompts wait); preempts from the end of `running` when the pool
+        runs out of blocks. Returns the budget and the prompt tokens left."""
         block_size = self.block_size
         block_manager = self.block_manager
         running = self.running
@@ -197,16 +203,17 @@ class Scheduler:
                 break
             computed = request.num_computed_tokens
             n = len(request.token_ids) - computed
+            chunk = n > 1
             if n <= 0:
                 # Ahead of its results: the next token is the one a step in flight samples,
                 # unless that one is the last.
                 if computed + 1 >= request.max_num_tokens:
                     continue
                 n = 1
-            elif n > 1 and n > max_chunk:
-                if not max_chunk:
+            elif chunk:
+                if not prompts:
                     continue
-                n = max_chunk
+                n = min(n, prompts)
             if n > budget:
                 n = budget
             num_new = (computed + n + block_size - 1) // block_size - len(request.block_ids)
@@ -215,7 +222,7 @@ class Scheduler:
                     victim = running.pop()
                     self._preempt(victim)
                     if victim is request:
-                        return budget
+                        return budget, prompts
                 new_block_ids = block_manager.allocate(num_new)
                 request.block_ids += new_block_ids
                 append(ContinuingRequest(request.seq_id, n, new_block_ids))
@@ -227,7 +234,9 @@ class Scheduler:
             if caching and computed // block_size > request.num_registered_blocks:
                 block_manager.cache_blocks(request)
             budget -= n
-        return budget
+            if chunk:
+                prompts -= n
+        return budget, prompts
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, waiting: deque[Request],
                           max_running: int | None = None) -> int:

@@ -4,8 +4,9 @@ import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler_svc.policy import (BACKGROUND_INTERVAL, BACKGROUND_PREFILL_TOKENS, BACKGROUND_ROWS,
-                                             FCFS, PRIORITY, admit, background_budget, background_turn,
-                                             check_priority, enqueue, num_interactive, requeue)
+                                             BACKLOG_STEPS, FCFS, PRIORITY, STEP_TOKENS, admit, background_budget,
+                                             background_turn, check_priority, enqueue, num_interactive,
+                                             prompt_budget, requeue)
 from pagedserve.scheduler_svc.request import Request
 
 
@@ -76,6 +77,27 @@ def test_background_work_skips_steps_that_prefill_interactive_prompts_until_the_
     assert background_turn(True, 0) == (False, 1)
     assert background_turn(True, BACKGROUND_INTERVAL - 1) == (False, BACKGROUND_INTERVAL)
     assert background_turn(True, BACKGROUND_INTERVAL) == (True, 0)
+
+
+def test_prompts_fill_decode_steps_to_step_tokens_only_where_mixed_steps_replay_as_graphs():
+    # Mixed steps run eagerly (a CPU, --enforce-eager): every step may take its whole budget.
+    assert prompt_budget(10, 500, 8192, 0) == 8192
+    # Nothing decodes: a prompt's first token waits for no later step.
+    assert prompt_budget(0, 500, 8192, 512) == 8192
+    assert prompt_budget(10, 500, 8192, 512) == STEP_TOKENS - 10
+    # Smaller graphs bound the step.
+    assert prompt_budget(10, 50, 8192, STEP_TOKENS // 2) == STEP_TOKENS // 2 - 10
+    # Rows near STEP_TOKENS make the step compute-bound anyway: prompts take the whole budget.
+    assert prompt_budget(STEP_TOKENS // 2, 500, 8192, 512) == prompt_budget(300, 500, 8192, 512) == 8192
+    budgets = [prompt_budget(n, 500, 8192, 512) for n in range(1, STEP_TOKENS // 2)]
+    assert budgets == sorted(budgets, reverse=True)
+    assert min(budgets) > STEP_TOKENS // 2
+
+
+def test_a_backlog_of_prompts_larger_than_backlog_steps_chunks_gets_whole_prompt_steps():
+    chunk = STEP_TOKENS - 10
+    assert prompt_budget(10, BACKLOG_STEPS * chunk, 8192, 512) == chunk
+    assert prompt_budget(10, BACKLOG_STEPS * chunk + 1, 8192, 512) == 8192
 
 
 def test_a_nonzero_priority_is_refused_only_under_fcfs():

@@ -2,6 +2,7 @@ import pytest
 
 from pagedserve.common.plan import INVALID_ARGUMENT, RequestError, StepLogprobs, StepResult
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.scheduler_svc.policy import BACKLOG_STEPS
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from tests.scheduler_svc.helpers import EOS, add, make_scheduler, scheduled, step
@@ -64,6 +65,37 @@ def test_chunked_prefill_splits_a_long_prompt():
         assert bool(outputs) == (sum(chunks) == 25)
     assert chunks == [10, 10, 5]
     assert s.requests[1].output_token_ids == [7]
+
+
+def test_beside_decode_rows_prompts_fill_each_step_to_the_mixed_graph_size_and_no_row_waits():
+    # Mixed steps of up to 16 tokens replay as graphs here (scheduler_svc/policy.py, STEP_TOKENS).
+    s = make_scheduler(max_num_batched_tokens=64, mixed_graph_tokens=16, max_num_seqs=8)
+    add(s, 1, 30, max_tokens=50)
+    # Nothing decodes: the whole prompt in one step.
+    assert scheduled(step(s)[0]) == {1: 30}
+    add(s, 2, 25, first_token=100, max_tokens=50)
+    add(s, 3, 10, first_token=200, max_tokens=50)
+    plans = [step(s)[0] for _ in range(4)]
+    assert [scheduled(plan) for plan in plans] == [{1: 1, 2: 15}, {1: 1, 2: 10, 3: 4}, {1: 1, 2: 1, 3: 6},
+                                                   {1: 1, 2: 1, 3: 1}]
+    assert all(plan.num_tokens <= 16 for plan in plans)
+
+
+def test_a_burst_of_prompts_beside_decode_rows_gets_whole_prompt_steps_until_the_backlog_is_small():
+    s = make_scheduler(num_blocks=400, max_num_batched_tokens=64, mixed_graph_tokens=32, max_num_seqs=16)
+    add(s, 1, 4, max_tokens=50)
+    step(s)
+    for seq_id in range(2, 17):
+        add(s, seq_id, 20, first_token=50 * seq_id, max_tokens=50)
+    kinds = []
+    while s.waiting:
+        backlog = sum(len(r.token_ids) for r in s.waiting)
+        whole = backlog > BACKLOG_STEPS * (32 - s.num_running)
+        plan, _ = step(s)
+        kinds.append(whole)
+        assert plan.num_tokens == 64 if whole else plan.num_tokens <= 32
+    # Whole-prompt steps while 8 chunks would not take in the backlog, chunks after.
+    assert kinds[0] and not kinds[-1] and kinds == sorted(kinds, reverse=True)
 
 
 def test_running_requests_are_scheduled_before_waiting_ones():
