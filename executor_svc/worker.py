@@ -17,7 +17,7 @@ from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
 from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
                                               resolve_kv_cache_dtype)
 from pagedserve.executor_svc.layers.decoder import CausalLM
-from pagedserve.executor_svc.layers.encoder_attention import use_varlen
+from pagedserve.executor_svc.layers.encoder_attention import load_kernels
 from pagedserve.executor_svc.layers.linear import NarrowHead, narrow_linears
 from pagedserve.executor_svc.memory_profile import profile_peak_bytes, used_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
@@ -122,9 +122,7 @@ class Worker:
         self.num_blocks = config.num_gpu_blocks_override or (
             MAX_STEPS_IN_FLIGHT * (-(-config.max_num_batched_tokens // self.block_size) + config.max_num_seqs) + 1)
         if encoder:
-            # Resolved at start, not in the first request: on a GPU it imports varlen attention
-            # (and with it torch._dynamo, seconds).
-            use_varlen(self.device, self.dtype)
+            load_kernels(self.device, self.dtype)
         else:
             self.runner.kv_caches = allocate_kv_cache(self.rank_config, self.num_blocks, self.block_size,
                                                       self.kv_dtype, self.device)

@@ -44,6 +44,12 @@ def use_varlen(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in FLASH_DTYPES and _varlen_attn() is not None
 
 
+def load_kernels(device: torch.device, dtype: torch.dtype) -> None:
+    """Imports the attention an encoder on `device` in `dtype` runs, at start rather than in its
+    first request: on a GPU the varlen import (and torch._dynamo with it) takes seconds."""
+    use_varlen(device, dtype)
+
+
 @cache
 def _varlen_attn():
     # Imported on first use: torch.nn.attention.varlen imports torch._dynamo, which took 2 s of
