@@ -6,7 +6,7 @@ Interactive requests always come before background ones. Within a class, --sched
 orders by arrival and priority by (priority, arrival), lower first, as vLLM does."""
 import bisect
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
 from pagedserve.scheduler_svc.request import Request
@@ -48,15 +48,24 @@ BACKLOG_STEPS = 8
 _is_background = attrgetter("background")
 
 
-def prompt_budget(num_running: int, backlog: int, max_num_batched_tokens: int, mixed_graph_tokens: int) -> int:
-    """How many prompt tokens a step may compute beside num_running running requests while `backlog`
-    prompt tokens wait, with mixed steps of up to mixed_graph_tokens tokens replayed as CUDA graphs
-    (0: none). All the step's budget when none runs, or where the rows alone come near STEP_TOKENS
-    (the step is compute-bound anyway, and a trickle of prompt tokens would starve the batch)."""
+def prompt_budget(num_running: int, waiting: Iterable[Request], max_num_batched_tokens: int,
+                  mixed_graph_tokens: int) -> int:
+    """How many prompt tokens a step may compute beside num_running running requests, `waiting` the
+    queue whose prompts wait, with mixed steps of up to mixed_graph_tokens tokens replayed as CUDA
+    graphs (0: none). All the step's budget when none runs, or where the rows alone come near
+    STEP_TOKENS (the step is compute-bound anyway, and a trickle of prompt tokens would starve the
+    batch)."""
     target = min(STEP_TOKENS, mixed_graph_tokens)
-    if not num_running or 2 * num_running >= target or backlog > BACKLOG_STEPS * (target - num_running):
+    if not num_running or 2 * num_running >= target:
         return max_num_batched_tokens
-    return target - num_running
+    chunk = target - num_running
+    # Counted only as far as the bound: an offline queue may hold thousands of prompts.
+    backlog = 0
+    for request in waiting:
+        backlog += len(request.token_ids)
+        if backlog > BACKLOG_STEPS * chunk:
+            return max_num_batched_tokens
+    return chunk
 
 
 def check_priority(priority: int, policy: str) -> None:
@@ -116,7 +125,7 @@ def background_turn(prefills: bool, steps_without: int) -> tuple[bool, int]:
 
 def background_budget(left: int, num_interactive: int, max_num_seqs: int, turn: bool) -> tuple[int, int, int]:
     """What background requests may take of a step once interactive ones took theirs and `left`
-    tokens remain: tokens, the most of them one prompt may take, and how many background requests
+    tokens remain: tokens, the most of them prompts may take, and how many background requests
     may run (admission stops there). All of it with no interactive request running or waiting; none
     when it is not their `turn` (background_turn); else BACKGROUND_ROWS requests and tokens for as
     many decode rows plus BACKGROUND_PREFILL_TOKENS of prompts, less in proportion as interactive

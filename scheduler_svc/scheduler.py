@@ -158,8 +158,7 @@ class Scheduler:
         running = self.running
         background = self.waiting_background or running and running[-1].background
         end = num_interactive(running) if background else len(running)
-        backlog = sum(len(request.token_ids) for request in self.waiting)
-        prompts = prompt_budget(end, backlog, self.max_num_batched_tokens, self.mixed_graph_tokens)
+        prompts = prompt_budget(end, self.waiting, self.max_num_batched_tokens, self.mixed_graph_tokens)
         budget, prompts = self._schedule_running(plan, self.max_num_batched_tokens, prompts, 0, end)
         # After a preemption the pool is short: admitting would only cause more preemptions.
         if self.num_preemptions == num_preemptions:

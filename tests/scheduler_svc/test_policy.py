@@ -79,25 +79,30 @@ def test_background_work_skips_steps_that_prefill_interactive_prompts_until_the_
     assert background_turn(True, BACKGROUND_INTERVAL) == (True, 0)
 
 
+def prompts(*lengths: int) -> list[Request]:
+    return [Request(i, f"r{i}", list(range(1, n + 1)), SamplingParams()) for i, n in enumerate(lengths)]
+
+
 def test_prompts_fill_decode_steps_to_step_tokens_only_where_mixed_steps_replay_as_graphs():
+    waiting = prompts(300, 200)
     # Mixed steps run eagerly (a CPU, --enforce-eager): every step may take its whole budget.
-    assert prompt_budget(10, 500, 8192, 0) == 8192
+    assert prompt_budget(10, waiting, 8192, 0) == 8192
     # Nothing decodes: a prompt's first token waits for no later step.
-    assert prompt_budget(0, 500, 8192, 512) == 8192
-    assert prompt_budget(10, 500, 8192, 512) == STEP_TOKENS - 10
+    assert prompt_budget(0, waiting, 8192, 512) == 8192
+    assert prompt_budget(10, waiting, 8192, 512) == STEP_TOKENS - 10
     # Smaller graphs bound the step.
-    assert prompt_budget(10, 50, 8192, STEP_TOKENS // 2) == STEP_TOKENS // 2 - 10
+    assert prompt_budget(10, prompts(50), 8192, STEP_TOKENS // 2) == STEP_TOKENS // 2 - 10
     # Rows near STEP_TOKENS make the step compute-bound anyway: prompts take the whole budget.
-    assert prompt_budget(STEP_TOKENS // 2, 500, 8192, 512) == prompt_budget(300, 500, 8192, 512) == 8192
-    budgets = [prompt_budget(n, 500, 8192, 512) for n in range(1, STEP_TOKENS // 2)]
+    assert prompt_budget(STEP_TOKENS // 2, waiting, 8192, 512) == prompt_budget(300, waiting, 8192, 512) == 8192
+    budgets = [prompt_budget(n, waiting, 8192, 512) for n in range(1, STEP_TOKENS // 2)]
     assert budgets == sorted(budgets, reverse=True)
     assert min(budgets) > STEP_TOKENS // 2
 
 
 def test_a_backlog_of_prompts_larger_than_backlog_steps_chunks_gets_whole_prompt_steps():
     chunk = STEP_TOKENS - 10
-    assert prompt_budget(10, BACKLOG_STEPS * chunk, 8192, 512) == chunk
-    assert prompt_budget(10, BACKLOG_STEPS * chunk + 1, 8192, 512) == 8192
+    assert prompt_budget(10, prompts(BACKLOG_STEPS * chunk - 100, 100), 8192, 512) == chunk
+    assert prompt_budget(10, prompts(BACKLOG_STEPS * chunk - 100, 101), 8192, 512) == 8192
 
 
 def test_a_nonzero_priority_is_refused_only_under_fcfs():
