@@ -52,9 +52,9 @@ def prompt_budget(num_running: int, waiting: Iterable[Request], max_num_batched_
                   mixed_graph_tokens: int) -> int:
     """How many prompt tokens a step may compute beside num_running running requests, `waiting` the
     queue whose prompts wait, with mixed steps of up to mixed_graph_tokens tokens replayed as CUDA
-    graphs (0: none). All the step's budget when none runs, or where the rows alone come near
+    graphs (0: none). All the step's budget when none runs, where the rows alone come near
     STEP_TOKENS (the step is compute-bound anyway, and a trickle of prompt tokens would starve the
-    batch)."""
+    batch), or where the waiting prompts hold more than BACKLOG_STEPS chunks."""
     target = min(STEP_TOKENS, mixed_graph_tokens)
     if not num_running or 2 * num_running >= target:
         return max_num_batched_tokens
