@@ -4,7 +4,7 @@ import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler_svc.policy import (BACKGROUND_INTERVAL, BACKGROUND_PREFILL_TOKENS, BACKGROUND_ROWS,
-                                             BACKLOG_STEPS, FCFS, PRIORITY, STEP_TOKENS, admit, background_budget,
+                                             BACKLOG_STEPS, BURST_TOKENS, FCFS, PRIORITY, STEP_TOKENS, admit, background_budget,
                                              background_turn, check_priority, enqueue, num_interactive,
                                              prompt_budget, requeue)
 from pagedserve.scheduler_svc.request import Request
@@ -87,8 +87,12 @@ def test_prompts_fill_decode_steps_to_step_tokens_only_where_mixed_steps_replay_
     waiting = prompts(300, 200)
     # Mixed steps run eagerly (a CPU, --enforce-eager): every step may take its whole budget.
     assert prompt_budget(10, waiting, 8192, 0) == 8192
-    # Nothing decodes: a prompt's first token waits for no later step.
-    assert prompt_budget(0, waiting, 8192, 512) == 8192
+    # Nothing decodes: BURST_TOKENS, so that the first of many prompts answer early, but a long
+    # first prompt whole (up to the step's budget), since cutting it would gain no one anything.
+    assert prompt_budget(0, waiting, 8192, 512) == BURST_TOKENS
+    assert prompt_budget(0, prompts(BURST_TOKENS + 500, 200), 8192, 512) == BURST_TOKENS + 500
+    assert prompt_budget(0, prompts(9000), 8192, 512) == 8192
+    assert prompt_budget(0, waiting, BURST_TOKENS // 2, 512) == BURST_TOKENS // 2
     assert prompt_budget(10, waiting, 8192, 512) == STEP_TOKENS - 10
     # Smaller graphs bound the step.
     assert prompt_budget(10, prompts(50), 8192, STEP_TOKENS // 2) == STEP_TOKENS // 2 - 10
@@ -99,10 +103,11 @@ def test_prompts_fill_decode_steps_to_step_tokens_only_where_mixed_steps_replay_
     assert min(budgets) > STEP_TOKENS // 2
 
 
-def test_a_backlog_of_prompts_larger_than_backlog_steps_chunks_gets_whole_prompt_steps():
+def test_a_backlog_of_prompts_larger_than_backlog_steps_chunks_gets_burst_tokens_steps():
     chunk = STEP_TOKENS - 10
     assert prompt_budget(10, prompts(BACKLOG_STEPS * chunk - 100, 100), 8192, 512) == chunk
-    assert prompt_budget(10, prompts(BACKLOG_STEPS * chunk - 100, 101), 8192, 512) == 8192
+    assert prompt_budget(10, prompts(BACKLOG_STEPS * chunk - 100, 101), 8192, 512) == BURST_TOKENS
+    assert prompt_budget(10, prompts(BACKLOG_STEPS * chunk - 100, 101), 1024, 512) == 1024
 
 
 def test_a_nonzero_priority_is_refused_only_under_fcfs():

@@ -2,6 +2,7 @@ import pytest
 
 from pagedserve.common.plan import INVALID_ARGUMENT, RequestError, StepLogprobs, StepResult
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.scheduler_svc import policy
 from pagedserve.scheduler_svc.policy import BACKLOG_STEPS
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
@@ -81,7 +82,8 @@ def test_beside_decode_rows_prompts_fill_each_step_to_the_mixed_graph_size_and_n
     assert all(plan.num_tokens <= 16 for plan in plans)
 
 
-def test_a_burst_of_prompts_beside_decode_rows_gets_whole_prompt_steps_until_the_backlog_is_small():
+def test_a_burst_of_prompts_beside_decode_rows_gets_burst_steps_until_the_backlog_is_small():
+    # BURST_TOKENS is past this budget of 64: the burst's steps take all of it.
     s = make_scheduler(num_blocks=400, max_num_batched_tokens=64, mixed_graph_tokens=32, max_num_seqs=16)
     add(s, 1, 4, max_tokens=50)
     step(s)
@@ -94,8 +96,22 @@ def test_a_burst_of_prompts_beside_decode_rows_gets_whole_prompt_steps_until_the
         plan, _ = step(s)
         kinds.append(whole)
         assert plan.num_tokens == 64 if whole else plan.num_tokens <= 32
-    # Whole-prompt steps while 8 chunks would not take in the backlog, chunks after.
+    # Burst steps while 8 chunks would not take in the backlog, chunks after.
     assert kinds[0] and not kinds[-1] and kinds == sorted(kinds, reverse=True)
+
+
+def test_a_burst_with_nothing_running_answers_its_first_prompts_after_a_step_of_burst_tokens(monkeypatch):
+    monkeypatch.setattr(policy, "BURST_TOKENS", 40)
+    s = make_scheduler(num_blocks=400, max_num_batched_tokens=64, mixed_graph_tokens=32, max_num_seqs=16)
+    for seq_id in range(1, 7):
+        add(s, seq_id, 15, first_token=50 * seq_id, max_tokens=50)
+    plan, outputs = step(s)
+    assert scheduled(plan) == {1: 15, 2: 15, 3: 10}
+    assert [o.seq_id for o in outputs] == [1, 2]
+    # A lone prompt longer than BURST_TOKENS goes whole: cutting it would speed no one up.
+    s = make_scheduler(num_blocks=400, max_num_batched_tokens=64, mixed_graph_tokens=32, max_num_seqs=16)
+    add(s, 1, 60, max_tokens=50)
+    assert scheduled(step(s)[0]) == {1: 60}
 
 
 def test_running_requests_are_scheduled_before_waiting_ones():
