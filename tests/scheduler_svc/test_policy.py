@@ -4,9 +4,9 @@ import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler_svc.policy import (BACKGROUND_INTERVAL, BACKGROUND_PREFILL_TOKENS, BACKGROUND_ROWS,
-                                             BACKLOG_STEPS, BURST_TOKENS, FCFS, PRIORITY, STEP_TOKENS, admit, background_budget,
-                                             background_turn, check_priority, enqueue, num_interactive,
-                                             prompt_budget, requeue)
+                                             BACKLOG_STEPS, BURST_TOKENS, FCFS, PRIORITY, STEP_TOKENS, admit,
+                                             background_budget, background_turn, check_priority, enqueue,
+                                             num_interactive, prompt_budget, requeue)
 from pagedserve.scheduler_svc.request import Request
 
 
