@@ -67,17 +67,17 @@ def prompt_budget(num_running: int, waiting: Iterable[Request], max_num_batched_
     target = min(STEP_TOKENS, mixed_graph_tokens)
     if 2 * num_running >= target:
         return max_num_batched_tokens
-    burst = min(BURST_TOKENS, max_num_batched_tokens)
     if not num_running:
         first = next(iter(waiting), None)
-        return burst if first is None else min(max(burst, len(first.token_ids)), max_num_batched_tokens)
+        first_len = 0 if first is None else len(first.token_ids)
+        return min(max(BURST_TOKENS, first_len), max_num_batched_tokens)
     chunk = target - num_running
     # Counted only as far as the bound: an offline queue may hold thousands of prompts.
     backlog = 0
     for request in waiting:
         backlog += len(request.token_ids)
         if backlog > BACKLOG_STEPS * chunk:
-            return burst
+            return min(BURST_TOKENS, max_num_batched_tokens)
     return chunk
 
 
