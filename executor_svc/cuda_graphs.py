@@ -33,6 +33,18 @@ MAX_CAPTURE_SIZE = 512
 # graphs `bench serve --concurrency 10,...,50` gave 1.6-8.7% more output tokens/s than the same tree
 # with mixed steps eager (4,667 against 4,292 at 50), TPOT 9.3 against 10.3 ms at 50.
 MAX_MIXED_TOKENS = 512
+# A mixed graph's attention launch is unsplit, as prompt chunks' q blocks fill the GPU, except in
+# graphs of at most MIXED_SPLIT_TOKENS tokens: a few prompt tokens beside decode rows (a prompt's
+# last chunk, a batch's background chunk), where the decode rows' whole contexts are the longest
+# chains, which MIXED_SPLITS KV segments cut as a decode graph's do. Device ms a step in
+# `bench serve --dataset mixed` on an H200 (Llama-3.1-8B shape, 2026-12-04), unsplit against 4
+# segments: 9 decode rows in a 32-token graph 5.91 / 5.45 (their decode graph: 5.10), in a 64-token
+# one 6.06 / 5.78, 96: 6.30 / 6.22, 128: 6.65 / 6.88, 256: 8.30 / 9.16; 28 rows in a 64-token graph
+# 6.39 / 6.23, 48 rows 6.74 / 6.78. 2 segments gained less (5.70 and 6.01 at 32 and 64 tokens).
+# Beside a 2,000-line batch, whose background chunks make such graphs most steps, `bench batch`
+# gave TPOT 1.146x the load alone and 45.0% of the capacity left, against 1.171x and 42.5% unsplit.
+MIXED_SPLIT_TOKENS = 64
+MIXED_SPLITS = 4
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -110,13 +122,13 @@ def graph_metadata(buffers: StepBuffers, shape: GraphShape, max_model_len: int,
     if not mixed:
         return _decode_metadata(buffers, num_seqs, max_model_len, num_heads, num_kv_heads,
                                 head_dim, dtype, kv_dtype)
-    # Unsplit: at most MAX_MIXED_TOKENS tokens attend in one launch of small tiles
-    # (kernels/attention.py), whose q blocks of num_seqs sequences fill the GPU without a split.
+    # At most MAX_MIXED_TOKENS tokens attend in one launch of small tiles (kernels/attention.py).
     return AttentionMetadata(slot_mapping=buffers.slot_mapping[:num_tokens],
                              query_start_loc=buffers.query_start_loc[:num_seqs + 1],
                              seq_lens=buffers.seq_lens[:num_seqs],
                              block_tables=buffers.block_tables[:num_seqs],
-                             max_query_len=num_tokens, max_seq_len=max_model_len, num_splits=1)
+                             max_query_len=num_tokens, max_seq_len=max_model_len,
+                             num_splits=MIXED_SPLITS if num_tokens <= MIXED_SPLIT_TOKENS else 1)
 
 
 def _decode_metadata(buffers: StepBuffers, size: int, max_model_len: int, num_heads: int,

@@ -5,8 +5,9 @@ import torch
 
 from pagedserve.executor_svc import model_runner, worker
 from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
-from pagedserve.executor_svc.cuda_graphs import (CudaGraphs, GraphShape, GraphShapes, bucket,
-                                                 capture_sizes, mixed_capture_sizes)
+from pagedserve.executor_svc.cuda_graphs import (MIXED_SPLITS, CudaGraphs, GraphShape, GraphShapes,
+                                                 bucket, capture_sizes, graph_metadata,
+                                                 mixed_capture_sizes)
 from pagedserve.executor_svc.step_buffers import StepBuffers
 from tests.executor_svc.harness import (NEW_TOKENS, MiniScheduler, Seq, make_worker,
                                                   random_prompts)
@@ -41,6 +42,15 @@ def test_a_step_pads_to_the_smallest_shape_that_holds_it(num_tokens, num_seqs, s
     # max_num_seqs 16: decode steps of up to 16 rows, mixed ones of up to 512 tokens, with room
     # for every sequence and one of padding.
     assert GraphShapes(capture_sizes(16), mixed_capture_sizes(8192), 16).shape(num_tokens, num_seqs) == shape
+
+
+@pytest.mark.parametrize("shape, num_splits", [(GraphShape(32, 17, True), MIXED_SPLITS),
+                                                (GraphShape(64, 17, True), MIXED_SPLITS),
+                                                (GraphShape(96, 17, True), 1)])
+def test_only_the_smallest_mixed_graphs_split_their_decode_rows_kv(shape, num_splits):
+    buffers = StepBuffers.allocate(96, 17, 4, torch.device("cpu"))
+    meta = graph_metadata(buffers, shape, 64, 8, 2, 16, torch.float32, torch.float32)
+    assert meta.num_splits == num_splits and meta.max_query_len == shape.num_tokens
 
 
 def test_capture_fills_the_buffers_with_an_all_padding_step_of_each_shape():
