@@ -41,8 +41,9 @@ MAX_MIXED_TOKENS = 512
 # segments: 9 decode rows in a 32-token graph 5.91 / 5.45 (their decode graph: 5.10), in a 64-token
 # one 6.06 / 5.78, 96: 6.30 / 6.22, 128: 6.65 / 6.88, 256: 8.30 / 9.16; 28 rows in a 64-token graph
 # 6.39 / 6.23, 48 rows 6.74 / 6.78. 2 segments gained less (5.70 and 6.01 at 32 and 64 tokens).
-# Beside a 2,000-line batch, whose background chunks make such graphs most steps, `bench batch`
-# gave TPOT 1.146x the load alone and 45.0% of the capacity left, against 1.171x and 42.5% unsplit.
+# Beside a batch, whose background chunks make such graphs most steps, `bench batch` gave TPOT
+# 1.146x the load alone and 45.0% of the capacity left, against 1.171x and 42.5% unsplit in another
+# device call (calls differ by about 2%).
 MIXED_SPLIT_TOKENS = 64
 MIXED_SPLITS = 4
 
