@@ -49,7 +49,8 @@ def test_a_step_pads_to_the_smallest_shape_that_holds_it(num_tokens, num_seqs, s
                                                 (GraphShape(96, 17, True), 1)])
 def test_only_the_smallest_mixed_graphs_split_their_decode_rows_kv(shape, num_splits):
     buffers = StepBuffers.allocate(96, 17, 4, torch.device("cpu"))
-    meta = graph_metadata(buffers, shape, 64, 8, 2, 16, torch.float32, torch.float32)
+    meta = graph_metadata(buffers, shape, max_model_len=64, num_heads=8, num_kv_heads=2, head_dim=16,
+                          dtype=torch.float32, kv_dtype=torch.float32)
     assert meta.num_splits == num_splits and meta.max_query_len == shape.num_tokens
 
 
