@@ -5,7 +5,7 @@ import torch
 
 from pagedserve.executor_svc import model_runner, worker
 from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
-from pagedserve.executor_svc.cuda_graphs import (MIXED_SPLITS, CudaGraphs, GraphShape, GraphShapes,
+from pagedserve.executor_svc.cuda_graphs import (MIXED_SPLITS, CudaGraphs, GraphShape, GraphShapes, blas_library,
                                                  bucket, capture_sizes, graph_metadata,
                                                  mixed_capture_sizes)
 from pagedserve.executor_svc.step_buffers import StepBuffers
@@ -52,6 +52,24 @@ def test_only_the_smallest_mixed_graphs_split_their_decode_rows_kv(shape, num_sp
     meta = graph_metadata(buffers, shape, max_model_len=64, num_heads=8, num_kv_heads=2, head_dim=16,
                           dtype=torch.float32, kv_dtype=torch.float32)
     assert meta.num_splits == num_splits and meta.max_query_len == shape.num_tokens
+
+
+def test_graphs_of_32_to_96_tokens_capture_with_cublaslt_preferred(monkeypatch):
+    chosen = ["cublas"]
+
+    def preferred(backend=None):
+        if backend is not None:
+            chosen.append(str(backend))
+        return chosen[-1]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    seen = {}
+    for num_tokens in (16, 24, 32, 64, 96, 104, 128):
+        with blas_library(num_tokens):
+            seen[num_tokens] = chosen[-1]
+    assert seen == {16: "cublas", 24: "cublas", 32: "cublaslt", 64: "cublaslt", 96: "cublaslt", 104: "cublas",
+                    128: "cublas"}
+    assert chosen[-1] == "cublas"
 
 
 def test_capture_fills_the_buffers_with_an_all_padding_step_of_each_shape():
