@@ -20,15 +20,17 @@ FCFS, PRIORITY = "fcfs", "priority"
 # and 32 more prompt tokens (contexts under 1,000) beside the 42 rows 0.23 ms more. So background
 # rows and prompt chunks join every step that does not prefill an interactive prompt, and none that
 # does: that prompt's first token waits for no background work.
-BACKGROUND_ROWS = 16
-BACKGROUND_PREFILL_TOKENS = 32
+BACKGROUND_ROWS = 20
+BACKGROUND_PREFILL_TOKENS = 40
 # Should interactive prompts arrive in every step, background work still joins one step in this many.
 BACKGROUND_INTERVAL = 64
 # The two trade interactive TPOT for batch throughput. `bench batch` on the H200 (interactive
 # concurrency 10 beside a 2,000-line batch; TTFT p50 and TPOT against the load alone, and the
 # batch's share of the capacity it left; 2026-12-03): 16 rows and 32 tokens 1.08x / 1.19x / 43%,
 # 24 and 48 1.08x / 1.25x / 54%, 32 and 64 0.97x / 1.30x / 64%. The policy before, background
-# prompts only in steps that prefilled an interactive prompt, gave 1.19x / 1.09x / 33%.
+# prompts only in steps that prefilled an interactive prompt, gave 1.19x / 1.09x / 33%. Once the
+# 32-96-token graphs ran their GEMMs through cuBLASLt (executor_svc/cuda_graphs.py; 2026-12-04),
+# 16 and 32 gave 1.04x / 1.12x / 46.1%, and 20 and 40 1.05x / 1.18x / 49.5% (two device calls).
 
 # A decode step reads every weight once and leaves the tensor cores mostly idle meanwhile: prompt
 # tokens beside its decode rows cost little until the step's tokens make the projections compute-
