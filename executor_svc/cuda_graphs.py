@@ -50,8 +50,8 @@ MIXED_SPLIT_TOKENS = 64
 MIXED_SPLITS = 4
 # cuBLASLt's heuristics pick faster GEMMs than cuBLAS's default ones from 32 to 96 rows. On an H200
 # (Llama-3.1-8B shape, 32 distinct weights a projection in one CUDA graph, 2026-12-04), us a layer
-# for qkv + o + gate_up + down, cuBLAS / cuBLASLt: 32 rows 120.5 / 117.5, 48 125.2 / 121.4, 64
-# 126.7 / 120.4, 96 132.0 / 125.1 (o_proj 13.6 / 12.1 at 48 rows, down_proj 37.0 / 32.9 at 96),
+# for qkv + o + gate_up + down, cuBLAS / cuBLASLt: 32 rows 120.5 / 117.5, 48 125.2 / 121.5, 64
+# 126.7 / 120.5, 96 132.0 / 125.1 (o_proj 13.6 / 12.1 at 48 rows, down_proj 37.0 / 32.9 at 96),
 # equal or faster for every projection; at 16 and 128 rows cuBLAS's down_proj was the faster
 # (33.0 / 34.6, 36.9 / 38.7). So graphs of this many tokens are captured with cuBLASLt preferred.
 # Beside a batch, whose steps are mostly mixed graphs of 32-64 tokens, `bench batch` gave the
