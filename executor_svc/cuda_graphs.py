@@ -213,8 +213,8 @@ class CudaGraphs:
         for shape in sorted(self.metas, reverse=True):
             self.fill_padding(shape)
             with blas_library(shape.num_tokens):
-                # Compiles the Triton kernels and lets cuBLAS pick its algorithms outside the
-                # capture.
+                # Compiles the Triton kernels and lets the BLAS library pick its algorithms
+                # outside the capture.
                 self.forward(shape, kv_caches)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -5,8 +5,8 @@ import torch
 
 from pagedserve.executor_svc import model_runner, worker
 from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
-from pagedserve.executor_svc.cuda_graphs import (MIXED_SPLITS, CudaGraphs, GraphShape, GraphShapes, blas_library,
-                                                 bucket, capture_sizes, graph_metadata,
+from pagedserve.executor_svc.cuda_graphs import (MIXED_SPLITS, CudaGraphs, GraphShape, GraphShapes,
+                                                 blas_library, bucket, capture_sizes, graph_metadata,
                                                  mixed_capture_sizes)
 from pagedserve.executor_svc.step_buffers import StepBuffers
 from tests.executor_svc.harness import (NEW_TOKENS, MiniScheduler, Seq, make_worker,
@@ -67,8 +67,8 @@ def test_graphs_of_32_to_96_tokens_capture_with_cublaslt_preferred(monkeypatch):
     for num_tokens in (16, 24, 32, 64, 96, 104, 128):
         with blas_library(num_tokens):
             seen[num_tokens] = chosen[-1]
-    assert seen == {16: "cublas", 24: "cublas", 32: "cublaslt", 64: "cublaslt", 96: "cublaslt", 104: "cublas",
-                    128: "cublas"}
+    assert seen == {16: "cublas", 24: "cublas", 32: "cublaslt", 64: "cublaslt", 96: "cublaslt",
+                    104: "cublas", 128: "cublas"}
     assert chosen[-1] == "cublas"
 
 
