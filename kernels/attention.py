@@ -45,16 +45,19 @@ _ALL_ROWS, _DECODE_ROWS = tl.constexpr(ALL_ROWS), tl.constexpr(DECODE_ROWS)
 @triton.jit
 def _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     # Sequence i owns q blocks [start_i // BLOCK_Q + i, end_i // BLOCK_Q + i], an upper bound
-    # that lets the host size the grid without reading query_start_loc.
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc + mid) // BLOCK_Q + mid <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+    # that lets the host size the grid without reading query_start_loc. First blocks grow with
+    # i, so the block's sequence is the count of those at most q_block, less one: counted 128 at
+    # a time, one load each, where a bisection waits on up to 9 dependent loads (a mixed graph's
+    # 257 sequences), which programs after a launch's first wave pay in full.
+    SEARCH: tl.constexpr = 128
+    offs = tl.arange(0, SEARCH)
+    count = 0
+    for base in range(0, num_seqs, SEARCH):
+        i = base + offs
+        ok = i < num_seqs
+        first = tl.load(query_start_loc + i, mask=ok, other=0) // BLOCK_Q + i
+        count += tl.sum(((first <= q_block) & ok).to(tl.int32), 0)
+    return count - 1
 
 
 @triton.jit
@@ -653,12 +656,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     decode_cfg = _decode_launch(config, group_pad, head_dim, q, k_cache, num_decode_seqs,
                                 num_kv_heads, max_query_len, attended_len, num_splits)
-    attend(cfg, num_q_blocks, ALL_ROWS if decode_cfg is None else PREFILL_ROWS, (k_desc, v_desc))
+    if max_query_len == 1:
+        # One program per sequence: none searches for its sequence or finds no query.
+        attend(cfg, num_seqs, DECODE_ROWS, (k_desc, v_desc))
+    else:
+        attend(cfg, num_q_blocks, ALL_ROWS if decode_cfg is None else PREFILL_ROWS,
+               (k_desc, v_desc))
     if decode_cfg is not None:
         attend(decode_cfg, num_seqs, DECODE_ROWS, (None, None))
     if num_splits > 1:
+        # One warp a head: its reduction over the segments stays in the warp, where four warps
+        # meet in shared memory. On an H200 (Llama-3.1-8B shape, 32 layers in a CUDA graph,
+        # contexts uniform in 128..1,536, 2026-12-04) attention and merge took, us a layer, 18.3
+        # against 21.9 at 9 rows (8 segments), 28.2 against 32.3 at 21 (4), 33.4 against 38.6 at 29.
         _merge_kernel[(num_tokens, num_heads)](out, part_acc, part_ml, out.stride(0),
                                                out.stride(1), num_heads, num_splits,
                                                HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-                                               MAX_SPLITS=MAX_SPLITS, **launch)
+                                               MAX_SPLITS=MAX_SPLITS, num_warps=1, **launch)
     return out

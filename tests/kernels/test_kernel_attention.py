@@ -261,6 +261,23 @@ def test_sliding_window_mixed_step_decode_launch(monkeypatch: pytest.MonkeyPatch
     assert len(spy.grids) == 2
 
 
+# A decode step (max_query_len 1) attends in one launch of one program per sequence, split or not.
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_step_launches_one_program_per_sequence(monkeypatch: pytest.MonkeyPatch,
+                                                       num_splits: int) -> None:
+    spy = LaunchSpy(attention._attention_kernel)
+    monkeypatch.setattr(attention, "_attention_kernel", spy)
+    run_case(DECODES, 4, 32, 16, torch.float32, num_splits, max_query_len=1)
+    assert [grid[0] for grid in spy.grids] == [len(DECODES)]
+
+
+# Programs find their sequence among more sequences than one load of the search covers (128),
+# empty ones and prompt chunks among them, as a mixed graph's 257 sequences are.
+def test_programs_find_their_sequence_among_many() -> None:
+    batch = [(i % 5, (0, 1, 3, 1)[i % 4]) for i in range(140)] + [(2, 6)]
+    run_case(batch, 2, 16, 8, torch.float32, num_splits=1)
+
+
 # A step of few tokens, told its decode rows and given k_new as serving gives them, attends all
 # its rows in one launch of small tiles that read the cache: 16-row tiles at MIXED's 138 tokens,
 # 64-row tiles past SMALL_STEP_TOKENS (lowered to 100 here), under a window and a cap too.
