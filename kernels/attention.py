@@ -47,8 +47,8 @@ def _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     # Sequence i owns q blocks [start_i // BLOCK_Q + i, end_i // BLOCK_Q + i], an upper bound
     # that lets the host size the grid without reading query_start_loc. First blocks grow with
     # i, so the block's sequence is the count of those at most q_block, less one: counted 128 at
-    # a time, one load each, where a bisection waits on up to 9 dependent loads (a mixed graph's
-    # 257 sequences), which programs after a launch's first wave pay in full.
+    # a time, one load each, where a bisection waited on up to 9 dependent loads (a mixed graph's
+    # 257 sequences). On an H200 a 512-token mixed graph's layer took 78.2 us against 79.5.
     SEARCH: tl.constexpr = 128
     offs = tl.arange(0, SEARCH)
     count = 0
