@@ -30,7 +30,9 @@ BACKGROUND_INTERVAL = 64
 # 24 and 48 1.08x / 1.25x / 54%, 32 and 64 0.97x / 1.30x / 64%. The policy before, background
 # prompts only in steps that prefilled an interactive prompt, gave 1.19x / 1.09x / 33%. Once the
 # 32-96-token graphs ran their GEMMs through cuBLASLt (executor_svc/cuda_graphs.py; 2026-12-04),
-# 16 and 32 gave 1.04x / 1.12x / 46.1%, and 20 and 40 1.05x / 1.18x / 49.5% (two device calls).
+# 16 and 32 gave 1.04x / 1.12x / 46.1%, and 20 and 40 1.05x / 1.18x / 49.5% (two device calls); with
+# the split merge in one warp (kernels/attention.py), 20 and 40 1.04x / 1.19x / 50.8%, 24 and 48
+# 1.06x / 1.23x / 56.3%, past the TPOT bar of 1.2x (one call).
 
 # A decode step reads every weight once and leaves the tensor cores mostly idle meanwhile: prompt
 # tokens beside its decode rows cost little until the step's tokens make the projections compute-

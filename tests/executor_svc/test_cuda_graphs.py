@@ -54,7 +54,7 @@ def test_only_the_smallest_mixed_graphs_split_their_decode_rows_kv(shape, num_sp
     assert meta.num_splits == num_splits and meta.max_query_len == shape.num_tokens
 
 
-def test_graphs_of_32_to_96_tokens_capture_with_cublaslt_preferred(monkeypatch):
+def test_blas_library_prefers_cublaslt_from_32_to_96_tokens(monkeypatch):
     chosen = ["cublas"]
 
     def preferred(backend=None):
