@@ -8,7 +8,12 @@ kernels, and `backend.per_token_quant_fp8` for the activations of FP8 linear lay
 their own output for them), and `backend.route` and `backend.fused_moe` for a mixture of experts.
 TorchAttentionBackend (the CPU backend) runs the pure-torch references; TritonAttentionBackend
 (CUDA) runs the kernels of `kernels/`.
+
+`forward` and the gated activations (not quantizing) take `out_rows`: their output, which o_proj or
+down_proj reads, then has max(T, out_rows) rows, the rows past T padding whose products the caller
+drops (layers/linear.py's input_rows says why).
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +55,6 @@ class AttentionMetadata:
 class TorchAttentionBackend:
     """Pure-torch kernels: the CPU backend and the ground truth for the faster ones."""
     rms_norm = staticmethod(rms_norm_ref)
-    silu_and_mul = staticmethod(silu_and_mul_ref)
-    gelu_tanh_and_mul = staticmethod(gelu_tanh_and_mul_ref)
     per_token_quant_fp8 = staticmethod(per_token_quant_fp8_ref)
     rms_norm_quant_fp8 = staticmethod(rms_norm_quant_fp8_ref)
     silu_and_mul_quant_fp8 = staticmethod(silu_and_mul_quant_fp8_ref)
@@ -63,15 +66,23 @@ class TorchAttentionBackend:
     route = staticmethod(route_ref)
     fused_moe = staticmethod(fused_moe_ref)
 
+    def silu_and_mul(self, x: torch.Tensor, out_rows: int = 0) -> torch.Tensor:
+        return with_rows(silu_and_mul_ref(x), out_rows)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor, out_rows: int = 0) -> torch.Tensor:
+        return with_rows(gelu_tanh_and_mul_ref(x), out_rows)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[torch.Tensor, torch.Tensor], *,
-                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None,
+                out_rows: int = 0) -> torch.Tensor:
         """Rotates q and k by their positions [T], writes this step's k, v into the paged cache,
         then attends q over each context.
 
-        q [T, heads, head_dim], k and v [T, kv_heads, head_dim]; returns [T, heads, head_dim].
+        q [T, heads, head_dim], k and v [T, kv_heads, head_dim]; returns [max(T, out_rows), heads,
+        head_dim], the attention output in its first T rows.
         q and k may be left rotated in place (the Triton backend does). cos_sin_cache is the
         layer's rotary table (see layers/rotary.py: its width is the rotated part of each head).
         kv_scales: the layer's K and V scales, which an fp8 cache divides by when written and
@@ -80,9 +91,9 @@ class TorchAttentionBackend:
         (None: none)."""
         q, k = rotary_ref(positions, q, k, cos_sin_cache)
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
-        return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, scale, kv_scales, sliding_window,
-                                   softcap)
+        return with_rows(paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                             meta.query_start_loc, scale, kv_scales, sliding_window,
+                                             softcap), out_rows)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -95,10 +106,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[torch.Tensor, torch.Tensor], *,
-                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None,
+                out_rows: int = 0) -> torch.Tensor:
         if meta.max_query_len > 1 or sliding_window or softcap or is_fp8(k_cache):
             return super().forward(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, scale,
-                                   kv_scales, sliding_window=sliding_window, softcap=softcap)
+                                   kv_scales, sliding_window=sliding_window, softcap=softcap,
+                                   out_rows=out_rows)
         q, k = rotary_ref(positions, q, k, cos_sin_cache)
         # The runner pads decode steps to CUDA-graph sizes on every device (padding rows last,
         # slot -1, context 1), and their max_seq_len is the model's: both are left out here.
@@ -106,14 +119,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         write_kv_cpu(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
         out = decode_attention_cpu(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n],
                                    scale)
-        return out if n == len(q) else torch.cat((out, q[n:]))
+        return with_rows(out if n == len(q) else torch.cat((out, q[n:])), out_rows)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
     """The Triton kernels: rotary works in place, and no kernel reads a device value on the host."""
     rms_norm = staticmethod(rms_norm)
-    silu_and_mul = staticmethod(silu_and_mul)
-    gelu_tanh_and_mul = staticmethod(gelu_tanh_and_mul)
     per_token_quant_fp8 = staticmethod(per_token_quant_fp8)
     rms_norm_quant_fp8 = staticmethod(rms_norm_quant_fp8)
     silu_and_mul_quant_fp8 = staticmethod(silu_and_mul_quant_fp8)
@@ -121,11 +132,18 @@ class TritonAttentionBackend(TorchAttentionBackend):
     route = staticmethod(route)
     fused_moe = staticmethod(fused_moe)
 
+    def silu_and_mul(self, x: torch.Tensor, out_rows: int = 0) -> torch.Tensor:
+        return _gated(silu_and_mul, x, out_rows)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor, out_rows: int = 0) -> torch.Tensor:
+        return _gated(gelu_tanh_and_mul, x, out_rows)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[torch.Tensor, torch.Tensor], *,
-                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None,
+                out_rows: int = 0) -> torch.Tensor:
         # One launch for rotary and the cache write: a decode step is bound by small launches.
         q = rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                             meta.slot_mapping, kv_scales)
@@ -133,12 +151,31 @@ class TritonAttentionBackend(TorchAttentionBackend):
         # and v rather than from their cache slots; decode steps, the ones CUDA graphs capture,
         # read the cache alone.
         k_new, v_new = (k, v) if meta.max_query_len > 1 else (None, None)
-        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                               meta.query_start_loc, scale, max_query_len=meta.max_query_len,
-                               max_seq_len=meta.max_seq_len, num_splits=meta.num_splits,
-                               kv_scales=kv_scales, k_new=k_new, v_new=v_new,
-                               num_decode_seqs=meta.num_decode_seqs,
-                               sliding_window=sliding_window, softcap=softcap)
+        out = q.new_empty(max(len(q), out_rows), *q.shape[1:])
+        paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                        meta.query_start_loc, scale, max_query_len=meta.max_query_len,
+                        max_seq_len=meta.max_seq_len, num_splits=meta.num_splits,
+                        out=out[:len(q)], kv_scales=kv_scales, k_new=k_new, v_new=v_new,
+                        num_decode_seqs=meta.num_decode_seqs, sliding_window=sliding_window,
+                        softcap=softcap)
+        return out
+
+
+def with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x, or x in the first rows of a buffer of `rows` rows where x has fewer."""
+    if rows <= len(x):
+        return x
+    out = x.new_empty(rows, *x.shape[1:])
+    out[:len(x)] = x
+    return out
+
+
+def _gated(act: Callable[..., torch.Tensor], x: torch.Tensor, out_rows: int) -> torch.Tensor:
+    """A gated activation kernel's output for x [T, 2 * d] written into the first rows of a
+    buffer of max(T, out_rows) rows."""
+    out = x.new_empty(max(len(x), out_rows), x.shape[1] // 2)
+    act(x, out[:len(x)])
+    return out
 
 
 def get_backend(device: torch.device) -> TorchAttentionBackend:

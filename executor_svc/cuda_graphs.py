@@ -52,12 +52,14 @@ MIXED_SPLITS = 4
 # (Llama-3.1-8B shape, 32 distinct weights a projection in one CUDA graph, 2026-12-04), us a layer
 # for qkv + o + gate_up + down, cuBLAS / cuBLASLt: 32 rows 120.5 / 117.5, 48 125.2 / 121.5, 64
 # 126.7 / 120.5, 96 132.0 / 125.1 (o_proj 13.6 / 12.1 at 48 rows, down_proj 37.0 / 32.9 at 96),
-# equal or faster for every projection; at 16 and 128 rows cuBLAS's down_proj was the faster
-# (33.0 / 34.6, 36.9 / 38.7). So graphs of this many tokens are captured with cuBLASLt preferred.
-# Beside a batch, whose steps are mostly mixed graphs of 32-64 tokens, `bench batch` gave the
-# interactive TPOT 6.07 ms against 6.21 with cuBLAS alone, in one device call; `bench serve
-# --concurrency 10,30,50` moved by under 0.4% (its mixed steps are mostly 256-token ones).
-LT_TOKENS = range(32, 97)
+# equal or faster for every projection; at 128 rows cuBLAS's down_proj was the faster (36.9 /
+# 38.7). So graphs of this many tokens are captured with cuBLASLt preferred. Beside a batch, whose
+# steps are mostly mixed graphs of 32-64 tokens, `bench batch` gave the interactive TPOT 6.07 ms
+# against 6.21 with cuBLAS alone, in one device call; `bench serve --concurrency 10,30,50` moved by
+# under 0.4% (its mixed steps are mostly 256-token ones). Smaller graphs are too: their o_proj and
+# down_proj read 32-row buffers (layers/linear.py's PROJECTION_ROWS), and their qkv and gate_up
+# took the same time under either library (15.64 / 15.61 and 55.89 / 55.87 us at 16 rows).
+LT_TOKENS = range(1, 97)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

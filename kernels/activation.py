@@ -58,16 +58,18 @@ def _gated_quant_kernel(x, out, scale, stride_x, stride_o, d, min_scale, ACT: tl
     store_quantized_row(h, mask, out + row * stride_o, offs, scale + row, min_scale, FP8_MAX, EXACT)
 
 
-def _gated_and_mul(x: torch.Tensor, act: int) -> torch.Tensor:
+def _gated_and_mul(x: torch.Tensor, act: int, out: torch.Tensor | None) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
-    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, d)
     block = min(1024, triton.next_power_of_2(d))
     if x2.shape[0] > 0:
         _gated_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, ACT=act, BLOCK=block,
+            x2, out2, x2.stride(0), out2.stride(0), d, ACT=act, BLOCK=block,
             **pdl.launch_args(x.device))
-    return out.view(*x.shape[:-1], d)
+    return out
 
 
 def _gated_and_mul_quant_fp8(x: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,9 +84,10 @@ def _gated_and_mul_quant_fp8(x: torch.Tensor, act: int) -> tuple[torch.Tensor, t
     return out, scale
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2 * d] holding gate then up projections; returns silu(gate) * up [..., d]."""
-    return _gated_and_mul(x, SILU)
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., 2 * d] holding gate then up projections; returns silu(gate) * up [..., d], written
+    into `out` if given (rows of d contiguous, e.g. the first rows of a larger buffer)."""
+    return _gated_and_mul(x, SILU, out)
 
 
 def silu_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,10 +96,11 @@ def silu_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return _gated_and_mul_quant_fp8(x, SILU)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., 2 * d] holding gate then up projections; returns gelu_tanh(gate) * up [..., d]
-    (GELU's tanh approximation, Gemma's gelu_pytorch_tanh), like `gelu_tanh_and_mul_ref`."""
-    return _gated_and_mul(x, GELU_TANH)
+    (GELU's tanh approximation, Gemma's gelu_pytorch_tanh), like `gelu_tanh_and_mul_ref`; written
+    into `out` if given, as silu_and_mul does."""
+    return _gated_and_mul(x, GELU_TANH, out)
 
 
 def gelu_tanh_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ from torch import nn
 from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
 from pagedserve.executor_svc.fp8 import Quantized
 from pagedserve.executor_svc.kv_cache import KVCache
-from pagedserve.executor_svc.layers.linear import column_linear, row_linear
+from pagedserve.executor_svc.layers.linear import column_linear, input_rows, row_linear
 from pagedserve.executor_svc.layers.norm import Norm
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
@@ -56,10 +56,12 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
+        rows = input_rows(self.o_proj, len(q))
         out = self.backend.forward(positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1],
                                    meta, self.scale, (self.k_scale, self.v_scale),
-                                   sliding_window=self.sliding_window, softcap=self.softcap)
-        out = self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+                                   sliding_window=self.sliding_window, softcap=self.softcap,
+                                   out_rows=rows)
+        out = self.o_proj(out.view(rows, -1))[:len(q)]
         # NCCL's all-reduce is captured in the decode CUDA graphs like the kernels around it.
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -6,7 +6,7 @@ from torch import nn
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.fp8 import Quantized
 from pagedserve.executor_svc.layers.activation import ACTIVATIONS
-from pagedserve.executor_svc.layers.linear import column_linear, row_linear
+from pagedserve.executor_svc.layers.linear import column_linear, input_rows, row_linear
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
 
@@ -35,6 +35,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor | Quantized, quantize: bool) -> torch.Tensor:
         """`quantize`: down_proj is FP8 and takes its input quantized by the activation."""
         h = self.gate_up_proj(x)
-        h = self.act_and_mul_quant_fp8(h) if quantize else self.act_and_mul(h)
-        out = self.down_proj(h)
+        num_tokens = len(h)
+        if quantize:
+            h = self.act_and_mul_quant_fp8(h)
+        else:
+            h = self.act_and_mul(h, input_rows(self.down_proj, num_tokens))
+        out = self.down_proj(h)[:num_tokens]
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -54,7 +54,7 @@ def test_only_the_smallest_mixed_graphs_split_their_decode_rows_kv(shape, num_sp
     assert meta.num_splits == num_splits and meta.max_query_len == shape.num_tokens
 
 
-def test_blas_library_prefers_cublaslt_from_32_to_96_tokens(monkeypatch):
+def test_blas_library_prefers_cublaslt_up_to_96_tokens(monkeypatch):
     chosen = ["cublas"]
 
     def preferred(backend=None):
@@ -64,11 +64,11 @@ def test_blas_library_prefers_cublaslt_from_32_to_96_tokens(monkeypatch):
 
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
     seen = {}
-    for num_tokens in (16, 24, 32, 64, 96, 104, 128):
+    for num_tokens in (1, 16, 24, 32, 64, 96, 104, 128):
         with blas_library(num_tokens):
             seen[num_tokens] = chosen[-1]
-    assert seen == {16: "cublas", 24: "cublas", 32: "cublaslt", 64: "cublaslt", 96: "cublaslt",
-                    104: "cublas", 128: "cublas"}
+    assert seen == {1: "cublaslt", 16: "cublaslt", 24: "cublaslt", 32: "cublaslt", 64: "cublaslt",
+                    96: "cublaslt", 104: "cublas", 128: "cublas"}
     assert chosen[-1] == "cublas"
 
 

@@ -7,7 +7,9 @@ import transformers
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.model_config import load_model_config, model_config_from_dict
 from pagedserve.executor_svc.models import build_model
+from pagedserve.executor_svc.layers import attention, mlp
 from pagedserve.executor_svc.layers.attention import layer_windows
+from pagedserve.executor_svc.layers.linear import PROJECTION_ROWS, Linear, input_rows
 from tests.executor_svc.harness import paged_prefill_logits
 from tests.tiny_models import ARCHITECTURES, make_tiny_model
 
@@ -27,6 +29,25 @@ def test_prefill_logits_match_transformers(tiny_model):
             expected = hf(torch.tensor([prompt])).logits[0]
         assert logits.dtype == torch.float32
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_padding_rows_before_o_proj_and_down_proj_leave_the_logits_unchanged(tiny_model, monkeypatch):
+    # On a GPU their inputs have padding rows (linear.input_rows): here every step's do.
+    for module in (attention, mlp):
+        monkeypatch.setattr(module, "input_rows", lambda projection, num_tokens: num_tokens + 5)
+    prompts = [[3, 14, 15, 92, 65], [35]]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    for prompt, logits in zip(prompts, paged_prefill_logits(tiny_model, prompts)):
+        with torch.inference_mode():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_input_rows_pad_only_model_dtype_projections_on_a_gpu():
+    assert input_rows(Linear(64, 32, bias=False), 5) == 5
+    if torch.cuda.is_available():
+        assert input_rows(Linear(64, 32, bias=False).cuda(), 5) == PROJECTION_ROWS
+        assert input_rows(Linear(64, 32, bias=False).cuda(), 40) == 40
 
 
 def test_tied_embeddings_have_no_lm_head(tmp_path):

@@ -52,3 +52,14 @@ def test_gated_activation(kernel, ref, dtype: torch.dtype, d: int) -> None:
     poison_next_alloc((6, d), dtype)
     out = kernel(x)
     assert_close(out, ref(x))
+
+
+@pytest.mark.parametrize("kernel, ref", [(silu_and_mul, silu_and_mul_ref),
+                                         (gelu_tanh_and_mul, gelu_tanh_and_mul_ref)],
+                         ids=["silu", "gelu_tanh"])
+def test_gated_activation_writes_the_first_rows_of_a_given_buffer(kernel, ref) -> None:
+    x = torch.randn(3, 2 * 80, device=DEVICE) * 4
+    buffer = torch.full((8, 80), 7.0, device=DEVICE)
+    assert kernel(x, buffer[:3]).data_ptr() == buffer.data_ptr()
+    assert_close(buffer[:3], ref(x))
+    assert torch.all(buffer[3:] == 7.0)
