@@ -9,9 +9,9 @@ their own output for them), and `backend.route` and `backend.fused_moe` for a mi
 TorchAttentionBackend (the CPU backend) runs the pure-torch references; TritonAttentionBackend
 (CUDA) runs the kernels of `kernels/`.
 
-`forward` and the gated activations (not quantizing) take `out_rows`: their output, which o_proj or
-down_proj reads, then has max(T, out_rows) rows, the rows past T padding whose products the caller
-drops (layers/linear.py's input_rows says why).
+`forward`, `rms_norm` and the gated activations (not quantizing) take `out_rows`: their output, which
+a projection reads, then has max(T, out_rows) rows, the rows past T padding whose products the
+caller drops (layers/linear.py's input_rows says why).
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +54,6 @@ class AttentionMetadata:
 
 class TorchAttentionBackend:
     """Pure-torch kernels: the CPU backend and the ground truth for the faster ones."""
-    rms_norm = staticmethod(rms_norm_ref)
     per_token_quant_fp8 = staticmethod(per_token_quant_fp8_ref)
     rms_norm_quant_fp8 = staticmethod(rms_norm_quant_fp8_ref)
     silu_and_mul_quant_fp8 = staticmethod(silu_and_mul_quant_fp8_ref)
@@ -65,6 +64,12 @@ class TorchAttentionBackend:
     # as an FP8 linear layer does off a GPU.
     route = staticmethod(route_ref)
     fused_moe = staticmethod(fused_moe_ref)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None,
+                 out_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        normed, summed = rms_norm_ref(x, weight, eps, residual)
+        return with_rows(normed, out_rows), summed
 
     def silu_and_mul(self, x: torch.Tensor, out_rows: int = 0) -> torch.Tensor:
         return with_rows(silu_and_mul_ref(x), out_rows)
@@ -124,13 +129,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 class TritonAttentionBackend(TorchAttentionBackend):
     """The Triton kernels: rotary works in place, and no kernel reads a device value on the host."""
-    rms_norm = staticmethod(rms_norm)
     per_token_quant_fp8 = staticmethod(per_token_quant_fp8)
     rms_norm_quant_fp8 = staticmethod(rms_norm_quant_fp8)
     silu_and_mul_quant_fp8 = staticmethod(silu_and_mul_quant_fp8)
     gelu_tanh_and_mul_quant_fp8 = staticmethod(gelu_tanh_and_mul_quant_fp8)
     route = staticmethod(route)
     fused_moe = staticmethod(fused_moe)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None,
+                 out_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if out_rows <= len(x):
+            return rms_norm(x, weight, eps, residual)
+        out = x.new_empty(out_rows, x.shape[1])
+        return out, rms_norm(x, weight, eps, residual, out[:len(x)])[1]
 
     def silu_and_mul(self, x: torch.Tensor, out_rows: int = 0) -> torch.Tensor:
         return _gated(silu_and_mul, x, out_rows)

@@ -38,15 +38,18 @@ def _rms_norm_kernel(x, residual, weight, out, sum_out, scale, stride_x, stride_
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over the last dim of x; with `residual`, normalises x + residual in one pass.
 
     Returns (normed, x + residual) like `rms_norm_ref` (None in place of the sum without a
-    residual). Out of place: neither x nor residual is modified.
+    residual), normed written into `out` if given (x's shape, rows contiguous). Out of place:
+    neither x nor residual is modified.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    out, summed = _launch(x2, weight, eps, residual, torch.empty_like(x2), None)
-    return out.view(x.shape), None if summed is None else summed.view(x.shape)
+    normed = torch.empty_like(x2) if out is None else out.view(x2.shape)
+    _, summed = _launch(x2, weight, eps, residual, normed, None)
+    return normed.view(x.shape), None if summed is None else summed.view(x.shape)
 
 
 def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -24,8 +24,8 @@ T = TypeVar("T")
 
 class DecoderLayer(nn.Module):
     """`self_attn` (layers.attention.Attention or one like it) and `mlp` (a GatedMLP, or any
-    block called as mlp(x, quantize) with a `quantized_input` flag, e.g. a mixture of experts),
-    each after a norm that `norm` builds."""
+    block called as mlp(x, quantize) with a `quantized_input` flag and an `input_rows(T)`, e.g. a
+    mixture of experts), each after a norm that `norm` builds."""
 
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module, norm: Norm) -> None:
         super().__init__()
@@ -40,8 +40,10 @@ class DecoderLayer(nn.Module):
                 kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
                 quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.attend(positions, x, residual, kv_cache, meta, cos_sin_cache, quantize)
-        x, residual = self.post_attention_layernorm(x, residual, quantize and self.quantize_mlp_input)
-        return self.mlp(x, quantize), residual
+        num_tokens = len(residual)
+        x, residual = self.post_attention_layernorm(x, residual, quantize and self.quantize_mlp_input,
+                                                    self.mlp.input_rows(num_tokens))
+        return self.mlp(x, quantize)[:num_tokens], residual
 
     def attend(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,

@@ -32,6 +32,10 @@ class GatedMLP(nn.Module):
         # The group whose ranks' partial sums this block all-reduces (None: no reduce here).
         self.tp = tp if reduce_results else None
 
+    def input_rows(self, num_tokens: int) -> int:
+        """Rows of the buffer the norm before this block writes num_tokens rows into."""
+        return input_rows(self.gate_up_proj, num_tokens)
+
     def forward(self, x: torch.Tensor | Quantized, quantize: bool) -> torch.Tensor:
         """`quantize`: down_proj is FP8 and takes its input quantized by the activation."""
         h = self.gate_up_proj(x)

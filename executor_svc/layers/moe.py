@@ -100,6 +100,10 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = shape.top_k, shape.renormalize
         self.tp = tp
 
+    def input_rows(self, num_tokens: int) -> int:
+        """No padding rows: the router would send them to experts."""
+        return num_tokens
+
     def forward(self, x: torch.Tensor, quantize: bool) -> torch.Tensor:
         """x [T, H] in the model dtype; `quantize`: the shared expert's down_proj is FP8 and takes
         its input quantized by the activation."""

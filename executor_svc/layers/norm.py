@@ -18,9 +18,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                quantize: bool = False) -> tuple[torch.Tensor | Quantized, torch.Tensor | None]:
-        """(normed, x + residual); normed quantized per token for an FP8 projection if `quantize`."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quantize: bool = False,
+                out_rows: int = 0) -> tuple[torch.Tensor | Quantized, torch.Tensor | None]:
+        """(normed, x + residual); normed quantized per token for an FP8 projection if `quantize`,
+        else with at least out_rows rows (padding past x's: see attention_backend)."""
         if quantize:
             return self.backend.rms_norm_quant_fp8(x, self.weight, self.eps, residual)
-        return self.backend.rms_norm(x, self.weight, self.eps, residual)
+        return self.backend.rms_norm(x, self.weight, self.eps, residual, out_rows)

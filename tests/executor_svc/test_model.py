@@ -9,7 +9,8 @@ from pagedserve.executor_svc.model_config import load_model_config, model_config
 from pagedserve.executor_svc.models import build_model
 from pagedserve.executor_svc.layers import attention, mlp
 from pagedserve.executor_svc.layers.attention import layer_windows
-from pagedserve.executor_svc.layers.linear import PROJECTION_ROWS, Linear, input_rows
+from pagedserve.executor_svc.layers.linear import (FUSED_ROWS, PROJECTION_ROWS, Linear, MergedLinear,
+                                                   input_rows)
 from tests.executor_svc.harness import paged_prefill_logits
 from tests.tiny_models import ARCHITECTURES, make_tiny_model
 
@@ -44,10 +45,12 @@ def test_padding_rows_before_o_proj_and_down_proj_leave_the_logits_unchanged(tin
 
 
 def test_input_rows_pad_only_model_dtype_projections_on_a_gpu():
-    assert input_rows(Linear(64, 32, bias=False), 5) == 5
+    row, fused = Linear(64, 32, bias=False), MergedLinear(32, {"gate_proj": 64, "up_proj": 64}, False)
+    assert input_rows(row, 5) == 5 and input_rows(fused, 40) == 40
     if torch.cuda.is_available():
-        assert input_rows(Linear(64, 32, bias=False).cuda(), 5) == PROJECTION_ROWS
-        assert input_rows(Linear(64, 32, bias=False).cuda(), 40) == 40
+        row, fused = row.cuda(), fused.cuda()
+        assert [input_rows(row, n) for n in (5, 32, 40)] == [PROJECTION_ROWS, 32, 40]
+        assert [input_rows(fused, n) for n in (5, 32, 40, 64, 72)] == [5, 32, FUSED_ROWS, 64, 72]
 
 
 def test_tied_embeddings_have_no_lm_head(tmp_path):

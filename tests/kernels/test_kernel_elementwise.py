@@ -31,6 +31,18 @@ def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
         assert summed is None
 
 
+def test_rms_norm_writes_the_first_rows_of_a_given_buffer() -> None:
+    x, residual = torch.randn(3, 96, device=DEVICE), torch.randn(3, 96, device=DEVICE)
+    weight = torch.randn(96, device=DEVICE)
+    buffer = torch.full((8, 96), 7.0, device=DEVICE)
+    out, summed = rms_norm(x, weight, 1e-5, residual, buffer[:3])
+    ref, ref_sum = rms_norm_ref(x, weight, 1e-5, residual)
+    assert out.data_ptr() == buffer.data_ptr()
+    assert_close(buffer[:3], ref)
+    torch.testing.assert_close(summed, ref_sum)
+    assert torch.all(buffer[3:] == 7.0)
+
+
 def test_gemma_rms_norm_is_a_float32_weight_plus_one() -> None:
     """Gemma's RMSNorm scales by (1 + weight) in fp32: the loader adds 1 to the weight and keeps
     it in fp32 (bf16 would round 1 + w to 8 bits), and the plain kernel matches transformers."""
