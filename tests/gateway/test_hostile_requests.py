@@ -3,9 +3,9 @@ without end, a 150k-entry logit_bias, a 1 MB stop string, a 100k-character strea
 and a 4 MB regex — each get a 400 or complete within their caps, while /health keeps answering."""
 import asyncio
 import json
-import threading
+import subprocess
+import sys
 import time
-import urllib.request
 
 from tests.gateway.test_server import gateway_process
 
@@ -43,15 +43,20 @@ async def _tool_call_stream(http, url: str, tokens: int) -> tuple[str, float]:
     return "".join(arguments), time.monotonic() - started
 
 
-def poll_health(url: str, done: threading.Event, waits: list[float]) -> None:
-    """Calls /health until `done`, adding each call's seconds to `waits`. Run it on a thread of its own:
-    the test's event loop, busy with the fake engine and the streams, would add its own delays."""
-    while not done.is_set():
-        sent = time.monotonic()
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-            assert r.status == 200
-        waits.append(time.monotonic() - sent)
-        time.sleep(0.01)
+# Calls /health until its stdin closes, then prints each call's seconds as JSON. A process of its
+# own: a thread of the test's would wait for the GIL that the fake engine and the streams' parsing
+# hold, and count that wait as the gateway's.
+POLL_HEALTH = """
+import json, select, sys, time, urllib.request
+waits = []
+while not select.select([sys.stdin], [], [], 0)[0]:
+    sent = time.monotonic()
+    with urllib.request.urlopen(sys.argv[1] + "/health", timeout=5) as r:
+        assert r.status == 200
+    waits.append(time.monotonic() - sent)
+    time.sleep(0.01)
+print(json.dumps(waits))
+"""
 
 
 async def test_hostile_requests_are_refused_or_bounded_while_health_answers(http, engine, tokenizer, tokenizer_dir):
@@ -61,15 +66,14 @@ async def test_hostile_requests_are_refused_or_bounded_while_health_answers(http
     engine.tokens_per_reply, engine.delay, engine.max_model_len = 128, 0.001, 200_000
     # Encoded up front: this process's event loop also serves the fake engine.
     bodies = {name: (path, json.dumps(body).encode(), param) for name, (path, body, param) in HOSTILE.items()}
-    waits, done = [], threading.Event()
     async with gateway_process(http, engine, tokenizer_dir, "--trust-request-chat-template",
                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as (url, _):
-        polling = asyncio.get_running_loop().run_in_executor(None, poll_health, url, done, waits)
+        poller = await asyncio.create_subprocess_exec(sys.executable, "-c", POLL_HEALTH, url,
+                                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         *refusals, (arguments, streamed_s) = await asyncio.gather(
             *(_refused(http, url, path, body) for path, body, _ in bodies.values()),
             _tool_call_stream(http, url, len(engine.reply)))
-        done.set()
-        await polling
+        waits = json.loads((await poller.communicate(b"done"))[0])
     assert refusals == [(400, param) for _, _, param in bodies.values()]
     assert json.loads(arguments) == {"text": ARGUMENT} and streamed_s < 5
     # The bar is 100 ms. On the 2-core machine, with the endless template's worker spinning (at
