@@ -2,10 +2,12 @@
 without end, a 150k-entry logit_bias, a 1 MB stop string, a 100k-character streamed tool argument
 and a 4 MB regex — each get a 400 or complete within their caps, while /health keeps answering."""
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 
 from tests.gateway.test_server import gateway_process
 
@@ -59,6 +61,18 @@ print(json.dumps(waits))
 """
 
 
+@contextlib.asynccontextmanager
+async def health_polled(url: str) -> AsyncIterator[list[float]]:
+    """Polls url's /health (POLL_HEALTH) while the block runs; the list then holds each poll's seconds."""
+    poller = await asyncio.create_subprocess_exec(sys.executable, "-c", POLL_HEALTH, url,
+                                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    waits: list[float] = []
+    try:
+        yield waits
+    finally:
+        waits += json.loads((await poller.communicate(b"done"))[0])
+
+
 async def test_hostile_requests_are_refused_or_bounded_while_health_answers(http, engine, tokenizer, tokenizer_dir):
     # The fake engine writes the tool call 128 tokens per message (about 600 deltas); its context
     # holds it.
@@ -68,12 +82,10 @@ async def test_hostile_requests_are_refused_or_bounded_while_health_answers(http
     bodies = {name: (path, json.dumps(body).encode(), param) for name, (path, body, param) in HOSTILE.items()}
     async with gateway_process(http, engine, tokenizer_dir, "--trust-request-chat-template",
                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as (url, _):
-        poller = await asyncio.create_subprocess_exec(sys.executable, "-c", POLL_HEALTH, url,
-                                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        *refusals, (arguments, streamed_s) = await asyncio.gather(
-            *(_refused(http, url, path, body) for path, body, _ in bodies.values()),
-            _tool_call_stream(http, url, len(engine.reply)))
-        waits = json.loads((await poller.communicate(b"done"))[0])
+        async with health_polled(url) as waits:
+            *refusals, (arguments, streamed_s) = await asyncio.gather(
+                *(_refused(http, url, path, body) for path, body, _ in bodies.values()),
+                _tool_call_stream(http, url, len(engine.reply)))
     assert refusals == [(400, param) for _, _, param in bodies.values()]
     assert json.loads(arguments) == {"text": ARGUMENT} and streamed_s < 5
     # The bar is 100 ms. On the 2-core machine, with the endless template's worker spinning (at

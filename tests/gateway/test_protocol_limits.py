@@ -3,7 +3,6 @@ drain and a scheduler that sheds load answer 503 in each protocol's shape; test_
 inputs are refused or bounded while /health answers; requests are counted by route."""
 import asyncio
 import json
-import threading
 import time
 
 import grpc
@@ -12,7 +11,7 @@ import pytest
 from pagedserve.gateway.state import GATEWAY
 from tests.gateway.fake_engine import MODEL, serve_live_gateway
 from tests.gateway.test_metrics import scrape
-from tests.gateway.test_hostile_requests import ARGUMENT, TOOL_CALL, poll_health
+from tests.gateway.test_hostile_requests import ARGUMENT, TOOL_CALL, health_polled
 from tests.gateway.test_server import gateway_process
 
 USER = [{"role": "user", "content": "hi"}]
@@ -117,15 +116,12 @@ async def test_hostile_requests_are_refused_or_bounded_while_health_answers(http
     engine.tokens_per_reply, engine.max_model_len = 128, 200_000
     # Encoded up front: this process's event loop also serves the fake engine.
     bodies = [(path, json.dumps(body).encode()) for path, body in _hostile("served")]
-    waits, done = [], threading.Event()
     async with gateway_process(http, engine, tokenizer_dir, "--enable-auto-tool-choice",
                                "--tool-call-parser", "hermes") as (url, _):
-        polling = asyncio.get_running_loop().run_in_executor(None, poll_health, url, done, waits)
         streams = _tool_streams("served", len(engine.reply)).items()
-        results = await asyncio.gather(*(_refused(http, url, path, body) for path, body in bodies),
-                                       *(_streamed_arguments(http, url, path, body) for path, body in streams))
-        done.set()
-        await polling
+        async with health_polled(url) as waits:
+            results = await asyncio.gather(*(_refused(http, url, path, body) for path, body in bodies),
+                                           *(_streamed_arguments(http, url, path, body) for path, body in streams))
     for (path, _), (status, error) in zip(bodies, results):
         assert status == 400 and SHAPED[path](error), (path, error)
     for arguments, seconds in results[len(bodies):]:
