@@ -139,9 +139,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None,
                  out_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if out_rows <= len(x):
-            return rms_norm(x, weight, eps, residual)
-        out = x.new_empty(out_rows, x.shape[1])
+        out = padded_rows(x, out_rows, *x.shape[1:])
         return out, rms_norm(x, weight, eps, residual, out[:len(x)])[1]
 
     def silu_and_mul(self, x: torch.Tensor, out_rows: int = 0) -> torch.Tensor:
@@ -163,7 +161,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         # and v rather than from their cache slots; decode steps, the ones CUDA graphs capture,
         # read the cache alone.
         k_new, v_new = (k, v) if meta.max_query_len > 1 else (None, None)
-        out = q.new_empty(max(len(q), out_rows), *q.shape[1:])
+        out = padded_rows(q, out_rows, *q.shape[1:])
         paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                         meta.query_start_loc, scale, max_query_len=meta.max_query_len,
                         max_seq_len=meta.max_seq_len, num_splits=meta.num_splits,
@@ -173,11 +171,17 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return out
 
 
+def padded_rows(x: torch.Tensor, out_rows: int, *row_shape: int) -> torch.Tensor:
+    """An empty buffer of max(len(x), out_rows) rows of row_shape, in x's dtype and device: the
+    output of a kernel over x's rows that a projection reads (see the module's docstring)."""
+    return x.new_empty(max(len(x), out_rows), *row_shape)
+
+
 def with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x, or x in the first rows of a buffer of `rows` rows where x has fewer."""
     if rows <= len(x):
         return x
-    out = x.new_empty(rows, *x.shape[1:])
+    out = padded_rows(x, rows, *x.shape[1:])
     out[:len(x)] = x
     return out
 
@@ -185,7 +189,7 @@ def with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def _gated(act: Callable[..., torch.Tensor], x: torch.Tensor, out_rows: int) -> torch.Tensor:
     """A gated activation kernel's output for x [T, 2 * d] written into the first rows of a
     buffer of max(T, out_rows) rows."""
-    out = x.new_empty(max(len(x), out_rows), x.shape[1] // 2)
+    out = padded_rows(x, out_rows, x.shape[1] // 2)
     act(x, out[:len(x)])
     return out
 

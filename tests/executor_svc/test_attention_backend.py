@@ -58,3 +58,19 @@ def test_cpu_backend_decode_step_padded_to_a_graph_size() -> None:
             for backend, cache in zip((CpuAttentionBackend(), TorchAttentionBackend()), caches)]
     assert_close(outs[0][:3], outs[1][:3])
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_triton_backend_writes_norm_and_activation_into_padded_buffers() -> None:
+    # On a GPU a projection's input may have padding rows (layers/linear.py's input_rows).
+    x, residual = torch.randn(3, 64, device=DEVICE), torch.randn(3, 64, device=DEVICE)
+    weight = torch.randn(64, device=DEVICE)
+    triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    normed, summed = triton_backend.rms_norm(x, weight, 1e-5, residual, out_rows=8)
+    ref, ref_sum = torch_backend.rms_norm(x, weight, 1e-5, residual, out_rows=8)
+    assert normed.shape == ref.shape == (8, 64)
+    assert_close(normed[:3], ref[:3])
+    torch.testing.assert_close(summed, ref_sum)
+    activated = triton_backend.silu_and_mul(x, out_rows=8)
+    assert activated.shape == (8, 32)
+    assert_close(activated[:3], torch_backend.silu_and_mul(x)[:3])
+    assert triton_backend.rms_norm(x, weight, 1e-5, out_rows=2)[0].shape == (3, 64)

@@ -20,11 +20,9 @@ def tiny_model(request, tmp_path_factory):
     return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def test_prefill_logits_match_transformers(tiny_model):
-    rng = random.Random(1)
-    prompts = [[rng.randrange(512) for _ in range(n)] for n in (7, 30, 1, 19)]
-    ours = paged_prefill_logits(tiny_model, prompts)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+def assert_prefill_logits_match_transformers(model_dir: str, prompts: list[list[int]]) -> None:
+    ours = paged_prefill_logits(model_dir, prompts)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for prompt, logits in zip(prompts, ours):
         with torch.inference_mode():
             expected = hf(torch.tensor([prompt])).logits[0]
@@ -32,16 +30,17 @@ def test_prefill_logits_match_transformers(tiny_model):
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_prefill_logits_match_transformers(tiny_model):
+    rng = random.Random(1)
+    assert_prefill_logits_match_transformers(tiny_model, [[rng.randrange(512) for _ in range(n)]
+                                                          for n in (7, 30, 1, 19)])
+
+
 def test_padding_rows_before_o_proj_and_down_proj_leave_the_logits_unchanged(tiny_model, monkeypatch):
     # On a GPU their inputs have padding rows (linear.input_rows): here every step's do.
     for module in (attention, mlp):
         monkeypatch.setattr(module, "input_rows", lambda projection, num_tokens: num_tokens + 5)
-    prompts = [[3, 14, 15, 92, 65], [35]]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    for prompt, logits in zip(prompts, paged_prefill_logits(tiny_model, prompts)):
-        with torch.inference_mode():
-            expected = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert_prefill_logits_match_transformers(tiny_model, [[3, 14, 15, 92, 65], [35]])
 
 
 def test_input_rows_pad_only_model_dtype_projections_on_a_gpu():
