@@ -275,19 +275,23 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
                       TILE: tl.constexpr, SPLIT: tl.constexpr, KV_SCALED: tl.constexpr,
                       REVERSE: tl.constexpr, LAZY_RESCALE: tl.constexpr, FRESH: tl.constexpr,
                       K_T: tl.constexpr, DOT_FP16: tl.constexpr, WINDOW: tl.constexpr,
-                      SOFTCAP: tl.constexpr, ONE_LOOP: tl.constexpr, PDL: tl.constexpr):
+                      SOFTCAP: tl.constexpr, ONE_LOOP: tl.constexpr, HEADS_FIRST: tl.constexpr,
+                      PDL: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    if HEADS_FIRST:
+        kv_head, block, num_blocks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    else:
+        kv_head, block, num_blocks = tl.program_id(1), tl.program_id(0), tl.num_programs(0)
     if REVERSE:
         # Causal work grows along a sequence: start the longest q blocks first so that the
         # short ones fill the tail of the grid (FlashAttention-2's order).
-        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        q_block = num_blocks - 1 - block
     else:
-        q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
+        q_block = block
     split = tl.program_id(2)
 
     if rows == _DECODE_ROWS:
-        seq = tl.program_id(0)
+        seq = block
     else:
         seq = _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc + seq)
@@ -640,7 +644,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qk_scale, cap = (scale / softcap, softcap * LOG2E) if capped else (scale * LOG2E, 1.0)
 
     def attend(cfg: AttentionConfig, grid: int, rows: int, descs: tuple) -> None:
-        _attention_kernel[(grid, num_kv_heads, num_splits)](
+        # A launch that searches for its sequences sizes its grid for the worst case: a mixed
+        # graph of 256 tokens has 321 q blocks a KV head, of which about 73 hold queries. With
+        # the heads as the fastest grid axis every program with work is dispatched before the
+        # empty ones, which then fill the tail instead of holding slots ahead of the next
+        # head's work. On an H200 (Llama-3.1-8B shape, 32 layers in a CUDA graph, decode
+        # contexts uniform in 128..1,536, 2026-12-04), us a layer: 9 decode rows + 247 prompt
+        # tokens over 500 cached 45.8 against 57.4, 29 + 227 over 300 56.2 against 67.7, 40 +
+        # 400 over 100 (512 tokens) 62.6 against 81.5; graphs of 32-192 tokens within 1%. A
+        # decode launch has no empty programs, and at 60 rows took 66.2 against 64.2 so. A grid's
+        # second axis holds at most 65,535 programs.
+        heads_first = rows != DECODE_ROWS and grid <= 65535
+        _attention_kernel[(num_kv_heads, grid, num_splits) if heads_first
+                          else (grid, num_kv_heads, num_splits)](
             out, part_acc, part_ml, q, k_cache, v_cache, k_scale, v_scale, *descs, block_tables,
             seq_lens, query_start_loc, qk_scale, cap, sliding_window if windowed else 0,
             num_seqs, num_splits, rows, num_heads,
@@ -650,7 +666,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             BLOCK_SIZE=block_size, TILE=cfg.tile, SPLIT=num_splits > 1, KV_SCALED=scaled,
             REVERSE=cfg.reverse, LAZY_RESCALE=cfg.lazy_rescale, FRESH=descs[0] is not None,
             K_T=cfg.k_transposed, DOT_FP16=fp8, WINDOW=windowed, SOFTCAP=capped,
-            ONE_LOOP=cfg.one_loop and not windowed and not capped,
+            ONE_LOOP=cfg.one_loop and not windowed and not capped, HEADS_FIRST=heads_first,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **launch)
 
