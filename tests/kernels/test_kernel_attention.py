@@ -240,6 +240,7 @@ class LaunchSpy:
 # A mixed step told its decode rows attends them in a second launch of the decode tiling, one
 # program per sequence, while the prefill launch skips them: over a bf16-like or an fp8 cache,
 # with the step's new keys read from k_new (their cache slots poisoned) where the cache allows.
+# The prefill launch, which searches for its sequences, puts the KV heads first in its grid.
 @pytest.mark.usefixtures("large_step_tilings")
 @pytest.mark.parametrize("kv_scales", [None, (0.02, 3.0)], ids=["cache", "fp8-cache"])
 def test_mixed_step_attends_decode_rows_in_a_launch_of_their_own(
@@ -248,7 +249,7 @@ def test_mixed_step_attends_decode_rows_in_a_launch_of_their_own(
     monkeypatch.setattr(attention, "_attention_kernel", spy)
     run_case(MIXED, 4, 64, 16, torch.float32, num_splits=None, kv_scales=kv_scales, fresh=True,
              poison_new=kv_scales is None, decode_launch=True)
-    assert len(spy.grids) == 2 and spy.grids[1][0] == len(MIXED)
+    assert len(spy.grids) == 2 and spy.grids[0][0] == NUM_KV_HEADS and spy.grids[1][0] == len(MIXED)
 
 
 # The same under a 24-key window: both launches skip the tiles before each query's window.
