@@ -37,7 +37,15 @@ class RowParallelLinear(Linear):
         self.skipped = ("bias",) if bias and tp.rank else ()
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class Embedding(nn.Embedding):
+    """nn.Embedding looked up by indexing: on an H200 (Llama-3.1-8B's table, in a CUDA graph)
+    1.50 us at 16 rows against 7.63 through F.embedding's kernel, 2.74 against 1.87 at one row."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[input_ids]
+
+
+class VocabParallelEmbedding(Embedding):
     """This rank's rows [rank * n, (rank + 1) * n) of the embedding table: ids outside them give
     zero rows, and the all-reduce fills in the other ranks' rows."""
 
@@ -49,7 +57,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.tp.rank * self.num_embeddings
         outside = (local < 0) | (local >= self.num_embeddings)
-        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        x = super().forward(local.masked_fill(outside, 0))
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
 
@@ -194,7 +202,7 @@ def _narrowed_forward(module: Linear, x: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def embedding(num_embeddings: int, embedding_dim: int, tp: TensorParallel | None) -> nn.Embedding:
+def embedding(num_embeddings: int, embedding_dim: int, tp: TensorParallel | None) -> Embedding:
     if tp is None:
-        return nn.Embedding(num_embeddings, embedding_dim)
+        return Embedding(num_embeddings, embedding_dim)
     return VocabParallelEmbedding(num_embeddings, embedding_dim, tp)
