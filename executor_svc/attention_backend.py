@@ -21,7 +21,8 @@ import torch
 from pagedserve.kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_quant_fp8,
                                            silu_and_mul, silu_and_mul_quant_fp8)
 from pagedserve.kernels.attention import paged_attention
-from pagedserve.kernels.cpu_attention import decode_attention_cpu, write_kv_cpu
+from pagedserve.kernels.cpu_attention import (DecodePlan, decode_attention_cpu, decode_plan, rotate,
+                                              rotation, write_kv_cpu)
 from pagedserve.kernels.fused_moe import fused_moe
 from pagedserve.kernels.moe_routing import route
 from pagedserve.kernels.norm import rms_norm, rms_norm_quant_fp8
@@ -102,10 +103,24 @@ class TorchAttentionBackend:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The references, but a decode step's attention in one SDPA call for the whole batch
-    (kernels/cpu_attention.py) and its cache write without a mask: the reference's per-sequence
-    loop of small ops costs more than the arithmetic on a CPU. Prefill chunks, sliding windows,
-    soft caps and fp8 caches take the references."""
+    """The references, but a decode step's attention in one SDPA call for the whole batch over a
+    plan its first layer makes (kernels/cpu_attention.py), its cache write without a mask, and
+    float32 norms in torch's one call: on a CPU a decode step's small ops cost more than its
+    arithmetic. Prefill chunks, sliding windows, soft caps and fp8 caches
+    take the references."""
+
+    def __init__(self) -> None:
+        self._plan: tuple[AttentionMetadata, torch.Tensor, DecodePlan] | None = None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None,
+                 out_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not x.dtype == weight.dtype == torch.float32:
+            return super().rms_norm(x, weight, eps, residual, out_rows)
+        if residual is not None:
+            x = residual = x + residual
+        # torch's own RMSNorm, equal to the reference's bit for bit in float32, in one call.
+        return with_rows(torch.rms_norm(x, weight.shape, weight, eps), out_rows), residual
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -117,14 +132,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return super().forward(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, scale,
                                    kv_scales, sliding_window=sliding_window, softcap=softcap,
                                    out_rows=out_rows)
-        q, k = rotary_ref(positions, q, k, cos_sin_cache)
-        # The runner pads decode steps to CUDA-graph sizes on every device (padding rows last,
-        # slot -1, context 1), and their max_seq_len is the model's: both are left out here.
-        n = int(torch.count_nonzero(meta.slot_mapping >= 0))
-        write_kv_cpu(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping[:n])
-        out = decode_attention_cpu(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n],
-                                   scale)
+        plan = self._decode_plan(positions, meta, k_cache.shape[1])
+        n = plan.rows
+        cos, sin = rotation(plan, cos_sin_cache)
+        write_kv_cpu(rotate(_first(k, n), cos, sin), _first(v, n), k_cache, v_cache, plan.slots)
+        out = decode_attention_cpu(rotate(_first(q, n), cos, sin), k_cache, v_cache, plan, scale)
         return with_rows(out if n == len(q) else torch.cat((out, q[n:])), out_rows)
+
+    def _decode_plan(self, positions: torch.Tensor, meta: AttentionMetadata, block_size: int) -> DecodePlan:
+        """The step's plan, made by its first layer: every layer of a forward gets the same
+        positions and metadata objects (held here, so that a new step's cannot reuse their ids)."""
+        if self._plan is None or self._plan[0] is not meta or self._plan[1] is not positions:
+            plan = decode_plan(positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, block_size)
+            self._plan = (meta, positions, plan)
+        return self._plan[2]
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
@@ -169,6 +190,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
                         num_decode_seqs=meta.num_decode_seqs, sliding_window=sliding_window,
                         softcap=softcap)
         return out
+
+
+def _first(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x's first rows, without a slicing op where that is all of them (a CPU decode step's ops
+    are most of its time)."""
+    return x if rows == len(x) else x[:rows]
 
 
 def padded_rows(x: torch.Tensor, out_rows: int, *row_shape: int) -> torch.Tensor:

@@ -1,11 +1,59 @@
 """Paged decode attention on the CPU: the whole batch in one SDPA call over its gathered blocks,
 rather than the reference's loop of per-sequence gathers, repeats and softmaxes (whose small ops
-cost more than their arithmetic here).
-Layouts as in kernels/reference.py; these take no fp8 cache and no padding slot (-1). Slots past
-a context must hold finite values (a served cache is zeroed at allocation): masked out of the
-scores, they still meet their zero weights in the product with V."""
+cost more than their arithmetic here), with its rotary embedding and cache write.
+
+A decode step's batch is planned once (`decode_plan`: its rows, slots, blocks, mask and rotary
+angles), and every layer reads the plan: the per-layer ops that derived them were a third of a
+layer's ops. Layouts as in kernels/reference.py; these take no fp8 cache. Slots past a context
+must hold finite values (a served cache is zeroed at allocation): masked out of the scores, they
+still meet their zero weights in the product with V."""
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """One decode step as every layer's attention reads it. The runner pads decode steps to
+    CUDA-graph sizes on every device (padding rows last, slot -1, context 1): they are left out."""
+    rows: int                 # the real rows
+    slots: torch.Tensor       # [rows] each row's cache slot
+    blocks: torch.Tensor      # [rows * blocks] each row's blocks in order, the longest context's count
+    visible: torch.Tensor     # [rows, 1, 1, blocks * block_size] bool: the keys within each context
+    positions: torch.Tensor   # [rows] int64
+    # id(cos_sin_cache) -> (cos, sin) in `rotate`'s form: a layer's table is a buffer of the model.
+    rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def decode_plan(positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    rows = int(torch.count_nonzero(slot_mapping >= 0))
+    lens = seq_lens[:rows]
+    table = block_tables[:rows, :-(-int(lens.max()) // block_size)]
+    visible = torch.arange(table.shape[1] * block_size) < lens[:, None]
+    return DecodePlan(rows, slot_mapping[:rows], table.flatten(), visible[:, None, None],
+                      positions[:rows].long())
+
+
+def rotation(plan: DecodePlan, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [rows, 1, rotary_dim] float32 at the plan's positions, cos repeated over both
+    halves and sin with its first half negated."""
+    key = id(cos_sin_cache)
+    if key not in plan.rotations:
+        cos, sin = cos_sin_cache[plan.positions].float().chunk(2, dim=-1)
+        plan.rotations[key] = (torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None])
+    return plan.rotations[key]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, head_dim] with its first rotary_dim dims rotated as kernels/reference.py's
+    rotary_ref rotates them, bit for bit: x1 * cos + x2 * -sin is x1 * cos - x2 * sin exactly."""
+    width, half = cos.shape[-1], cos.shape[-1] // 2
+    xf = x.float()
+    swapped = torch.cat((xf[..., half:width], xf[..., :half]), dim=-1)
+    out = ((xf if width == x.shape[-1] else xf[..., :width]) * cos + swapped * sin).to(x.dtype)
+    return out if width == x.shape[-1] else torch.cat((out, x[..., width:]), dim=-1)
 
 
 def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -16,25 +64,19 @@ def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    """One query per sequence (q [B, heads, head_dim]) over its first seq_lens keys: the batch's
-    blocks gathered once, padded to the longest context and masked past each one's length, in
-    one SDPA call whose query heads share their KV head's keys in place (SmolLM2's shape, two
-    threads: 49 us a layer for one sequence of 64 keys, against 96 us for a bmm per KV head)."""
-    batch, num_heads, head_dim = q.shape
-    block_size = k_cache.shape[1]
-    table = block_tables[:, :-(-int(seq_lens.max()) // block_size)]
-    k = _gather(k_cache, table).transpose(1, 2)
-    v = _gather(v_cache, table).transpose(1, 2)
-    visible = torch.arange(k.shape[2]) < seq_lens[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=visible[:, None, None], scale=scale,
+                         plan: DecodePlan, scale: float) -> torch.Tensor:
+    """One query per sequence (q [rows, heads, head_dim]) over its context: the batch's blocks
+    gathered once, padded to the longest context and masked past each one's length, in one SDPA
+    call whose query heads share their KV head's keys in place (SmolLM2's shape, two threads: 49
+    us a layer for one sequence of 64 keys, against 96 us for a bmm per KV head)."""
+    k = _gather(k_cache, plan).transpose(1, 2)
+    v = _gather(v_cache, plan).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=plan.visible, scale=scale,
                                          enable_gqa=True)
-    return out.view(batch, num_heads, head_dim)
+    return out.view(q.shape)
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """[B, len(table[0]) * block_size, kv_heads, head_dim]: each sequence's blocks, in order
+def _gather(cache: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    """[rows, blocks * block_size, kv_heads, head_dim]: each row's blocks, in order
     (index_select copies whole blocks several times faster than advanced indexing here)."""
-    blocks = torch.index_select(cache, 0, table.flatten())
-    return blocks.view(table.shape[0], -1, *cache.shape[2:])
+    return torch.index_select(cache, 0, plan.blocks).view(plan.rows, -1, *cache.shape[2:])

@@ -39,25 +39,41 @@ def test_forward_threads_window_softcap_and_partial_rotary() -> None:
     assert (plain - outs[0]).abs().max() > 0.1
 
 
-def test_cpu_backend_decode_step_padded_to_a_graph_size() -> None:
+def test_cpu_backend_decode_steps_padded_to_a_graph_size() -> None:
     # Three decodes padded to four rows, as the runner pads them on every device: the padding row
-    # has slot -1 and context 1, and max_seq_len is the model's.
+    # has slot -1 and context 1, and max_seq_len is the model's. Two layers of a step share its
+    # plan; the next step, one token further, makes its own.
     seq_lens, block_size = [20, 31, 9], 8
-    k_cache, v_cache, table = random_paged_kv(seq_lens, 2, 32, block_size, torch.float32)
+    k_cache, v_cache, table = random_paged_kv([n + 1 for n in seq_lens], 2, 32, block_size, torch.float32)
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     table = torch.cat((table.masked_fill(table >= len(k_cache), 0), torch.zeros_like(table[:1])))
-    positions = torch.tensor([19, 30, 8, 0])
-    slots = table[torch.arange(3), positions[:3] // block_size].long() * block_size + positions[:3] % block_size
-    meta = AttentionMetadata(torch.cat((slots, torch.tensor([-1]))), torch.arange(5, dtype=torch.int32),
-                             torch.tensor(seq_lens + [1], dtype=torch.int32), table,
-                             max_query_len=1, max_seq_len=4096)
-    q, k, v = (torch.randn(4, heads, 32) for heads in (4, 2, 2))
     rope = cos_sin_cache(Rope(32), 64)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
-    outs = [backend.forward(positions, q.clone(), k.clone(), v, rope, *cache, meta, 32 ** -0.5, None)
-            for backend, cache in zip((CpuAttentionBackend(), TorchAttentionBackend()), caches)]
-    assert_close(outs[0][:3], outs[1][:3])
-    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    backends = CpuAttentionBackend(), TorchAttentionBackend()
+    for step in range(2):
+        lens = [n + step for n in seq_lens]
+        positions = torch.tensor([n - 1 for n in lens] + [0])
+        slots = table[torch.arange(3), positions[:3] // block_size].long() * block_size + positions[:3] % block_size
+        meta = AttentionMetadata(torch.cat((slots, torch.tensor([-1]))), torch.arange(5, dtype=torch.int32),
+                                 torch.tensor(lens + [1], dtype=torch.int32), table,
+                                 max_query_len=1, max_seq_len=4096)
+        for _layer in range(2):
+            q, k, v = (torch.randn(4, heads, 32) for heads in (4, 2, 2))
+            outs = [backend.forward(positions, q.clone(), k.clone(), v, rope, *cache, meta, 32 ** -0.5, None)
+                    for backend, cache in zip(backends, caches)]
+            assert_close(outs[0][:3], outs[1][:3])
+            assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_cpu_backend_norm_is_the_reference() -> None:
+    x, residual, weight = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
+    cpu, ref = CpuAttentionBackend(), TorchAttentionBackend()
+    for dtype in (torch.float32, torch.bfloat16):
+        args = x.to(dtype), weight.to(dtype), 1e-5, residual.to(dtype)
+        normed, summed = cpu.rms_norm(*args)
+        ref_normed, ref_summed = ref.rms_norm(*args)
+        assert torch.equal(normed, ref_normed) and torch.equal(summed, ref_summed)
+        assert torch.equal(cpu.rms_norm(*args[:3])[0], ref.rms_norm(*args[:3])[0])
 
 
 def test_triton_backend_writes_norm_and_activation_into_padded_buffers() -> None:

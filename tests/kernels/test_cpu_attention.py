@@ -1,9 +1,11 @@
-"""The CPU's batched decode attention and cache write against the references."""
+"""The CPU's batched decode attention, rotary and cache write against the references."""
 import pytest
 import torch
 
-from pagedserve.kernels.cpu_attention import decode_attention_cpu, write_kv_cpu
-from pagedserve.kernels.reference import paged_attention_ref, write_kv_ref
+from pagedserve.executor_svc.layers.rotary import Rope, cos_sin_cache
+from pagedserve.kernels.cpu_attention import (decode_attention_cpu, decode_plan, rotate, rotation,
+                                              write_kv_cpu)
+from pagedserve.kernels.reference import paged_attention_ref, rotary_ref, write_kv_ref
 from tests.kernels.kernel_testing import assert_close, random_paged_kv
 
 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 3, 64, 16
@@ -16,6 +18,17 @@ def finite_paged_kv(seq_lens: list[int], dtype: torch.dtype):
     return k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), table.masked_fill(table >= len(k_cache), 0)
 
 
+def plan_for(seq_lens: list[int], table: torch.Tensor, padding: int = 0):
+    """The decode plan of one query per sequence at its last position, with `padding` rows after
+    them as the runner pads a step to a CUDA-graph size (slot -1, context 1, block 0)."""
+    lens = torch.tensor(seq_lens + [1] * padding, dtype=torch.int32)
+    table = torch.cat((table, torch.zeros(padding, table.shape[1], dtype=table.dtype)))
+    positions = lens.long() - 1
+    slots = table[torch.arange(len(lens)), positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+    slots[len(seq_lens):] = -1
+    return decode_plan(positions, slots, table, lens, BLOCK_SIZE)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("seq_lens", [[1], [77], [600, 3, 77, 450, 16, 17]])
@@ -25,10 +38,40 @@ def test_decode_attention_matches_the_reference(dtype, group, seq_lens):
     q = torch.randn(len(seq_lens), NUM_KV_HEADS * group, HEAD_DIM, dtype=dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     starts = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
-    out = decode_attention_cpu(q, k_cache, v_cache, table, lens, HEAD_DIM ** -0.5)
+    out = decode_attention_cpu(q, k_cache, v_cache, plan_for(seq_lens, table), HEAD_DIM ** -0.5)
     ref = paged_attention_ref(q, k_cache, v_cache, table, lens, starts, HEAD_DIM ** -0.5)
     assert out.dtype == dtype
     assert_close(out, ref, products=2)
+
+
+def test_decode_plan_leaves_out_the_padding_rows():
+    torch.manual_seed(0)
+    seq_lens = [40, 3, 17]
+    _, _, table = finite_paged_kv(seq_lens, torch.float32)
+    plan = plan_for(seq_lens, table, padding=5)
+    assert plan.rows == 3
+    assert plan.positions.tolist() == [39, 2, 16]
+    # Three blocks each: the longest context's count.
+    assert torch.equal(plan.blocks.view(3, -1), table[:, :3])
+    assert plan.visible.shape == (3, 1, 1, 3 * BLOCK_SIZE)
+    assert plan.visible.sum((1, 2, 3)).tolist() == seq_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rotate_is_the_references_rotary_bit_for_bit(dtype, partial):
+    torch.manual_seed(0)
+    table = cos_sin_cache(Rope(HEAD_DIM, partial_rotary_factor=partial), 4096)
+    q = torch.randn(4, 9, HEAD_DIM, dtype=dtype) * 4
+    k = torch.randn(4, 3, HEAD_DIM, dtype=dtype) * 4
+    positions = torch.tensor([0, 5, 700, 4095])
+    plan = plan_for([1, 6, 701, 4096], torch.zeros(4, 256, dtype=torch.int32))
+    assert torch.equal(plan.positions, positions)
+    cos, sin = rotation(plan, table)
+    ref_q, ref_k = rotary_ref(positions, q, k, table)
+    assert torch.equal(rotate(q, cos, sin), ref_q) and torch.equal(rotate(k, cos, sin), ref_k)
+    # Each table's angles once a step.
+    assert rotation(plan, table)[0] is cos
 
 
 def test_write_kv_matches_the_reference():
