@@ -137,7 +137,7 @@ def narrow_linears(model: nn.Module, dtype: torch.dtype) -> None:
             # layers of projections at one row took 29 ms that way and 21 ms packed once (one
             # thread, the 2-core machine).
             module.weight = nn.Parameter(pack(module.weight.detach()), requires_grad=False)
-            module.forward = partial(_narrowed_forward, module)
+            module.forward = partial(_narrowed_forward, module, dtype)
 
 
 def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -192,10 +192,11 @@ class NarrowHead:
         return logits
 
 
-def _narrowed_forward(module: Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.to(module.weight.dtype)
+def _narrowed_forward(module: Linear, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    rows = x.to(dtype)
     if module.int4 is not None and len(rows) <= INT4_MAX_ROWS:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, module.int4[0], INT4_GROUP, module.int4[1])
+        # torch's own binding: 2.4 us a call less than torch.ops.aten's (120 calls a step).
+        out = torch._weight_int4pack_mm_for_cpu(rows, module.int4[0], INT4_GROUP, module.int4[1])
         out = out if module.bias is None else out + module.bias
     else:
         out = packed_linear(rows, module.weight, module.bias)
