@@ -41,6 +41,8 @@ class NullWorker:
         self.last_end = 0
 
     # The executor server's pipelined interface: a null step is done as soon as it is launched.
+    synchronous = True
+
     def launch(self, plan: StepPlan) -> StepResult:
         return self.run(plan)
 

@@ -196,6 +196,11 @@ class Worker:
             self.ranks.defer("collect")
         return result
 
+    @property
+    def synchronous(self) -> bool:
+        """Whether launch runs its step to the end (on a CPU) rather than queueing it on a GPU."""
+        return self.device.type != "cuda"
+
     def wait(self, step: Launched) -> None:
         """Blocks until the device has finished `step` (on any thread: see ModelRunner.wait)."""
         self.runner.wait(step)

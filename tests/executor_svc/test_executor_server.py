@@ -4,6 +4,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from functools import partial
 
 import grpc
@@ -43,6 +44,45 @@ async def test_two_plans_in_flight_come_back_in_order(executor):
     assert [(r.step_id, r.seq_ids, r.token_ids) for r in (first, second)] == [
         (1, [7], [TOKEN]), (2, [7], [TOKEN])]
     await call.done_writing()
+
+
+class Recording(NullWorker):
+    """Records its jobs in order. Each step lasts long enough for the next plan to arrive during
+    it, and waiting on a step takes a while, as a thread hop can on a busy 2-core machine."""
+
+    def __init__(self) -> None:
+        super().__init__(null_executor_info(num_blocks=16, block_size=4, max_model_len=64))
+        self.jobs: list[tuple[str, int]] = []
+
+    def launch(self, plan: StepPlan):
+        self.jobs.append(("launch", plan.step_id))
+        time.sleep(0.05)
+        return super().launch(plan)
+
+    def wait(self, step) -> None:
+        time.sleep(0.02)
+
+    def collect(self, step):
+        self.jobs.append(("collect", step.step_id))
+        return step
+
+
+async def test_a_synchronous_step_is_collected_before_the_next_plan_runs(tmp_path):
+    # On a CPU a launch runs the step: its result, collected at once, cannot fall behind the next
+    # plan's step.
+    address = f"unix://{tmp_path}/executor.sock"
+    worker = Recording()
+    server = await service.start("executor", address, partial(
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(worker)))
+    async with service.channel(address) as channel:
+        call = executor_pb2_grpc.ExecutorStub(channel).Run()
+        await call.write(plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5, 6], 0, 2, [1],
+                                                                            SamplingParams())])))
+        await call.write(plan_to_proto(StepPlan(2, continuing=[ContinuingRequest(7, 1, [])])))
+        assert [result_from_proto(await call.read()).step_id for _ in range(2)] == [1, 2]
+        await call.done_writing()
+    await server.stop()
+    assert worker.jobs == [("launch", 1), ("collect", 1), ("launch", 2), ("collect", 2)]
 
 
 async def test_a_plan_the_executor_cannot_run_fails_the_stream(executor):
