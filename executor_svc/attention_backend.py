@@ -106,8 +106,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """The references, but a decode step's attention in one SDPA call for the whole batch over a
     plan its first layer makes (kernels/cpu_attention.py), its cache write without a mask, and
     float32 norms in torch's one call: on a CPU a decode step's small ops cost more than its
-    arithmetic. Prefill chunks, sliding windows, soft caps and fp8 caches
-    take the references."""
+    arithmetic. Prefill chunks, sliding windows, soft caps and fp8 caches take the references."""
 
     def __init__(self) -> None:
         self._plan: tuple[AttentionMetadata, torch.Tensor, DecodePlan] | None = None

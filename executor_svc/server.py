@@ -92,7 +92,6 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         else:
             launched.put_nowait(None)
 
-
     def _launch(self, plan: StepPlan) -> Launched | StepResult:
         """The plan's step launched, or, where launching ran it (a CPU), its result: collected by
         a later job, behind a hop to the waiter thread, it often waited for the next plan's whole

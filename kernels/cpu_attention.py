@@ -28,6 +28,7 @@ class DecodePlan:
 
 def decode_plan(positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    """The plan of a decode step's metadata (kernels/reference.py's layouts) and positions."""
     rows = int(torch.count_nonzero(slot_mapping >= 0))
     lens = seq_lens[:rows]
     table = block_tables[:rows, :-(-int(lens.max()) // block_size)]
