@@ -51,10 +51,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """x [rows, heads, head_dim] with its first rotary_dim dims rotated as kernels/reference.py's
     rotary_ref rotates them, bit for bit: x1 * cos + x2 * -sin is x1 * cos - x2 * sin exactly."""
     width, half = cos.shape[-1], cos.shape[-1] // 2
-    xf = x.float()
-    swapped = torch.cat((xf[..., half:width], xf[..., :half]), dim=-1)
-    out = ((xf if width == x.shape[-1] else xf[..., :width]) * cos + swapped * sin).to(x.dtype)
-    return out if width == x.shape[-1] else torch.cat((out, x[..., width:]), dim=-1)
+    # A whole head rotates in every model but partial-rotary ones: no slicing op for it then.
+    whole = width == x.shape[-1]
+    xf = (x if whole else x[..., :width]).float()
+    out = (xf * cos + torch.cat((xf[..., half:], xf[..., :half]), dim=-1) * sin).to(x.dtype)
+    return out if whole else torch.cat((out, x[..., width:]), dim=-1)
 
 
 def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
