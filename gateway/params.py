@@ -5,7 +5,7 @@ from typing import Any
 
 import msgspec
 
-from pagedserve.gateway.errors import bad_request
+from pagedserve.gateway.errors import bad_request, unsupported
 from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
 from pagedserve.common.tokenizer import RESERVED_VARIABLES, Tokenizer
 from pagedserve.common.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams, StructuredOutputsParams
@@ -30,6 +30,10 @@ def check_chat_options(req: ChatCompletionRequest) -> None:
 
 
 def check_completion_options(req: CompletionRequest) -> None:
+    # Fill-in-the-middle needs the model's own FIM tokens; ignoring `suffix` would answer a different
+    # question than the code-completion client asked (vLLM refuses it too).
+    if req.suffix is not None:
+        raise unsupported("`suffix` (fill-in-the-middle)", "suffix")
     check_stream_options(req)
 
 

@@ -176,6 +176,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | Annotated[list[str | Int32 | list[Int32]], Meta(min_length=1)]
     echo: bool | None = False
     logprobs: int | None = None
+    suffix: str | None = None
 
 
 class TokenizeRequest(Struct, kw_only=True):

@@ -27,6 +27,7 @@ CASES = {
     "image part": (CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content"),
     "empty prompt string": (COMPLETIONS, {"prompt": ""}, "prompt"),
+    "fill-in-the-middle suffix": (COMPLETIONS, {"prompt": "def f(", "suffix": "):"}, "suffix"),
     "empty prompt list": (COMPLETIONS, {"prompt": []}, "prompt"),
     "empty token prompt": (COMPLETIONS, {"prompt": [[]]}, "prompt"),
     "mixed prompt": (COMPLETIONS, {"prompt": ["a", 1]}, "prompt"),
