@@ -47,9 +47,21 @@ def test_model_positional_or_flag_and_several_served_names():
                                   ["--uvicorn-log-level", "warning"], ["--kv-cache-dtype", "auto"],
                                   ["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e4m3"],
                                   ["--enable-prefix-caching"], ["--enforce-eager"], ["-dp", "2"],
-                                  ["--data-parallel-size", "3"]])
+                                  ["--data-parallel-size", "3"], ["--enable-chunked-prefill"],
+                                  ["--swap-space", "16"], ["--disable-custom-all-reduce"], ["-pp", "1"],
+                                  ["--pipeline-parallel-size", "1"], ["--distributed-executor-backend", "mp"],
+                                  ["--tokenizer-mode", "auto"]])
 def test_accepted_vllm_flags(argv):
     parse(*argv)
+
+
+def test_a_deployment_guides_compat_flags_reach_no_process():
+    """Flags for what pagedserve does anyway change no child's command line."""
+    guide = parse("--enable-chunked-prefill", "--swap-space", "16", "--disable-custom-all-reduce", "-pp", "1",
+                  "--distributed-executor-backend", "mp", "--tokenizer-mode", "auto", "--trust-remote-code")
+    config = config_from_args(guide)
+    assert config == config_from_args(parse())
+    assert config_to_argv(config, EXECUTOR_FLAGS) == config_to_argv(config, SCHEDULER_FLAGS) == []
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -66,6 +78,10 @@ def test_accepted_vllm_flags(argv):
     (["--max-model-len", "1.5K"], "decimals do not go with binary suffixes"),
     (["--port", "70000"], "must be a TCP port"),
     (["--dtype", "int8"], "invalid choice"),
+    (["-pp", "2"], "pipeline parallelism is not built yet (split a model over GPUs with -tp); drop '2'"),
+    (["--distributed-executor-backend", "ray"], "a backend other than mp is not built yet"),
+    (["--tokenizer-mode", "mistral"], "a tokenizer mode other than auto is not built yet"),
+    (["--swap-space", "-4"], "must be 0 or more"),
     (["--gpu", "0.5"], "unrecognized argument --gpu; did you mean --gpu-memory-utilization?"),
     (["--max-num-seq", "8"], "did you mean --max-num-seqs?"),
     (["--gpu-memory-utlization", "0.5"], "did you mean --gpu-memory-utilization?"),

@@ -46,6 +46,16 @@ def fraction(value: str | float) -> float:
     return share
 
 
+def non_negative_float(value: str | float) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be a number, 0 or more, got {value!r}") from None
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value!r}")
+    return number
+
+
 def port(value: str | int) -> int:
     number = _integer(value)
     if not 0 <= number <= 65535:

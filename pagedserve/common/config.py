@@ -63,8 +63,10 @@ EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "bl
 GEOMETRY_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "num_gpu_blocks_override", "dtype")
 # vLLM flags accepted for what pagedserve does anyway; any other value fails, naming what is not
-# built. Checked where they are given, carried to no process.
-COMPAT_FLAGS = ("trust_remote_code",)
+# built. Checked where they are given, carried to no process. Deployment guides put them in their
+# commands, so refusing them would fail a command whose every request pagedserve serves the same.
+COMPAT_FLAGS = ("trust_remote_code", "enable_chunked_prefill", "swap_space", "disable_custom_all_reduce",
+                "pipeline_parallel_size", "distributed_executor_backend", "tokenizer_mode")
 ENGINE_FLAGS = SCHEDULER_FLAGS + EXECUTOR_FLAGS + COMPAT_FLAGS
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 RUNNERS = ("auto", "generate", "pooling")
@@ -163,6 +165,28 @@ def _flag_specs() -> dict[str, dict]:
         "trust_remote_code": dict(action="store_true",
                                   help="accepted for vLLM's commands; pagedserve never runs code from a "
                                        "model directory, so it changes nothing"),
+        "enable_chunked_prefill": dict(action="store_true",
+                                       help="accepted for vLLM's commands: long prompts are always computed "
+                                            "in chunks of the step's token budget, beside running decodes"),
+        "swap_space": dict(type=arg_types.non_negative_float, default=None, metavar="GiB",
+                           help="accepted for vLLM's commands: a preempted request recomputes its KV cache "
+                                "when it resumes (as in vLLM's V1 engine), so no CPU swap space is used"),
+        "disable_custom_all_reduce": dict(action="store_true",
+                                          help="accepted for vLLM's commands: tensor parallelism all-reduces "
+                                               "through NCCL (gloo on a CPU), no custom kernel to disable"),
+        "pipeline_parallel_size": dict(flags=("-pp",), default=None,
+                                       type=arg_types.only(1, "pipeline parallelism",
+                                                           "split a model over GPUs with -tp"),
+                                       help="1 only (pipeline parallelism is not built; -tp splits a model)"),
+        "distributed_executor_backend": dict(default=None,
+                                             type=arg_types.only("mp", "a backend other than mp",
+                                                                 "ranks run as processes of this machine"),
+                                             help="mp only: tensor-parallel ranks are processes the executor "
+                                                  "starts on this machine"),
+        "tokenizer_mode": dict(default=None,
+                               type=arg_types.only("auto", "a tokenizer mode other than auto",
+                                                   "the model's tokenizer.json or GGUF vocabulary runs"),
+                               help="auto only: the model's tokenizer.json (or its GGUF vocabulary)"),
     }
 
 

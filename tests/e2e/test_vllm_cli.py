@@ -50,7 +50,7 @@ def guide_server(default_model, tmp_path_factory):
                "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.9",
                "--max-model-len", str(GUIDE_MAX_MODEL_LEN), "--max-num-seqs", "16",
                "--enable-prefix-caching", "--enforce-eager", "-tp", "1", "--served-model-name", "guide",
-               "--enable-log-requests"]
+               "--enable-log-requests", "--enable-chunked-prefill", "--swap-space", "4", "--trust-remote-code"]
     server = start(command, tmp_path_factory.mktemp("guide"), port, PAGEDSERVE_LOG_STATS_INTERVAL="0.5")
     try:
         yield server
