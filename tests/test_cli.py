@@ -90,6 +90,34 @@ def test_refused_in_one_line_naming_the_flag(capsys, argv, says):
     assert says in refused(capsys, *argv)
 
 
+def test_a_config_file_gives_flags_the_command_line_does_not(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("model: /models/from-file\nmax-model-len: 8k\nmax_num_seqs: 16\n"
+                      "enable-prefix-caching: false\nenforce-eager: false\ntrust-remote-code: true\n"
+                      "served-model-name: [a, b]\nallowed-origins: ['https://a.example']\n"
+                      "hf-overrides: {rope_theta: 10000}\nalso-serve: ['/models/e,max-model-len=512']\n")
+    args = parse("--config", str(config))
+    assert (args.model, args.max_model_len, args.max_num_seqs) == ("/models/from-file", 8000, 16)
+    assert not args.enable_prefix_caching and not args.enforce_eager and args.trust_remote_code
+    assert args.served_model_name == ["a", "b"] and args.allowed_origins == ["https://a.example"]
+    assert args.hf_overrides == {"rope_theta": 10000} and args.also_serve[0].options == {"max-model-len": "512"}
+    cli = parse("/models/cli", f"--config={config}", "--max-num-seqs", "4", "--enable-prefix-caching")
+    assert (cli.model, cli.model_path, cli.max_num_seqs, cli.enable_prefix_caching) == (None, "/models/cli", 4, True)
+    assert cli.max_model_len == 8000 and cli.served_model_name == ["a", "b"]
+
+
+@pytest.mark.parametrize("text, says", [
+    ("max-modl-len: 8k\n", "unknown key 'max-modl-len'; did you mean max-model-len?"),
+    ("- max-model-len\n", "must hold a mapping of flag names to values"),
+    ("max-model-len: [\n", "is not YAML"),
+    ("max-model-len:\n", "'max-model-len' has no value"),
+    ("gpu-memory-utilization: 1.5\n", "argument --gpu-memory-utilization: must be in (0, 1]"),
+])
+def test_a_bad_config_file_is_refused_in_one_line(tmp_path, capsys, text, says):
+    (tmp_path / "config.yaml").write_text(text)
+    assert says in refused(capsys, "--config", str(tmp_path / "config.yaml"))
+
+
 def test_help_shows_defaults_and_says_no_remote_code_runs(capsys):
     with pytest.raises(SystemExit):
         parse("--help")

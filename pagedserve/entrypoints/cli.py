@@ -154,6 +154,9 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "device, dtype, load-format, seed, block-size and the like follow the main "
                             "model's. Its engine shares the main engine's GPU(s): --gpu-memory-utilization "
                             "plus every gpu-memory-utilization here must be at most 1")
+    serve.add_argument("--config", metavar="FILE",
+                       help="read flags from a YAML file of long flag names and values, as vLLM does "
+                            "(`max-model-len: 8k`); flags on the command line win over the file's")
     serve.add_argument("--startup-timeout", type=float, default=900.0,
                        help="seconds each process may take to become ready")
     from pagedserve.gateway.server import add_serving_args

@@ -44,14 +44,17 @@ def stop(server: dict) -> None:
 
 @pytest.fixture(scope="module")
 def guide_server(default_model, tmp_path_factory):
-    """`vllm serve --model ...` from the guides, with --enable-log-requests and a short stats interval."""
+    """`vllm serve --model ...` from the guides, with --enable-log-requests and a short stats interval,
+    some of its flags in a --config file."""
     port = free_port()
+    tmp = tmp_path_factory.mktemp("guide")
+    (tmp / "config.yaml").write_text("served-model-name: guide\nmax-num-seqs: 16\nenable-log-requests: true\n")
     command = [sys.executable, "-m", "pagedserve", "serve", "--model", str(default_model),
                "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.9",
-               "--max-model-len", str(GUIDE_MAX_MODEL_LEN), "--max-num-seqs", "16",
-               "--enable-prefix-caching", "--enforce-eager", "-tp", "1", "--served-model-name", "guide",
-               "--enable-log-requests", "--enable-chunked-prefill", "--swap-space", "4", "--trust-remote-code"]
-    server = start(command, tmp_path_factory.mktemp("guide"), port, PAGEDSERVE_LOG_STATS_INTERVAL="0.5")
+               "--max-model-len", str(GUIDE_MAX_MODEL_LEN), "--enable-prefix-caching", "--enforce-eager", "-tp", "1",
+               "--enable-chunked-prefill", "--swap-space", "4", "--trust-remote-code",
+               "--config", str(tmp / "config.yaml")]
+    server = start(command, tmp, port, PAGEDSERVE_LOG_STATS_INTERVAL="0.5")
     try:
         yield server
     finally:
