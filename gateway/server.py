@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import resource
+import ssl
 from pathlib import Path
 
 from aiohttp import web
@@ -15,7 +16,7 @@ from pagedserve.common import aio, also_serve, arg_types, service
 from pagedserve.common.also_serve import AlsoServe
 from pagedserve.common.config import add_engine_args
 from pagedserve.common.generation_config import sampling_defaults
-from pagedserve.gateway import reasoning, tool_parsers
+from pagedserve.gateway import reasoning, tls, tool_parsers
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.batch_runner import DEFAULT_CONCURRENCY, DEFAULT_MAX_FILE_MB
 from pagedserve.gateway.batch_store import default_batch_dir
@@ -82,6 +83,7 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                        help="read the API key from this file (a Docker or Kubernetes secret); surrounding "
                             "whitespace, such as a final newline, is dropped")
     group.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
+    tls.add_tls_args(group)
     group.add_argument("--allowed-origins", type=parse_list, default=[],
                        help="CORS: origins browsers may call the API from, comma-separated or a JSON list; "
                             "* allows any")
@@ -240,17 +242,18 @@ class AccessLogger(AbstractAccessLogger):
 
 
 async def start(app: web.Application, host: str, port: int, sock: socket.socket | None = None,
-                timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S) -> web.AppRunner:
-    """Starts serving `app` on `sock`, else on host:port; handler cancellation makes a client
-    disconnect abort its request. The keep-alive timer also runs from accept to the first request,
-    so it bounds a slow header too."""
+                timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:
+    """Starts serving `app` on `sock`, else on host:port, over HTTPS with `ssl_context`; handler
+    cancellation makes a client disconnect abort its request. The keep-alive timer also runs from
+    accept to the first request, so it bounds a slow header too."""
     # Requests are drained before cleanup (see serve), so cleanup only closes idle connections.
     runner = web.AppRunner(app, handler_cancellation=True, access_log_class=AccessLogger,
                            access_log=logging.getLogger("aiohttp.access"), shutdown_timeout=1.0,
                            keepalive_timeout=timeout_keep_alive)
     await runner.setup()
-    site = (web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG) if sock is None
-            else web.SockSite(runner, sock, backlog=LISTEN_BACKLOG))
+    site = (web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, ssl_context=ssl_context) if sock is None
+            else web.SockSite(runner, sock, backlog=LISTEN_BACKLOG, ssl_context=ssl_context))
     await site.start()
     return runner
 
@@ -285,8 +288,10 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     # the whole heap (tens of milliseconds with the event loop held).
     gc.freeze()
     sock = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
-    runner = await start(app, args.host, args.port, sock, args.timeout_keep_alive)
-    log.info("gateway_listening", host=args.host, port=args.port, scheduler=args.scheduler_address,
+    context = tls.server_context(args)
+    runner = await start(app, args.host, args.port, sock, args.timeout_keep_alive, context)
+    log.info("gateway_listening", host=args.host, port=args.port, https=context is not None,
+             scheduler=args.scheduler_address,
              also_serve=[spec.model for spec in args.also_serve],
              api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins)
     if not args.api_key and not is_loopback(args.host):

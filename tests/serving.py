@@ -1,6 +1,7 @@
 """Helpers for tests that run pagedserve's command line or start it as a server."""
 import asyncio
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -33,12 +34,12 @@ async def wait_health(http: aiohttp.ClientSession, base: str, status: int, timeo
         await asyncio.sleep(0.1)
 
 
-def wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:
+def wait_http(url: str, process: subprocess.Popen, timeout: float, context: ssl.SSLContext | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert process.poll() is None, f"pagedserve serve exited with {process.returncode}"
         try:
-            with urllib.request.urlopen(url, timeout=1) as reply:
+            with urllib.request.urlopen(url, timeout=1, context=context) as reply:
                 if reply.status == 200:
                     return
         except OSError:

@@ -1,8 +1,6 @@
 """Who may call the gRPC services: the shared token (PAGEDSERVE_GRPC_TOKEN) on every call but health
 checks, mutual TLS with --grpc-tls-*, and `serve` handing its children a token of its own."""
 import os
-import shutil
-import subprocess
 from functools import partial
 
 import grpc
@@ -14,6 +12,7 @@ from pagedserve.entrypoints.cli import build_parser, grpc_tls_argv, share_grpc_t
 from pagedserve.executor_svc.null_worker import NullWorker, null_executor_info
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from tests.pki import make_pki
 
 SECRET = "s3cret-token"
 
@@ -69,29 +68,9 @@ async def test_without_a_token_set_nothing_is_checked(tmp_path, monkeypatch):
         await server.stop()
 
 
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    """A CA, and two certificates it signed for localhost (server and client use): the services',
-    and a stranger CA's one, which must not get in."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command")
-    d = tmp_path_factory.mktemp("pki")
-    ext = d / "ext.cnf"
-    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
-    for ca in ("ca", "other-ca"):
-        openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                "-keyout", str(d / f"{ca}.key"), "-out", str(d / f"{ca}.pem"), "-days", "2", "-subj", f"/CN={ca}")
-    for name, ca in (("service", "ca"), ("stranger", "other-ca")):
-        openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.csr"), "-subj", f"/CN={name}")
-        openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / f"{ca}.pem"),
-                "-CAkey", str(d / f"{ca}.key"), "-CAcreateserial", "-days", "2", "-extfile", str(ext),
-                "-out", str(d / f"{name}.pem"))
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture

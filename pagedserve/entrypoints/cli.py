@@ -191,6 +191,8 @@ def run_serve(args: argparse.Namespace, listener: socket.socket | None = None) -
     scheduler_addresses = _scheduler_addresses(args)
     config = config_from_args(args)
     check_memory_shares(config, [config_from_args(extra) for extra in also])
+    from pagedserve.gateway import tls
+    https = tls.server_context(args) is not None
     listener = listener or preflight.bind(args.host, args.port)
     from pagedserve.gateway.server import api_key
     # The gateway gets the key in its environment: in its argv the key would show in process listings.
@@ -204,7 +206,7 @@ def run_serve(args: argparse.Namespace, listener: socket.socket | None = None) -
     from pagedserve.entrypoints.launcher import serve
     return serve(args.model, argv, listener, scheduler_addresses, args.startup_timeout,
                  args.shutdown_timeout, args.data_parallel_size, config.tensor_parallel_size, key,
-                 [also_engine(extra, shared) for extra in also])
+                 [also_engine(extra, shared) for extra in also], https)
 
 
 def also_serve_arg(value: str) -> AlsoServe:
@@ -287,9 +289,10 @@ def _scheduler_addresses(args: argparse.Namespace) -> list[str] | None:
 
 
 def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
+    from pagedserve.gateway import tls
     from pagedserve.gateway.server import tool_parser
     argv = ["--served-model-name", *(config.served_model_name or [config.name]),
-            "--uvicorn-log-level", args.uvicorn_log_level]
+            "--uvicorn-log-level", args.uvicorn_log_level, *tls.argv(args)]
     if args.protect_metrics:
         argv.append("--protect-metrics")
     if args.allowed_origins:

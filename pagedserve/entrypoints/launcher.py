@@ -158,6 +158,22 @@ def http_ready(url: str) -> Callable[[], bool]:
     return probe
 
 
+def gateway_ready(host: str, port: int, https: bool) -> Callable[[], bool]:
+    """/health answering 200 over HTTP. Over HTTPS, a connection accepted: the gateway's socket is
+    bound before it starts and listens once it serves, and a TLS probe could not pass a gateway
+    that requires client certificates."""
+    if not https:
+        return http_ready(f"http://{host}:{port}/health")
+
+    def probe() -> bool:
+        try:
+            socket.create_connection((host.strip("[]"), port), timeout=1).close()
+        except OSError:
+            return False
+        return True
+    return probe
+
+
 def engine_devices(data_parallel_size: int, gpus_per_engine: int, visible: str | None) -> list[str]:
     """CUDA_VISIBLE_DEVICES of each engine's executor: consecutive groups of `gpus_per_engine` of the
     GPUs `visible` lists (this process's CUDA_VISIBLE_DEVICES), else of GPUs 0, 1, ..."""
@@ -186,14 +202,16 @@ def start_also(launcher: Launcher, index: int, engine: AlsoEngine, env: dict[str
 
 def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, scheduler_addresses: list[str] | None,
           startup_timeout: float, shutdown_timeout: float = 0.0, data_parallel_size: int = 1,
-          tensor_parallel_size: int = 1, api_key: str | None = None, also: Sequence[AlsoEngine] = ()) -> int:
+          tensor_parallel_size: int = 1, api_key: str | None = None, also: Sequence[AlsoEngine] = (),
+          https: bool = False) -> int:
     """Runs the whole stack on this machine until a signal; returns the exit code. `argv` holds each
     child's own flags, by child ("executor", "scheduler", "gateway"); the gateway serves on
     `listener`, bound already, so that only it can answer on that port, and drains for
     `shutdown_timeout` (its --shutdown-timeout) on a signal. `data_parallel_size` engines (executor
     and scheduler, each on `tensor_parallel_size` GPUs) start side by side, the schedulers at
     `scheduler_addresses` when given. The gateway alone receives `api_key`, in its environment.
-    Each of `also` (--also-serve) starts after them, one at a time, on engine 0's GPUs."""
+    Each of `also` (--also-serve) starts after them, one at a time, on engine 0's GPUs. With
+    `https` the gateway serves HTTPS (its --ssl-* flags are in its argv)."""
     host, port = listener.getsockname()[:2]
     launcher = Launcher(shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -222,10 +240,10 @@ def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, sched
         launcher.start("gateway", ["gateway", model, "--host", host, "--port", str(port),
                                    "--listen-fd", str(listener.fileno()),
                                    "--scheduler-address", ",".join(scheduler_addresses), *routes, *argv["gateway"]],
-                       http_ready(f"http://{connect_host(host)}:{port}/health"), startup_timeout,
+                       gateway_ready(connect_host(host), port, https), startup_timeout,
                        pass_fds=(listener.fileno(),), env={"PAGEDSERVE_API_KEY": api_key} if api_key else None)
         if not launcher.stopping:
-            log.info("pagedserve_ready", url=f"http://{connect_host(host)}:{port}/v1",
+            log.info("pagedserve_ready", url=f"{'https' if https else 'http'}://{connect_host(host)}:{port}/v1",
                      data_parallel_size=data_parallel_size, also_serve=[engine.model for engine in also])
         return launcher.supervise()
     finally:

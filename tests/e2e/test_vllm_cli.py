@@ -3,15 +3,18 @@ default model; then the bad starts a new user makes, each of which must fail fas
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
 
+from tests.pki import make_pki
 from tests.real_model import smollm2_path
 from tests.serving import free_port, wait_http
 
@@ -23,13 +26,15 @@ def default_model() -> Path:
     return smollm2_path()
 
 
-def start(command: list[str], tmp: Path, port: int, **env: str) -> dict:
+def start(command: list[str], tmp: Path, port: int, context: ssl.SSLContext | None = None, **env: str) -> dict:
+    """Starts `command`; returns once /health answers, over HTTPS with `context`."""
     stderr = tmp / f"stderr-{port}.log"
     environment = dict(os.environ, TMPDIR=str(tmp), **env)
     with stderr.open("w") as err:
         process = subprocess.Popen(command, env=environment, stderr=err)
-    wait_http(f"http://127.0.0.1:{port}/health", process, timeout=180)
-    return dict(process=process, stderr=stderr, tmp=tmp, base_url=f"http://127.0.0.1:{port}/v1",
+    scheme = "http" if context is None else "https"
+    wait_http(f"{scheme}://127.0.0.1:{port}/health", process, timeout=180, context=context)
+    return dict(process=process, stderr=stderr, tmp=tmp, base_url=f"{scheme}://127.0.0.1:{port}/v1",
                 port=port, children=psutil.Process(process.pid).children(recursive=True))
 
 
@@ -62,9 +67,9 @@ def guide_server(default_model, tmp_path_factory):
             server["process"].kill()
 
 
-def talk_like_the_guides(base_url: str, model: str) -> None:
+def talk_like_the_guides(base_url: str, model: str, http: httpx.Client | None = None) -> None:
     """curl /v1/models, a chat completion and a streamed one, as the guides do."""
-    client = openai.OpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=base_url, api_key="EMPTY", max_retries=0, timeout=60, http_client=http)
     assert [m.id for m in client.models.list().data] == [model]
     messages = [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "Who won the world series in 2020?"}]
@@ -115,6 +120,28 @@ def test_python_m_api_server_form(default_model, tmp_path):
     assert " engine_stats " not in server["stderr"].read_text()
 
 
+def test_https_with_client_certificates(default_model, tmp_path):
+    """vLLM's --ssl-* flags: the API over HTTPS, to clients whose certificate the CA signed only."""
+    pki = make_pki(tmp_path)
+    port = free_port()
+    command = [sys.executable, "-m", "pagedserve", "serve", str(default_model), "--port", str(port),
+               "--max-model-len", "1k", f"--ssl-certfile={pki}/service.pem", f"--ssl-keyfile={pki}/service.key",
+               f"--ssl-ca-certs={pki}/ca.pem", "--ssl-cert-reqs", "2"]
+    trusted = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    trusted.load_cert_chain(pki / "service.pem", pki / "service.key")
+    server = start(command, tmp_path, port, trusted)
+    try:
+        with httpx.Client(verify=trusted) as http:
+            talk_like_the_guides(server["base_url"], str(default_model), http)
+        anonymous = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        with httpx.Client(verify=anonymous) as http, pytest.raises(openai.APIConnectionError):
+            openai.OpenAI(base_url=server["base_url"], api_key="EMPTY", max_retries=0,
+                          http_client=http).models.list()
+    finally:
+        stop(server)
+    assert "pagedserve_ready" in server["stderr"].read_text()
+
+
 def write_config(path: Path, architectures: list[str]) -> str:
     path.mkdir()
     (path / "config.json").write_text(json.dumps({"architectures": architectures}))
@@ -134,6 +161,9 @@ BAD_STARTS = {
                                    "another pagedserve (pagedserve/"),
     "context above the model's": (lambda t, m, s: [str(m), "--max-model-len", "1M"],
                                   "exceeds the model's max_position_embeddings"),
+    "TLS key without its certificate": (lambda t, m, s: [str(m), "--ssl-keyfile", str(t / "key.pem")],
+                                        "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
+    "pipeline parallelism": (lambda t, m, s: [str(m), "-pp", "2"], "pipeline parallelism is not built yet"),
     "memory share above 1": (lambda t, m, s: [str(m), "--gpu-memory-utilization", "1.5"],
                              "--gpu-memory-utilization: must be in (0, 1]"),
     "unknown flag": (lambda t, m, s: [str(m), "--max-num-sequences", "8"],
