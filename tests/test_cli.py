@@ -118,6 +118,14 @@ def test_a_bad_config_file_is_refused_in_one_line(tmp_path, capsys, text, says):
     assert says in refused(capsys, "--config", str(tmp_path / "config.yaml"))
 
 
+def test_run_batch_refuses_https_flags_before_it_starts(tmp_path):
+    from pagedserve.entrypoints import run_batch
+    args = build_parser().parse_args(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                                      "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"])
+    with pytest.raises(ValueError, match="without HTTPS; drop the --ssl-\\* flags"):
+        run_batch.run(args, serve=None)
+
+
 def test_help_shows_defaults_and_says_no_remote_code_runs(capsys):
     with pytest.raises(SystemExit):
         parse("--help")

@@ -32,6 +32,10 @@ def run(args: argparse.Namespace, serve) -> int:
     """Runs the batch on `serve(args, listener)` (cli.run_serve) in this thread; returns the exit code."""
     from pagedserve.entrypoints import preflight
     from pagedserve.gateway.server import api_key
+    from pagedserve.gateway import tls
+    if tls.argv(args):
+        raise ValueError("run-batch talks to its own server on a private loopback port, without HTTPS; drop "
+                         "the --ssl-* flags")
     endpoint = _endpoint(args.input_file)
     key = api_key(args)
     args.host = "127.0.0.1"
