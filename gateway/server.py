@@ -72,6 +72,10 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--generation-config", default="auto",
                        help="where default sampling options come from: auto (the model's "
                             "generation_config.json), vllm (none: vLLM's defaults), or a folder")
+    group.add_argument("--override-generation-config", type=arg_types.json_object, default=None,
+                       help="JSON of default sampling options over the generation config's, e.g. "
+                            "'{\"temperature\": 0.6, \"top_p\": 0.95}' (temperature, top_p, top_k, min_p, "
+                            "repetition_penalty); a request's own values win")
     group.add_argument("--host", default="127.0.0.1",
                        help="where the REST API listens; 0.0.0.0 for every interface (set --api-key then)")
     group.add_argument("--port", type=arg_types.port, default=8000, help="the REST API's TCP port")
@@ -273,7 +277,8 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
                     protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
                     stream_interval=args.stream_interval, log_requests=args.enable_log_requests,
-                    sampling_defaults=sampling_defaults(args.model, args.generation_config),
+                    sampling_defaults=sampling_defaults(args.model, args.generation_config,
+                                                        args.override_generation_config),
                     tool_parser=tool_parser(args), reasoning_parser=args.reasoning_parser,
                     max_client_batch_size=args.max_client_batch_size, body_read_timeout=args.body_read_timeout,
                     trust_request_chat_template=args.trust_request_chat_template,

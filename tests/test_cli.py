@@ -118,6 +118,14 @@ def test_a_bad_config_file_is_refused_in_one_line(tmp_path, capsys, text, says):
     assert says in refused(capsys, "--config", str(tmp_path / "config.yaml"))
 
 
+def test_the_gateway_gets_the_generation_config_override():
+    from pagedserve.entrypoints.cli import _gateway_argv
+    args = parse("--override-generation-config", '{"temperature": 0.6}')
+    argv = _gateway_argv(args, config_from_args(args))
+    assert argv[argv.index("--override-generation-config") + 1] == '{"temperature": 0.6}'
+    assert "--override-generation-config" not in _gateway_argv(parse(), config_from_args(parse()))
+
+
 def test_run_batch_refuses_https_flags_before_it_starts(tmp_path):
     from pagedserve.entrypoints import run_batch
     args = build_parser().parse_args(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),

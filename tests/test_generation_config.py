@@ -36,6 +36,17 @@ def test_another_folder_and_its_errors(model_dir, tmp_path_factory):
         sampling_defaults(model_dir)
 
 
+def test_an_override_sets_options_over_the_models(model_dir):
+    override = {"temperature": 0.2, "repetition_penalty": 1.1}
+    assert sampling_defaults(model_dir, override=override) == {"temperature": 0.2, "top_p": 0.9, "top_k": 20,
+                                                                 "repetition_penalty": 1.1}
+    assert sampling_defaults(model_dir, "vllm", override) == override
+    with pytest.raises(ValueError, match="sets 'max_tokens'; it sets temperature, top_p"):
+        sampling_defaults(model_dir, override={"max_tokens": 5})
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_defaults(model_dir, override={"top_p": 0})
+
+
 def test_llm_uses_them_when_no_sampling_params_are_given(tmp_path):
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
     (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 3}))
@@ -46,3 +57,5 @@ def test_llm_uses_them_when_no_sampling_params_are_given(tmp_path):
     assert (llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids
             == llm.generate(prompt, SamplingParams(temperature=0), use_tqdm=False)[0].outputs[0].token_ids)
     assert LLM(str(path), max_model_len=64, generation_config="vllm").get_default_sampling_params().top_k == 0
+    overridden = LLM(str(path), max_model_len=64, override_generation_config={"top_k": 5})
+    assert overridden.get_default_sampling_params().top_k == 5

@@ -1,5 +1,6 @@
 """A model's default sampling options from its generation_config.json, as vLLM's
-`--generation-config` reads them: `auto` (the model's folder), `vllm` (none), or another folder."""
+`--generation-config` reads them: `auto` (the model's folder), `vllm` (none), or another folder;
+`--override-generation-config` sets some over them."""
 import json
 from pathlib import Path
 
@@ -9,8 +10,29 @@ from pagedserve.common.sampling_params import SamplingParams
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def sampling_defaults(model: str | Path, source: str = "auto") -> dict:
-    """The sampling options the model's generation config sets; a request's own values win."""
+def sampling_defaults(model: str | Path, source: str = "auto", override: dict | None = None) -> dict:
+    """The sampling options the model's generation config sets, with `override`'s (vLLM's
+    --override-generation-config) over them; a request's own values win. Raises ValueError for an
+    option out of range or one `override` may not set."""
+    unknown = sorted(set(override or {}) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"--override-generation-config sets {unknown[0]!r}; it sets {', '.join(FIELDS)}")
+    defaults = _from_file(model, source)
+    _check(defaults, "generation_config.json")
+    merged = {**defaults, **(override or {})}
+    _check(merged, "--override-generation-config")
+    return merged
+
+
+def _check(defaults: dict, where: str) -> None:
+    """A value out of range fails at start, not on every request."""
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _from_file(model: str | Path, source: str) -> dict:
     if source == "vllm":
         return {}
     folder = Path(model if source == "auto" else source)
@@ -21,6 +43,4 @@ def sampling_defaults(model: str | Path, source: str = "auto") -> dict:
                                     "holding generation_config.json, or auto, or vllm")
         return {}
     config = json.loads(path.read_text())
-    defaults = {name: config[name] for name in FIELDS if config.get(name) is not None}
-    SamplingParams(**defaults)  # a value out of range fails at start, not on every request
-    return defaults
+    return {name: config[name] for name in FIELDS if config.get(name) is not None}

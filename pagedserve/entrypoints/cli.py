@@ -11,6 +11,7 @@ from pagedserve.common.also_serve import AlsoServe
 from pagedserve.common.config import (COMPAT_FLAGS, EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_FLAGS,
                                       EngineConfig, add_engine_args, add_geometry_checks,
                                       config_from_args, config_to_argv)
+from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.common.log import configure, get_logger
 from pagedserve.common.model_shapes import SHAPES, write_shape
 from pagedserve.entrypoints import default_model
@@ -185,6 +186,7 @@ def run_serve(args: argparse.Namespace, listener: socket.socket | None = None) -
     args.model = args.model or args.model_path
     args.model = _model_dir(args)
     preflight.check_model(args.model, args.max_model_len)
+    sampling_defaults(args.model, args.generation_config, args.override_generation_config)
     also = [also_serve_args(spec, args) for spec in args.also_serve]
     for extra in also:
         preflight.check_model(extra.model, extra.max_model_len)
@@ -303,6 +305,8 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv += ["--tokenizer", args.tokenizer]
     if args.generation_config != "auto":
         argv += ["--generation-config", args.generation_config]
+    if args.override_generation_config:
+        argv += ["--override-generation-config", json.dumps(args.override_generation_config)]
     if args.stream_interval != 1:
         argv += ["--stream-interval", str(args.stream_interval)]
     for name in ("shutdown_timeout", "max_client_batch_size", "timeout_keep_alive", "body_read_timeout",

@@ -41,8 +41,10 @@ class LLM(Pooling):
     are: an unknown one or a value pagedserve does not support raises a ValueError that names it."""
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
-                 generation_config: str = "auto", **kwargs) -> None:
+                 generation_config: str = "auto", override_generation_config: dict | None = None,
+                 **kwargs) -> None:
         model = model or str(default_model())
+        self.sampling_defaults = sampling_defaults(model, generation_config, override_generation_config)
         self.worker = Worker(config_from_kwargs(model, kwargs), offline=True)
         # With the batch limits the worker chose for the device.
         self.config = self.worker.config
@@ -53,7 +55,6 @@ class LLM(Pooling):
         self.steps = StepLoop(self.scheduler, self.config.async_scheduling)
         self.transport = RunnerTransport(self.worker)
         self.tokenizer = _load_tokenizer(tokenizer or model)
-        self.sampling_defaults = sampling_defaults(model, generation_config)
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count(1)
 
