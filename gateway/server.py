@@ -113,6 +113,10 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--uvicorn-log-level", choices=list(HTTP_LOG_LEVELS), default="info",
                        help="level of the HTTP server's own logs (vLLM's uvicorn, aiohttp here): "
                             "info logs one access line per HTTP request, warning and above none")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="no access line per HTTP request, whatever --uvicorn-log-level says (vLLM's flag)")
+    group.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="accepted for vLLM's commands: this server has no /docs, /redoc or /openapi.json")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let the model decide when to call tools (tool_choice "auto"); needs '
                             "--tool-call-parser")
@@ -317,5 +321,7 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit("gateway: pass the model directory or --tokenizer")
     args.api_key = api_key(args)
     logging.getLogger("aiohttp").setLevel(HTTP_LOG_LEVELS[args.uvicorn_log_level])
+    if args.disable_uvicorn_access_log:
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     aio.run(serve(Tokenizer.load(path, args.chat_template), args))
 

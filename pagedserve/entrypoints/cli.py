@@ -320,6 +320,8 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv.append(f"--chat-template={args.chat_template}")
     if args.enable_log_requests:
         argv.append("--enable-log-requests")
+    if args.disable_uvicorn_access_log:
+        argv.append("--disable-uvicorn-access-log")
     if args.trust_request_chat_template:
         argv.append("--trust-request-chat-template")
     if args.enable_prompt_tokens_details:

@@ -100,6 +100,7 @@ def test_stats_line_and_request_log(guide_server):
     assert "completion_tokens=5" in finished[0] and "finish_reasons=['length']" in finished[0]
     assert "prompt_tokens=" in finished[0] and "elapsed_s=" in finished[0]
     assert stats, "no periodic engine_stats line while busy"
+    assert [l for l in lines if " http_request " in l and "path=/v1/chat/completions" in l], "no access line"
     for field in ("prompt_tokens_per_s=", "generation_tokens_per_s=", "running=", "waiting=",
                   "kv_cache_usage_pct=", "prefix_cache_hit_rate_pct="):
         assert field in stats[-1]
@@ -107,17 +108,20 @@ def test_stats_line_and_request_log(guide_server):
 
 
 def test_python_m_api_server_form(default_model, tmp_path):
-    """`python -m vllm.entrypoints.openai.api_server --model ...`, the older form; stats off."""
+    """`python -m vllm.entrypoints.openai.api_server --model ...`, the older form; stats and access
+    lines off."""
     port = free_port()
     command = [sys.executable, "-m", "pagedserve.entrypoints.openai.api_server", "--model", str(default_model),
-               "--port", str(port), "--max-model-len", "1k", "--disable-log-stats", "--disable-log-requests"]
+               "--port", str(port), "--max-model-len", "1k", "--disable-log-stats", "--disable-log-requests",
+               "--disable-uvicorn-access-log", "--disable-fastapi-docs"]
     server = start(command, tmp_path, port, PAGEDSERVE_LOG_STATS_INTERVAL="0.2")
     try:
         talk_like_the_guides(server["base_url"], str(default_model))
         time.sleep(0.5)
     finally:
         stop(server)
-    assert " engine_stats " not in server["stderr"].read_text()
+    log = server["stderr"].read_text()
+    assert " engine_stats " not in log and " http_request " not in log
 
 
 def test_https_with_client_certificates(default_model, tmp_path):
