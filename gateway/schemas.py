@@ -16,13 +16,14 @@ Stop = str | Annotated[list[str], Meta(max_length=4)]
 # a streamed choice checks every one at each token.
 MAX_STOP_STRINGS = 16
 
-# The engine's ranges, less where OpenAI's API allows less: up to 16 choices, temperature up to 2,
-# and up to 5 logprobs from the legacy completions. Each endpoint names logprobs its own way.
+# The engine's ranges, less where OpenAI's API allows less: up to 16 choices, temperature up to 2.
+# Completions' logprobs go to 20 as in vLLM (its default --max-logprobs), not OpenAI's legacy 5:
+# evaluation harnesses written against vLLM ask for more than 5. Each endpoint names logprobs its own way.
 SAMPLING_RANGES = {name: allowed for name, allowed in RANGES.items() if name != "logprobs"} | {
     "n": Range(1, 16), "temperature": Range(0, 2, note="0 = greedy")}
 CHAT_RANGES = SAMPLING_RANGES | {"max_completion_tokens": RANGES["max_tokens"],
                                  "top_logprobs": RANGES["logprobs"]}
-COMPLETION_RANGES = SAMPLING_RANGES | {"logprobs": Range(0, 5)}
+COMPLETION_RANGES = SAMPLING_RANGES | {"logprobs": RANGES["logprobs"]}
 
 
 class StreamOptions(Struct):

@@ -76,6 +76,15 @@ async def test_completion_logprobs_non_stream_and_stream(http, base_url, engine,
     assert joined == whole
 
 
+async def test_completion_logprobs_go_to_twenty_as_in_vllm(http, base_url, engine, tokenizer):
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 3, "logprobs": 20}
+    async with http.post(f"{base_url}/v1/completions", json=body) as r:
+        assert r.status == 200
+        whole = (await r.json())["choices"][0]["logprobs"]
+    assert engine.requests[-1].params.logprobs == 20
+    check_completion_logprobs(whole, tokenizer, 3, 20)
+
+
 async def test_completion_logprobs_parse_in_the_sdk(client, tokenizer):
     reply = await client.completions.create(model=MODEL, prompt="Once", max_tokens=5, logprobs=1)
     logprobs = reply.choices[0].logprobs

@@ -55,7 +55,7 @@ CASES = {
     "top_logprobs without logprobs": (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
     "top_logprobs above 20": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     "negative top_logprobs": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-    "completion logprobs above 5": (COMPLETIONS, {"prompt": "x", "logprobs": 6}, "logprobs"),
+    "completion logprobs above 20": (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
     "presence_penalty above 2": (CHAT, {"messages": MSG, "presence_penalty": 2.5}, "presence_penalty"),
     "frequency_penalty below -2": (COMPLETIONS, {"prompt": "x", "frequency_penalty": -3},
                                    "frequency_penalty"),
