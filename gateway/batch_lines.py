@@ -9,7 +9,7 @@ from pagedserve.gateway import pooling_routes, routes
 from pagedserve.gateway.batch_store import new_id
 from pagedserve.gateway.batch_schemas import BatchError, InputLine, LineError, LineResponse, OutputLine
 from pagedserve.gateway.errors import APIError, ErrorBody, bad_request
-from pagedserve.gateway.pooling_schemas import EmbeddingRequest
+from pagedserve.gateway.pooling_schemas import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagedserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, decode_request
 from pagedserve.gateway.serving import whole
 from pagedserve.gateway.state import Gateway
@@ -19,7 +19,11 @@ MAX_REPORTED_ERRORS = 100
 _encoder = msgspec.json.Encoder()
 _line_decoder = msgspec.json.Decoder(InputLine)
 _REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-             "/v1/embeddings": EmbeddingRequest}
+             "/v1/embeddings": EmbeddingRequest, "/v1/rerank": RerankRequest, "/v1/score": ScoreRequest}
+# The endpoints a batch may run, as OpenAI and vLLM name them (the pooling ones need a pooling model).
+ENDPOINTS = tuple(_REQUESTS)
+_POOLING = {EmbeddingRequest: pooling_routes.embedding_response, RerankRequest: pooling_routes.rerank_response,
+            ScoreRequest: pooling_routes.score_response}
 
 
 def read_input(path: Path, endpoint: str) -> tuple[list[tuple[int, str, bytes]], list[BatchError]]:
@@ -77,8 +81,8 @@ async def respond(gateway: Gateway, endpoint: str, body: bytes) -> msgspec.Struc
     kind = _REQUESTS[endpoint]
     req = decode_request(body, kind)
     served = await gateway.served_for(req.model)
-    if kind is EmbeddingRequest:
-        return await pooling_routes.embedding_response(gateway, served, req, background=True)
+    if kind in _POOLING:
+        return await _POOLING[kind](gateway, served, req, background=True)
     if req.stream:
         raise bad_request("`stream` is not supported in a batch; remove it from the line's body.", param="stream")
     start = time.monotonic()

@@ -4,8 +4,6 @@ from typing import Literal
 import msgspec
 from msgspec import Struct
 
-# The endpoints a batch may run, as OpenAI names them (the embeddings one needs a pooling model).
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # Statuses a batch leaves only by running on; the others are final.
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",

@@ -5,7 +5,8 @@ import time
 from aiohttp import web
 
 from pagedserve.gateway.batch_runner import runner_of
-from pagedserve.gateway.batch_schemas import ENDPOINTS, Batch, BatchCreate
+from pagedserve.gateway.batch_lines import ENDPOINTS
+from pagedserve.gateway.batch_schemas import Batch, BatchCreate
 from pagedserve.gateway.batch_store import new_id
 from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.files_api import page, page_args

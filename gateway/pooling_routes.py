@@ -1,5 +1,6 @@
 """HTTP handlers of the pooling routes: /v1/embeddings (OpenAI), /rerank, /v1/rerank (Jina, Cohere v1),
-/v2/rerank (Cohere v2) and /score, /v1/score (vLLM). Each input is one Pool call (see pooling)."""
+/v2/rerank (Cohere v2) and /score, /v1/score (vLLM), and their responses to batch lines. Each input
+is one Pool call (see pooling)."""
 import asyncio
 import time
 import uuid
@@ -73,51 +74,61 @@ async def embed(gateway: Gateway, served: ServedModel, inputs: EmbedInputs, pool
 @engine_route
 async def rerank(request: web.Request) -> web.Response:
     """Jina's and Cohere's v1 rerank, as vLLM answers it on /rerank and /v1/rerank."""
-    req, model, results, tokens = await _rerank(request, return_documents=True)
-    return json_response(RerankResponse(f"rerank-{uuid.uuid4().hex}", model, RerankUsage(tokens, tokens), results))
+    req = await read_json(request, RerankRequest)
+    return json_response(await rerank_response(request.app[GATEWAY], await served_for(request, req.model), req))
+
+
+async def rerank_response(gateway: Gateway, served: ServedModel, req: RerankRequest,
+                          background: bool = False) -> RerankResponse:
+    """A v1 rerank request's response (the route's and a batch line's); a 400 APIError for what cannot run."""
+    results, tokens = await _rerank(gateway, served, req, True, background)
+    return RerankResponse(f"rerank-{uuid.uuid4().hex}", served.name, RerankUsage(tokens, tokens), results)
 
 
 @engine_route
 async def rerank_v2(request: web.Request) -> web.Response:
     """Cohere's v2 rerank."""
-    req, model, results, tokens = await _rerank(request, return_documents=False)
+    req = await read_json(request, RerankRequest)
+    served = await served_for(request, req.model)
+    results, tokens = await _rerank(request.app[GATEWAY], served, req, return_documents=False)
     units = -(-len(req.documents) // _DOCUMENTS_PER_SEARCH_UNIT)
     meta = RerankMeta(BilledUnits(units), MetaTokens(tokens))
-    return json_response(RerankV2Response(str(uuid.uuid4()), results, meta, model, RerankUsage(tokens, tokens)))
+    return json_response(RerankV2Response(str(uuid.uuid4()), results, meta, served.name, RerankUsage(tokens, tokens)))
 
 
-async def _rerank(request: web.Request,
-                  return_documents: bool) -> tuple[RerankRequest, str, list[RerankResult], int]:
-    req = await read_json(request, RerankRequest)
-    gateway = request.app[GATEWAY]
-    served = await served_for(request, req.model)
+async def _rerank(gateway: Gateway, served: ServedModel, req: RerankRequest, return_documents: bool,
+                  background: bool = False) -> tuple[list[RerankResult], int]:
     if not req.documents:
         raise bad_request("`documents` is empty; send at least one document to rank.", param="documents")
     check_count(len(req.documents), gateway.max_client_batch_size, "documents")
     check_top_n(req.top_n)
     documents = [d if isinstance(d, str) else d.text for d in req.documents]
     pairs = [(req.query, d) for d in documents]
-    scores, tokens = await _scores(gateway, served, "rerank", pairs, "documents", req.use_activation)
+    scores, tokens = await _scores(gateway, served, "rerank", pairs, "documents", req.use_activation, background)
     keep = return_documents if req.return_documents is None else req.return_documents
-    return req, served.name, ranked(scores, documents, req.top_n, keep), tokens
+    return ranked(scores, documents, req.top_n, keep), tokens
 
 
 @engine_route
 async def score(request: web.Request) -> web.Response:
     """vLLM's /score: text_1 against text_2, paired 1:1, 1:N or N:N."""
     req = await read_json(request, ScoreRequest)
-    gateway = request.app[GATEWAY]
-    served = await served_for(request, req.model)
+    return json_response(await score_response(request.app[GATEWAY], await served_for(request, req.model), req))
+
+
+async def score_response(gateway: Gateway, served: ServedModel, req: ScoreRequest,
+                         background: bool = False) -> ScoreResponse:
+    """A score request's response (the route's and a batch line's); a 400 APIError for what cannot run."""
     pairs = score_pairs(req.text_1, req.text_2)
     check_count(len(pairs), gateway.max_client_batch_size, "text_2")
-    scores, tokens = await _scores(gateway, served, "score", pairs, "text_2", req.use_activation)
+    scores, tokens = await _scores(gateway, served, "score", pairs, "text_2", req.use_activation, background)
     data = [ScoreData(i, s) for i, s in enumerate(scores)]
-    return json_response(ScoreResponse(f"score-{uuid.uuid4().hex}", int(time.time()), served.name, data,
-                                       Usage(prompt_tokens=tokens, completion_tokens=0, total_tokens=tokens)))
+    return ScoreResponse(f"score-{uuid.uuid4().hex}", int(time.time()), served.name, data,
+                         Usage(prompt_tokens=tokens, completion_tokens=0, total_tokens=tokens))
 
 
 async def _scores(gateway: Gateway, served: ServedModel, endpoint: str, pairs: list[tuple[str, str]],
-                  param: str, activation: bool | None) -> tuple[list[float], int]:
+                  param: str, activation: bool | None, background: bool) -> tuple[list[float], int]:
     """Each pair's score and the prompt tokens run: a cross-encoder's (a one-label classifier)
     classifies each pair, a bi-encoder's (embed only) is the cosine of the two embeddings."""
     spec = served.spec
@@ -130,13 +141,13 @@ async def _scores(gateway: Gateway, served: ServedModel, endpoint: str, pairs: l
                               "one-label classifier (a cross-encoder) or an embedding model.", param="model")
         inputs = await gateway.offload(size, pair_inputs, served.tokenizer, pairs, spec, param)
         outputs, tokens = await _pool(gateway, served, endpoint, inputs,
-                                      pb.PoolingParams(task="classify", activation=activation))
+                                      pb.PoolingParams(task="classify", activation=activation), background)
         return [o[0] for o in outputs], tokens
     check_task(served, "embed", f"/{endpoint}")
     # Each distinct text is embedded once: a rerank's query serves every document.
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     inputs = await gateway.offload(size, text_inputs, served.tokenizer, texts, spec, param)
-    vectors, tokens = await _pool(gateway, served, endpoint, inputs, pb.PoolingParams(task="embed"))
+    vectors, tokens = await _pool(gateway, served, endpoint, inputs, pb.PoolingParams(task="embed"), background)
     # A thousand documents of a large model are a million products: off the event loop.
     scores = await gateway.offload(len(pairs) * len(vectors[0]), cosines, pairs, dict(zip(texts, vectors)))
     return scores, tokens

@@ -125,6 +125,24 @@ async def test_completions_and_embeddings_batches(embedder, sdk):
     assert embedder.pool_requests[-1].background
 
 
+async def test_rerank_and_score_batches_answer_as_their_routes(reranker, sdk, batch_url, http):
+    rerank = {"model": MODEL, "query": "hello", "documents": ["hello there", "goodbye", "hi"], "top_n": 2}
+    score = {"model": MODEL, "text_1": "hello", "text_2": ["hello there", "goodbye"]}
+    for endpoint, body in (("/v1/rerank", rerank), ("/v1/score", score)):
+        before = len(reranker.pool_requests)
+        batch = await run_batch(sdk, [{"custom_id": "x", "method": "POST", "url": endpoint, "body": body}], endpoint)
+        assert batch.status == "completed", batch
+        out, = await lines_of(sdk, batch.output_file_id)
+        batched = len(reranker.pool_requests)
+        async with http.post(f"{batch_url}{endpoint}", json=body) as r:
+            online = await r.json()
+        key = "results" if endpoint == "/v1/rerank" else "data"
+        assert out["response"]["body"][key] == online[key] and out["response"]["body"]["usage"] == online["usage"]
+        calls = reranker.pool_requests
+        assert batched > before and all(c.background for c in calls[before:batched])
+        assert not any(c.background for c in calls[batched:])
+
+
 async def test_a_malformed_file_fails_the_batch_at_validation(sdk):
     lines = [chat_line("a"), chat_line("a"), {**chat_line("b"), "url": "/v1/completions"},
              b"not json", {**chat_line("c"), "method": "GET"}, {"custom_id": "d"}]
