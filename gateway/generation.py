@@ -111,7 +111,8 @@ class Generation:
 
     def __init__(self, engines: EnginePool, tokenizer: Tokenizer, choices: list[Choice],
                  trace_id: str, metrics: ModelMetrics, arrival: float, stream_interval: int = 1,
-                 log_requests: bool = False, prompt_tokens_details: bool = False) -> None:
+                 log_requests: bool = False, prompt_tokens_details: bool = False,
+                 tokens_as_ids: bool = False) -> None:
         self._engines = engines
         self._trace_id = trace_id
         self._tokenizer = tokenizer
@@ -125,6 +126,8 @@ class Generation:
         self.log_requests = log_requests
         # Whether usage reports cached_tokens (--enable-prompt-tokens-details).
         self._prompt_tokens_details = prompt_tokens_details
+        # Whether logprobs name tokens "token_id:N" (return_tokens_as_token_ids).
+        self._tokens_as_ids = tokens_as_ids
         self._queue: asyncio.Queue[tuple[Choice, pb.GenerateResponse | APIError] | Exception] = asyncio.Queue()
 
     def usage(self) -> Usage:
@@ -211,9 +214,11 @@ class Generation:
         choice.completion_tokens = response.completion_tokens
         choice.cached_tokens = max(choice.cached_tokens, response.cached_tokens)
         if response.logprobs:
-            progress.logprobs += decode_logprobs(self._tokenizer, response.token_ids, response.logprobs)
+            progress.logprobs += decode_logprobs(self._tokenizer, response.token_ids, response.logprobs,
+                                                 self._tokens_as_ids)
         if response.prompt_logprobs:
-            progress.prompt = decode_prompt(self._tokenizer, choice.prompt_token_ids, response.prompt_logprobs)
+            progress.prompt = decode_prompt(self._tokenizer, choice.prompt_token_ids, response.prompt_logprobs,
+                                            self._tokens_as_ids)
         detok = progress.detok
         progress.text += detok.add(response.token_ids)
         progress.pending_tokens += len(response.token_ids)

@@ -22,23 +22,29 @@ class TokenLogprob:
     top: list[tuple[int, str, float]]
 
 
-def decode_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
-                    logprobs: Sequence[pb.TokenLogprobs]) -> list[TokenLogprob]:
-    """Each token on its own, special tokens included; a token holding part of a character reads
-    as U+FFFD (as in vLLM)."""
+def token_text(tokenizer: Tokenizer, token_id: int, as_ids: bool = False) -> str:
+    """A token on its own, special tokens included; one holding part of a character reads as
+    U+FFFD (as in vLLM). With `as_ids` it reads "token_id:N" (vLLM's return_tokens_as_token_ids:
+    a client that maps tokens back to ids needs no tokenizer)."""
+    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def decode_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs],
+                    as_ids: bool = False) -> list[TokenLogprob]:
+    """Each token with its logprobs, named as token_text names it."""
     def text(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
+        return token_text(tokenizer, token_id, as_ids)
 
     return [TokenLogprob(token_id, text(token_id), max(lp.logprob, _FLOOR), lp.rank,
                          [(t, text(t), max(p, _FLOOR)) for t, p in zip(lp.top_token_ids, lp.top_logprobs)])
             for token_id, lp in zip(token_ids, logprobs)]
 
 
-def decode_prompt(tokenizer: Tokenizer, prompt_ids: list[int],
-                  logprobs: Sequence[pb.TokenLogprobs]) -> list[TokenLogprob]:
+def decode_prompt(tokenizer: Tokenizer, prompt_ids: list[int], logprobs: Sequence[pb.TokenLogprobs],
+                  as_ids: bool = False) -> list[TokenLogprob]:
     """A prompt's tokens: the first without a logprob (nothing comes before it), then one per entry."""
-    first = TokenLogprob(prompt_ids[0], tokenizer.decode(prompt_ids[:1], skip_special_tokens=False), None, None, [])
-    return [first, *decode_logprobs(tokenizer, prompt_ids[1:], logprobs)]
+    first = TokenLogprob(prompt_ids[0], token_text(tokenizer, prompt_ids[0], as_ids), None, None, [])
+    return [first, *decode_logprobs(tokenizer, prompt_ids[1:], logprobs, as_ids)]
 
 
 def prompt_logprobs(tokens: list[TokenLogprob] | None) -> list[dict[str, PromptLogprob] | None]:

@@ -100,9 +100,11 @@ async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> P
         constraint = await _checked(gateway, req.constraint)
     rid = uuid.uuid4().hex
     choices = _choices(rid, req, prompts, served, constraint)
+    as_ids = req.sampling.return_tokens_as_token_ids
     generation = Generation(served.engines, served.tokenizer, choices, current_request_id(), served.metrics,
                             time.monotonic(), gateway.stream_interval, gateway.log_requests,
-                            gateway.prompt_tokens_details)
+                            gateway.prompt_tokens_details,
+                            gateway.return_tokens_as_token_ids if as_ids is None else as_ids)
     return Plan(rid, served.name, served, served.tokenizer, prompts, choices, options, generation,
                 bool(req.sampling.stream), req.include_usage)
 

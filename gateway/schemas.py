@@ -144,6 +144,8 @@ class SamplingFields(Struct, kw_only=True):
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # vLLM's: under --scheduling-policy priority, lower runs first.
     priority: int = 0
+    # vLLM's: logprobs name tokens as "token_id:N" (unset: --return-tokens-as-token-ids).
+    return_tokens_as_token_ids: bool | None = None
 
     def __post_init__(self) -> None:
         if self.n is None:

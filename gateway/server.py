@@ -110,6 +110,9 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="report usage.prompt_tokens_details.cached_tokens, which tells a client whether "
                             "anyone sent the same prompt prefix lately")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprobs name each token \"token_id:N\", as a request's "
+                            "return_tokens_as_token_ids does (one that sets it false gets texts)")
     group.add_argument("--uvicorn-log-level", choices=list(HTTP_LOG_LEVELS), default="info",
                        help="level of the HTTP server's own logs (vLLM's uvicorn, aiohttp here): "
                             "info logs one access line per HTTP request, warning and above none")
@@ -288,6 +291,7 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     trust_request_chat_template=args.trust_request_chat_template,
                     max_concurrent_requests=args.max_concurrent_requests,
                     prompt_tokens_details=args.enable_prompt_tokens_details,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                     responses_store_mb=args.responses_store_mb, responses_store_ttl=args.responses_store_ttl,
                     also_serve=[also_served(spec) for spec in args.also_serve],
                     batch_dir=args.batch_dir or default_batch_dir(), batch_concurrency=args.batch_concurrency,

@@ -65,6 +65,8 @@ class Gateway:
     log_requests: bool = False
     # --enable-prompt-tokens-details: usage reports cached_tokens.
     prompt_tokens_details: bool = False
+    # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" unless a request says otherwise.
+    return_tokens_as_token_ids: bool = False
     # --tool-call-parser when --enable-auto-tool-choice is on (else None), and --reasoning-parser.
     tool_parser: str | None = None
     reasoning_parser: str | None = None

@@ -2,6 +2,10 @@
 the fake engine's logprobs (fake_engine.fake_logprobs) in chat and completions, streamed or not."""
 import json
 
+import pytest
+
+from pagedserve.gateway.logprobs import decode_prompt
+from pagedserve.v1 import engine_pb2 as pb
 from tests.gateway.fake_engine import MODEL, REPLY
 
 CHAT = [{"role": "user", "content": "Say hello"}]
@@ -83,6 +87,38 @@ async def test_completion_logprobs_go_to_twenty_as_in_vllm(http, base_url, engin
         whole = (await r.json())["choices"][0]["logprobs"]
     assert engine.requests[-1].params.logprobs == 20
     check_completion_logprobs(whole, tokenizer, 3, 20)
+
+
+async def test_tokens_as_token_ids_by_request_or_by_the_server_flag(serve, http, tokenizer):
+    ids = tokenizer.encode(REPLY, add_special_tokens=False)[:4]
+    named = [f"token_id:{t}" for t in ids]
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
+    completion = {"model": MODEL, "prompt": "Once", "max_tokens": 4, "logprobs": 2}
+
+    async def tokens(url: str, **extra) -> tuple[list[str], list[str], list[str]]:
+        async with http.post(f"{url}/v1/chat/completions", json={**chat, **extra}) as r:
+            content = (await r.json())["choices"][0]["logprobs"]["content"]
+        async with http.post(f"{url}/v1/completions", json={**completion, **extra}) as r:
+            legacy = (await r.json())["choices"][0]["logprobs"]
+        assert all(e["bytes"] == list(e["token"].encode()) for e in content)
+        tops = [t["token"] for e in content for t in e["top_logprobs"]] + [t for d in legacy["top_logprobs"] for t in d]
+        return [e["token"] for e in content], legacy["tokens"], tops
+
+    plain, flagged = await serve(), await serve(return_tokens_as_token_ids=True)
+    chat_tokens, legacy_tokens, tops = await tokens(plain, return_tokens_as_token_ids=True)
+    assert chat_tokens == legacy_tokens == named and all(t.startswith("token_id:") for t in tops)
+    assert (await tokens(flagged))[:2] == (named, named)
+    assert (await tokens(flagged, return_tokens_as_token_ids=False))[:2] == (expected_tokens(tokenizer, 4),) * 2
+    assert (await tokens(plain))[:2] == (expected_tokens(tokenizer, 4),) * 2
+
+
+def test_prompt_tokens_as_token_ids(tokenizer):
+    """Echoed prompts and prompt_logprobs name their tokens as the output's do."""
+    entry = pb.TokenLogprobs(logprob=-0.5, rank=2, top_token_ids=[7], top_logprobs=[-0.1])
+    first, second = decode_prompt(tokenizer, [5, 6], [entry], as_ids=True)
+    assert (first.token, first.logprob, second.token, second.top) == ("token_id:5", None, "token_id:6",
+                                                                      [(7, "token_id:7", pytest.approx(-0.1))])
+    assert decode_prompt(tokenizer, [5, 6], [entry])[1].token == tokenizer.decode([6], skip_special_tokens=False)
 
 
 async def test_completion_logprobs_parse_in_the_sdk(client, tokenizer):
