@@ -9,7 +9,7 @@ from pagedserve.gateway import (anthropic_api, batches_api, files_api, ollama_ap
 from pagedserve.gateway.auth import auth_middleware
 from pagedserve.gateway.batch_runner import BATCHES, DEFAULT_CONCURRENCY, DEFAULT_MAX_FILE_MB, BatchRunner
 from pagedserve.gateway.batch_store import BatchStore
-from pagedserve.gateway.cors import CORS
+from pagedserve.gateway.cors import CORS, CorsRules
 from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
 from pagedserve.gateway.hosts import host_middleware
@@ -61,7 +61,7 @@ def _check_names(models: list[set[str]]) -> None:
 def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: list[str] | None = None, *,
               api_key: str | None = None, protect_metrics: bool = False,
               allowed_hosts: frozenset[str] | None = None,
-              allowed_origins: list[str] | None = None, stream_interval: int = 1,
+              cors: CorsRules | None = None, stream_interval: int = 1,
               log_requests: bool = False, sampling_defaults: dict | None = None,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
               max_client_batch_size: int = DEFAULT_MAX_CLIENT_BATCH_SIZE,
@@ -82,7 +82,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     with its own (see Gateway.served_for for how a request finds its model).
 
     With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
-    With `allowed_hosts` (see hosts.allowed_hosts), other Host headers get a 421.
+    With `allowed_hosts` (see hosts.allowed_hosts), other Host headers get a 421. `cors` lets browsers
+    of its origins call the API.
     `log_requests` logs one line per finished request (vLLM's --enable-log-requests).
     `sampling_defaults` (the model's generation config) fill the sampling options a request omits.
     `tool_parser` reads tool calls under tool_choice "auto"; `reasoning_parser` splits off thinking.
@@ -111,15 +112,15 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
                    gateway.drain.middleware]
     if allowed_hosts is not None:
         middlewares.insert(middlewares.index(errors) + 1, host_middleware(allowed_hosts))
-    cors = CORS(allowed_origins) if allowed_origins else None
-    if cors:
-        middlewares.append(cors.preflight)
+    browsers = CORS(cors) if cors and cors.origins else None
+    if browsers:
+        middlewares.append(browsers.preflight)
     if api_key:
         open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
         middlewares.append(auth_middleware(api_key, frozenset(open_paths)))
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
-    if cors:
-        app.on_response_prepare.append(cors.on_prepare)
+    if browsers:
+        app.on_response_prepare.append(browsers.on_prepare)
     app.on_response_prepare.append(_server_header)
     app[GATEWAY] = gateway
     app.on_startup.append(_startup)

@@ -18,6 +18,7 @@ from pagedserve.common.config import add_engine_args
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.gateway import reasoning, tls, tool_parsers
 from pagedserve.gateway.app import build_app
+from pagedserve.gateway.cors import CorsRules
 from pagedserve.gateway.batch_runner import DEFAULT_CONCURRENCY, DEFAULT_MAX_FILE_MB
 from pagedserve.gateway.batch_store import default_batch_dir
 from pagedserve.gateway.engine_pool import EnginePool, split_addresses
@@ -91,6 +92,15 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--allowed-origins", type=parse_list, default=[],
                        help="CORS: origins browsers may call the API from, comma-separated or a JSON list; "
                             "* allows any")
+    group.add_argument("--allowed-methods", type=parse_list, default=["*"],
+                       help="CORS: methods browsers may use, comma-separated or a JSON list; * allows every "
+                            "method a route takes")
+    group.add_argument("--allowed-headers", type=parse_list, default=["*"],
+                       help="CORS: request headers browsers may send, comma-separated or a JSON list; * allows "
+                            "any")
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="CORS: let browsers send cookies and HTTP authentication (the origin is echoed "
+                            "then, never *)")
     group.add_argument("--allowed-hosts", type=parse_list, default=[],
                        help="Host header names answered besides localhost, 127.0.0.1 and [::1] when "
                             "listening on a loopback address (others get 421, against DNS rebinding); "
@@ -233,6 +243,10 @@ def chat_template(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def cors_rules(args: argparse.Namespace) -> CorsRules:
+    return CorsRules(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+
+
 def parse_list(value: str) -> list[str]:
     """A JSON list (vLLM's form) or a comma-separated list."""
     if value.lstrip().startswith("["):
@@ -282,7 +296,7 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     raise_open_files_limit()
     app = build_app(tokenizer, args.scheduler_address, args.served_model_name, api_key=args.api_key,
                     allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
-                    protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
+                    protect_metrics=args.protect_metrics, cors=cors_rules(args),
                     stream_interval=args.stream_interval, log_requests=args.enable_log_requests,
                     sampling_defaults=sampling_defaults(args.model, args.generation_config,
                                                         args.override_generation_config),

@@ -297,8 +297,10 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
             "--uvicorn-log-level", args.uvicorn_log_level, *tls.argv(args)]
     if args.protect_metrics:
         argv.append("--protect-metrics")
-    if args.allowed_origins:
-        argv += ["--allowed-origins", json.dumps(args.allowed_origins)]
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        argv += ["--" + name.replace("_", "-"), json.dumps(getattr(args, name))]
+    if args.allow_credentials:
+        argv.append("--allow-credentials")
     if args.allowed_hosts:
         argv += ["--allowed-hosts", json.dumps(args.allowed_hosts)]
     if args.tokenizer:

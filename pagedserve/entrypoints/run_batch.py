@@ -23,7 +23,8 @@ _POLL_S = 0.5
 def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-i", "--input-file", required=True, type=Path,
                         help="the requests, one JSON line each: custom_id, method POST, url (one of "
-                             "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank, /v1/score, the same on every line) and body")
+                             "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank, /v1/score, the "
+                             "same on every line) and body")
     parser.add_argument("-o", "--output-file", required=True, type=Path,
                         help="where the answers go, one JSON line per request")
 

@@ -4,6 +4,7 @@ import argparse
 import pytest
 
 from pagedserve.gateway.app import build_app
+from pagedserve.gateway.cors import CorsRules
 from pagedserve.gateway.server import add_gateway_args, api_key, parse_list
 from pagedserve.gateway.state import GATEWAY
 
@@ -94,7 +95,7 @@ PREFLIGHT = {"Origin": "https://app.example.com", "Access-Control-Request-Method
 
 
 async def test_cors_preflight_passes_without_the_key_and_without_data(serve, http, engine):
-    url = await serve(api_key=KEY, allowed_origins=["https://app.example.com"])
+    url = await serve(api_key=KEY, cors=CorsRules(["https://app.example.com"]))
     async with http.options(f"{url}/v1/chat/completions", headers=PREFLIGHT) as r:
         assert r.status == 204 and await r.read() == b""
         assert r.headers["Access-Control-Allow-Origin"] == "https://app.example.com"
@@ -108,7 +109,7 @@ async def test_cors_preflight_passes_without_the_key_and_without_data(serve, htt
 
 
 async def test_cors_headers_on_responses_and_streams(serve, http):
-    url = await serve(allowed_origins=["https://app.example.com"])
+    url = await serve(cors=CorsRules(["https://app.example.com"]))
     origin = {"Origin": "https://app.example.com"}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
     async with http.post(f"{url}/v1/chat/completions", json=body, headers=origin) as r:
@@ -117,9 +118,33 @@ async def test_cors_headers_on_responses_and_streams(serve, http):
         await r.read()
     async with http.get(f"{url}/v1/models", headers={"Origin": "https://evil.example"}) as r:
         assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
-    wildcard = await serve(allowed_origins=["*"])
+    wildcard = await serve(cors=CorsRules(["*"]))
     async with http.get(f"{wildcard}/v1/models", headers={"Origin": "https://any.example"}) as r:
         assert r.headers["Access-Control-Allow-Origin"] == "*"
+
+
+async def test_cors_methods_headers_and_credentials_as_the_flags_say(serve, http):
+    origin = "https://app.example.com"
+    open_url = await serve(cors=CorsRules(["*"]))
+    delete = {**PREFLIGHT, "Access-Control-Request-Method": "DELETE"}
+    async with http.options(f"{open_url}/v1/files/f", headers=delete) as r:
+        assert r.status == 204 and "DELETE" in r.headers["Access-Control-Allow-Methods"]
+        assert "Access-Control-Allow-Credentials" not in r.headers
+    strict = await serve(cors=CorsRules([origin], methods=["POST"], headers=["Authorization", "Content-Type"],
+                                        credentials=True))
+    listed = {**PREFLIGHT, "Access-Control-Request-Headers": "Authorization, content-type"}
+    async with http.options(f"{strict}/v1/chat/completions", headers=listed) as r:
+        assert r.status == 204 and r.headers["Access-Control-Allow-Methods"] == "POST"
+        assert r.headers["Access-Control-Allow-Credentials"] == "true"
+    async with http.options(f"{strict}/v1/models", headers={**PREFLIGHT, "Access-Control-Request-Method": "GET"}) as r:
+        assert r.status == 403 and "--allowed-methods" in (await r.json())["error"]["message"]
+    async with http.options(f"{strict}/v1/chat/completions", headers=PREFLIGHT) as r:
+        assert r.status == 403 and "'x-stainless-os'" in (await r.json())["error"]["message"]
+    credentialed = await serve(cors=CorsRules(["*"], credentials=True))
+    async with http.get(f"{credentialed}/v1/models", headers={"Origin": origin}) as r:
+        # Browsers refuse "*" with credentials.
+        assert r.headers["Access-Control-Allow-Origin"] == origin
+        assert r.headers["Access-Control-Allow-Credentials"] == "true"
 
 
 async def test_without_allowed_origins_no_cors(http, base_url):
@@ -135,6 +160,11 @@ def test_flags(monkeypatch):
     assert api_key(args) == "from-env" and not args.protect_metrics
     assert args.allowed_origins == ["https://a.example", "https://b.example"]
     assert parse_list('["*"]') == ["*"]
+    assert (args.allowed_methods, args.allowed_headers, args.allow_credentials) == (["*"], ["*"], False)
+    strict = parser.parse_args(["--allowed-methods", "GET,POST", "--allowed-headers", '["authorization"]',
+                                "--allow-credentials"])
+    assert (strict.allowed_methods, strict.allowed_headers, strict.allow_credentials) == (
+        ["GET", "POST"], ["authorization"], True)
     assert api_key(parser.parse_args(["--api-key", "k", "--protect-metrics"])) == "k"
 
 

@@ -8,6 +8,7 @@ import pytest
 import requests
 
 from pagedserve.common.tokenizer import Tokenizer
+from pagedserve.gateway.cors import CorsRules
 from pagedserve.gateway.pooling_outputs import cosine
 from pagedserve.gateway.state import GATEWAY
 from tests.gateway.fake_engine import LEAK, MODEL, classified, embedded, serve_live_gateway
@@ -221,7 +222,7 @@ async def test_admission_and_shutdown_cover_pooling(reranker, tokenizer, http):
 
 async def test_cors_request_ids_and_the_body_limit_cover_the_pooling_routes(embedder, serve, http):
     origin = "https://app.example.com"
-    url = await serve(api_key="k", allowed_origins=[origin])
+    url = await serve(api_key="k", cors=CorsRules([origin]))
     auth = {"Authorization": "Bearer k", "Origin": origin, "X-Request-Id": "rag-1"}
     for path, body in (("/v1/embeddings", {"input": "hi"}), ("/v2/rerank", {"query": "q", "documents": ["a"]}),
                        ("/v1/score", {"text_1": "a", "text_2": "b"})):
