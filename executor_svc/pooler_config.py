@@ -29,8 +29,9 @@ class PoolerConfig:
     default Matryoshka truncation, 0 = full size. matryoshka_dimensions: the sizes the model
     declares (empty: none); is_matryoshka: any size up to the hidden size is allowed.
     default_prompt: the instruction sentence-transformers prefixes by default ("" = none).
-    num_labels: the classifier's outputs (0: not a classifier). activation: classify scores
-    go through sigmoid (1 label) or softmax by default."""
+    num_labels: the classifier's outputs (0: not a classifier); labels: their names by index, as
+    config.json's id2label gives them (empty: it names none). activation: classify scores go
+    through sigmoid (1 label) or softmax by default."""
     pooling_type: str
     normalize: bool
     dimensions: int = 0
@@ -38,6 +39,7 @@ class PoolerConfig:
     is_matryoshka: bool = False
     default_prompt: str = ""
     num_labels: int = 0
+    labels: list[str] = field(default_factory=list)
     activation: bool = True
 
 
@@ -61,6 +63,7 @@ def load_pooler_config(model_dir: str | Path, overrides: dict | None = None,
         is_matryoshka=bool(hf_config.get("is_matryoshka") or hf_config.get("matryoshka_dimensions")),
         default_prompt=_default_prompt(st_config),
         num_labels=labels,
+        labels=label_names(hf_config, labels),
         activation=_activation(st_config, hf_config))
     _apply_st_modules(config, model_dir, overrides or {})
     return apply_overrides(config, overrides or {})
@@ -95,6 +98,13 @@ def num_labels(hf_config: dict) -> int:
     if hf_config.get("classifier_from_token"):
         return 1
     return int(hf_config.get("num_labels") or len(hf_config.get("id2label") or {}) or 2)
+
+
+def label_names(hf_config: dict, count: int) -> list[str]:
+    """config.json's id2label as a list by index, when it names each of the `count` outputs."""
+    id2label = hf_config.get("id2label") or {}
+    names = [id2label.get(str(i), id2label.get(i)) for i in range(count)]
+    return names if count and None not in names else []
 
 
 def _default_prompt(st_config: dict) -> str:

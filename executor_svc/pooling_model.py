@@ -62,4 +62,4 @@ def pooling_info(model_config: ModelConfig, pooler_config: PoolerConfig) -> Pool
     return PoolingInfo(tasks=["classify" if classify else "embed"], embedding_size=model_config.hidden_size,
                        matryoshka_dimensions=list(pooler_config.matryoshka_dimensions),
                        is_matryoshka=pooler_config.is_matryoshka, num_labels=pooler_config.num_labels,
-                       default_prompt=pooler_config.default_prompt)
+                       default_prompt=pooler_config.default_prompt, labels=list(pooler_config.labels))

@@ -138,6 +138,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app.router.add_post("/v2/rerank", pooling_routes.rerank_v2)
     for path in ("/score", "/v1/score"):
         app.router.add_post(path, pooling_routes.score)
+    for path in ("/classify", "/v1/classify"):
+        app.router.add_post(path, pooling_routes.classify)
     app.router.add_post("/v1/messages", anthropic_api.messages)
     app.router.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
     app.router.add_post("/api/chat", ollama_api.chat)

@@ -37,12 +37,13 @@ class ModelSpec:
     is_matryoshka: bool = False
     num_labels: int = 0
     default_prompt: str = ""
+    labels: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, info: pb.ModelInfo) -> "ModelSpec":
         return cls(info.served_model_name, info.max_model_len, info.vocab_size, info.runner or "generate",
                    tuple(info.pooling_tasks), info.embedding_size, tuple(info.matryoshka_dimensions),
-                   info.is_matryoshka, info.num_labels, info.default_prompt)
+                   info.is_matryoshka, info.num_labels, info.default_prompt, tuple(info.labels))
 
 
 # A call the gateway cancels itself never raises (a client that leaves cancels the handler), so a

@@ -23,8 +23,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length")
 REJECT_REASONS = ("queue_full", "too_long", "invalid")
-# The pooling routes, by the label their series carry: /v1/embeddings, the /rerank routes, the /score routes.
-POOLING_ENDPOINTS = ("embeddings", "rerank", "score")
+# The pooling routes, by the label their series carry: /v1/embeddings, the /rerank, /score and /classify routes.
+POOLING_ENDPOINTS = ("embeddings", "rerank", "score", "classify")
 # ModelInfo field, metric name and help of the scheduler's per-step histograms.
 STEP_HISTOGRAMS = (
     ("step_schedule", "step_schedule_seconds", "Scheduler CPU seconds per step (schedule and update)."),

@@ -8,7 +8,7 @@ from pagedserve.gateway import params
 from pagedserve.gateway.engine_client import ModelSpec
 from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.pooling import PoolInput
-from pagedserve.gateway.pooling_schemas import EmbeddingRequest
+from pagedserve.gateway.pooling_schemas import ClassificationRequest, EmbeddingRequest
 from pagedserve.gateway.state import ServedModel
 from pagedserve.v1 import engine_pb2 as pb
 
@@ -82,8 +82,9 @@ def check_top_n(top_n: int | None) -> None:
                           param="top_n")
 
 
-def embedding_inputs(req: EmbeddingRequest, limit: int, max_model_len: int) -> EmbedInputs:
-    """/v1/embeddings' inputs, cut to their last truncate_prompt_tokens tokens, as vLLM cuts them."""
+def embedding_inputs(req: EmbeddingRequest | ClassificationRequest, limit: int, max_model_len: int) -> EmbedInputs:
+    """/v1/embeddings' (and /classify's) inputs, cut to their last truncate_prompt_tokens tokens, as
+    vLLM cuts them."""
     given = split_inputs(req.input, limit)
     too_long = ("Shorten it, or set `truncate_prompt_tokens` (-1: the model's limit) to keep its last tokens."
                 + (LANGCHAIN_HINT if not isinstance(given[0], str) else ""))

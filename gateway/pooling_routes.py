@@ -1,5 +1,6 @@
 """HTTP handlers of the pooling routes: /v1/embeddings (OpenAI), /rerank, /v1/rerank (Jina, Cohere v1),
-/v2/rerank (Cohere v2) and /score, /v1/score (vLLM), and their responses to batch lines. Each input
+/v2/rerank (Cohere v2), /score, /v1/score and /classify, /v1/classify (vLLM), and their responses to
+batch lines. Each input
 is one Pool call (see pooling)."""
 import asyncio
 import time
@@ -16,7 +17,8 @@ from pagedserve.gateway.pooling_inputs import (EmbedInputs, check_count, check_l
                                                check_top_n, embed_params, embedding_inputs, encode_texts,
                                                pair_inputs, score_pairs, text_inputs)
 from pagedserve.gateway.pooling_outputs import cosines, encode_embedding, ranked
-from pagedserve.gateway.pooling_schemas import (BilledUnits, Embedding, EmbeddingRequest, EmbeddingResponse,
+from pagedserve.gateway.pooling_schemas import (BilledUnits, ClassificationData, ClassificationRequest,
+                                                ClassificationResponse, Embedding, EmbeddingRequest, EmbeddingResponse,
                                                 EmbeddingUsage, MetaTokens, RerankMeta, RerankRequest,
                                                 RerankResponse, RerankResult, RerankUsage, RerankV2Response,
                                                 ScoreData, ScoreRequest, ScoreResponse)
@@ -60,15 +62,22 @@ async def embed(gateway: Gateway, served: ServedModel, inputs: EmbedInputs, pool
     """Each input's embedding and their prompt tokens, for every embeddings route (OpenAI's, Ollama's)
     and batch lines (`background`): the inputs after the model's default prompt, fitted to the model,
     then pooled and counted under endpoint "embeddings". Check the model with check_embedder first."""
+    prompts = await _prompts(gateway, served, inputs, served.spec.default_prompt)
+    return await _pool(gateway, served, "embeddings", [PoolInput(p) for p in prompts], pooling_params, background)
+
+
+async def _prompts(gateway: Gateway, served: ServedModel, inputs: EmbedInputs, prefix: str) -> list[list[int]]:
+    """Each input as token ids (a text after `prefix`), cut as `inputs` says and checked against the
+    vocabulary and the context."""
     spec = served.spec
     # Characters or token ids: either takes long enough past OFFLOAD_SIZE to hold other requests up.
     size = sum(map(len, inputs.given))
     if isinstance(inputs.given[0], str):
-        prompts = await gateway.offload(size, encode_texts, served.tokenizer, inputs, spec.default_prompt)
+        prompts = await gateway.offload(size, encode_texts, served.tokenizer, inputs, prefix)
     else:
         prompts = await gateway.offload(size, check_token_input, inputs, spec.vocab_size)
     check_lengths(prompts, spec.max_model_len, inputs.too_long)
-    return await _pool(gateway, served, "embeddings", [PoolInput(p) for p in prompts], pooling_params, background)
+    return prompts
 
 
 @engine_route
@@ -125,6 +134,33 @@ async def score_response(gateway: Gateway, served: ServedModel, req: ScoreReques
     data = [ScoreData(i, s) for i, s in enumerate(scores)]
     return ScoreResponse(f"score-{uuid.uuid4().hex}", int(time.time()), served.name, data,
                          Usage(prompt_tokens=tokens, completion_tokens=0, total_tokens=tokens))
+
+
+@engine_route
+async def classify(request: web.Request) -> web.Response:
+    """vLLM's /classify: each input's class probabilities and its most probable class."""
+    req = await read_json(request, ClassificationRequest)
+    return json_response(await classify_response(request.app[GATEWAY], await served_for(request, req.model), req))
+
+
+async def classify_response(gateway: Gateway, served: ServedModel, req: ClassificationRequest,
+                            background: bool = False) -> ClassificationResponse:
+    """A classification request's response; a 400 APIError for what cannot run."""
+    check_runner(served, "pooling", "/classify")
+    check_task(served, "classify", "/classify")
+    inputs = embedding_inputs(req, gateway.max_client_batch_size, served.spec.max_model_len)
+    prompts = await _prompts(gateway, served, inputs, "")
+    params = pb.PoolingParams(task="classify", activation=req.use_activation)
+    outputs, tokens = await _pool(gateway, served, "classify", [PoolInput(p) for p in prompts], params, background)
+    data = [ClassificationData(i, _label(served.spec.labels, probs), probs, len(probs))
+            for i, probs in enumerate(outputs)]
+    return ClassificationResponse(f"classify-{uuid.uuid4().hex}", int(time.time()), served.name, data,
+                                  Usage(prompt_tokens=tokens, completion_tokens=0, total_tokens=tokens))
+
+
+def _label(labels: tuple[str, ...], probs: list[float]) -> str:
+    best = max(range(len(probs)), key=probs.__getitem__)
+    return labels[best] if labels else f"LABEL_{best}"
 
 
 async def _scores(gateway: Gateway, served: ServedModel, endpoint: str, pairs: list[tuple[str, str]],

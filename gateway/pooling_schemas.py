@@ -107,6 +107,33 @@ class RerankV2Response(Struct):
     usage: RerankUsage
 
 
+class ClassificationRequest(Struct, kw_only=True):
+    """vLLM's /classify: as /v1/embeddings takes `input`."""
+    input: str | list[str | int | list[int]]
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    use_activation: bool | None = None
+
+
+class ClassificationData(Struct):
+    index: int
+    # The most probable class's name (config.json's id2label, else LABEL_i as transformers names it).
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(Struct):
+    id: str
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: Usage
+    object: str = "list"
+
+
 class ScoreRequest(Struct, kw_only=True):
     text_1: str | list[str]
     text_2: str | list[str]

@@ -155,7 +155,7 @@ def _pooling_fields(info: ExecutorInfo) -> dict:
     p = info.pooling
     return dict(runner=info.runner, pooling_tasks=p.tasks, embedding_size=p.embedding_size,
                 matryoshka_dimensions=p.matryoshka_dimensions, is_matryoshka=p.is_matryoshka,
-                num_labels=p.num_labels, default_prompt=p.default_prompt)
+                num_labels=p.num_labels, default_prompt=p.default_prompt, labels=p.labels)
 
 
 def histogram_to_proto(h: Histogram) -> engine_pb2.StepHistogram:

@@ -133,6 +133,7 @@ class PoolingInfo:
     is_matryoshka: bool = False
     num_labels: int = 0
     default_prompt: str = ""
+    labels: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -236,12 +237,12 @@ def info_to_proto(i: ExecutorInfo) -> pb.ExecutorInfo:
                            pooling_tasks=p.tasks, embedding_size=p.embedding_size,
                            matryoshka_dimensions=p.matryoshka_dimensions, is_matryoshka=p.is_matryoshka,
                            num_labels=p.num_labels, default_prompt=p.default_prompt,
-                           mixed_graph_tokens=i.mixed_graph_tokens)
+                           mixed_graph_tokens=i.mixed_graph_tokens, labels=p.labels)
 
 
 def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
     pooling = PoolingInfo(list(m.pooling_tasks), m.embedding_size, list(m.matryoshka_dimensions),
-                          m.is_matryoshka, m.num_labels, m.default_prompt)
+                          m.is_matryoshka, m.num_labels, m.default_prompt, list(m.labels))
     return ExecutorInfo(m.num_blocks, m.block_size, m.dtype, m.device, m.vocab_size,
                         m.max_model_len, list(m.eos_token_ids), m.max_num_seqs,
                         m.max_num_batched_tokens, m.gpu_memory_utilization, m.runner or "generate", pooling,

@@ -131,6 +131,14 @@ def test_cohere_v2_rerank_and_score_equal_llm_score(servers, offline):
     assert [d["score"] for d in cosines["data"]] == pytest.approx(expected, abs=TOL)
 
 
+def test_classify_equals_llm_classify_and_names_the_label(servers, offline):
+    """vLLM's /classify of the cross-encoder: its one label by the name config.json gives it."""
+    reply = requests.post(f"{servers[RERANKER]}/classify", json={"model": RERANKER, "input": TEXTS}).json()
+    expected = [o.outputs.probs for o in offline[RERANKER].classify(TEXTS, use_tqdm=False)]
+    assert [d["probs"] for d in reply["data"]] == [pytest.approx(p, abs=TOL) for p in expected]
+    assert {(d["label"], d["num_classes"]) for d in reply["data"]} == {("LABEL_0", 1)}
+
+
 def test_each_model_refuses_what_it_cannot_serve(servers):
     with pytest.raises(openai.BadRequestError, match="--runner pooling"):
         openai.OpenAI(base_url=f"{servers[EMBEDDER]}/v1", api_key="EMPTY", max_retries=0).chat.completions.create(

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from pagedserve.executor_svc.pooler_config import PoolerConfig, load_pooler_config
+from pagedserve.executor_svc.pooler_config import PoolerConfig, label_names, load_pooler_config
 from tests.tiny_encoders import PROMPTS, make_sentence_transformer, make_tiny_encoder
 
 
@@ -66,7 +66,16 @@ def test_without_sentence_transformers_files_vllm_defaults(bert_dir, tmp_path):
                                           ("XLMRobertaForSequenceClassification", 3)])
 def test_classifiers_pool_their_first_token(tmp_path, arch, labels):
     path = make_tiny_encoder(arch, tmp_path, num_labels=labels)
-    assert load_pooler_config(path) == PoolerConfig("CLS", normalize=False, num_labels=labels, activation=True)
+    # transformers names unnamed labels LABEL_0, LABEL_1, ... in the config.json it saves.
+    assert load_pooler_config(path) == PoolerConfig("CLS", normalize=False, num_labels=labels, activation=True,
+                                                    labels=[f"LABEL_{i}" for i in range(labels)])
+
+
+def test_label_names_come_from_id2label_when_it_names_every_output(tmp_path):
+    names = {"0": "negative", "1": "neutral", "2": "positive"}
+    path = make_tiny_encoder("BertForSequenceClassification", tmp_path, num_labels=3, id2label=names)
+    assert load_pooler_config(path).labels == ["negative", "neutral", "positive"]
+    assert label_names({"id2label": {"0": "a"}}, 2) == [] and label_names({}, 0) == []
 
 
 def test_cross_encoder_saved_with_identity_activation_returns_raw_scores(tmp_path):

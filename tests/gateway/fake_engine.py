@@ -81,15 +81,21 @@ def fake_logprobs(i: int, token: int, k: int, vocab_size: int) -> pb.TokenLogpro
                             top_logprobs=[logprob - j for j in range(k)])
 
 
-def fake_pooled(request: pb.PoolRequest, embedding_size: int) -> list[float]:
+def fake_pooled(request: pb.PoolRequest, embedding_size: int, num_labels: int = 1) -> list[float]:
     """The fake engine's pooled data. embed: component j sums sin((t + 1) * (j + 1) + type) over the
-    tokens t, cut to `dimensions` and then normalized unless normalize is false; classify: one score,
-    (sum of ids mod 17 - 8) / 4, through a sigmoid unless activation is false."""
+    tokens t, cut to `dimensions` and then normalized unless normalize is false; classify: logit j
+    is ((sum of ids + 5j) mod 17 - 8) / 4, through a sigmoid (one label) or a softmax unless
+    activation is false."""
     p = request.params
     ids, types = request.prompt_token_ids, list(request.token_type_ids) or [0] * len(request.prompt_token_ids)
     if p.task == "classify":
-        logit = (sum(ids) % 17 - 8) / 4
-        return [logit if p.HasField("activation") and not p.activation else 1 / (1 + math.exp(-logit))]
+        logits = [((sum(ids) + 5 * j) % 17 - 8) / 4 for j in range(num_labels)]
+        if p.HasField("activation") and not p.activation:
+            return logits
+        if num_labels == 1:
+            return [1 / (1 + math.exp(-logits[0]))]
+        total = sum(math.exp(x) for x in logits)
+        return [math.exp(x) / total for x in logits]
     vector = [sum(math.sin((t + 1) * (j + 1) + k) for t, k in zip(ids, types)) for j in range(embedding_size)]
     vector = vector[:p.dimensions or None]
     if p.HasField("normalize") and not p.normalize:
@@ -233,7 +239,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         except asyncio.CancelledError:
             self.cancelled[request.request_id] = time.monotonic()
             raise
-        return pb.PoolResponse(data=fake_pooled(request, self.pooling["embedding_size"]),
+        return pb.PoolResponse(data=fake_pooled(request, self.pooling["embedding_size"],
+                                                self.pooling.get("num_labels") or 1),
                                prompt_tokens=len(request.prompt_token_ids))
 
     async def wait_cancelled(self, count: int = 1, timeout: float = 2.0) -> None:
