@@ -35,8 +35,13 @@ _DOCUMENTS_PER_SEARCH_UNIT = 100
 
 @engine_route
 async def embeddings(request: web.Request) -> web.Response:
-    req = await read_json(request, EmbeddingRequest)
-    return json_response(await embedding_response(request.app[GATEWAY], await served_for(request, req.model), req))
+    return await _answer(request, EmbeddingRequest, embedding_response)
+
+
+async def _answer(request: web.Request, kind: type, respond) -> web.Response:
+    """The JSON response `respond(gateway, served model, request)` makes of the body, decoded as `kind`."""
+    req = await read_json(request, kind)
+    return json_response(await respond(request.app[GATEWAY], await served_for(request, req.model), req))
 
 
 async def embedding_response(gateway: Gateway, served: ServedModel, req: EmbeddingRequest,
@@ -83,8 +88,7 @@ async def _prompts(gateway: Gateway, served: ServedModel, inputs: EmbedInputs, p
 @engine_route
 async def rerank(request: web.Request) -> web.Response:
     """Jina's and Cohere's v1 rerank, as vLLM answers it on /rerank and /v1/rerank."""
-    req = await read_json(request, RerankRequest)
-    return json_response(await rerank_response(request.app[GATEWAY], await served_for(request, req.model), req))
+    return await _answer(request, RerankRequest, rerank_response)
 
 
 async def rerank_response(gateway: Gateway, served: ServedModel, req: RerankRequest,
@@ -121,8 +125,7 @@ async def _rerank(gateway: Gateway, served: ServedModel, req: RerankRequest, ret
 @engine_route
 async def score(request: web.Request) -> web.Response:
     """vLLM's /score: text_1 against text_2, paired 1:1, 1:N or N:N."""
-    req = await read_json(request, ScoreRequest)
-    return json_response(await score_response(request.app[GATEWAY], await served_for(request, req.model), req))
+    return await _answer(request, ScoreRequest, score_response)
 
 
 async def score_response(gateway: Gateway, served: ServedModel, req: ScoreRequest,
@@ -139,19 +142,17 @@ async def score_response(gateway: Gateway, served: ServedModel, req: ScoreReques
 @engine_route
 async def classify(request: web.Request) -> web.Response:
     """vLLM's /classify: each input's class probabilities and its most probable class."""
-    req = await read_json(request, ClassificationRequest)
-    return json_response(await classify_response(request.app[GATEWAY], await served_for(request, req.model), req))
+    return await _answer(request, ClassificationRequest, classify_response)
 
 
-async def classify_response(gateway: Gateway, served: ServedModel, req: ClassificationRequest,
-                            background: bool = False) -> ClassificationResponse:
+async def classify_response(gateway: Gateway, served: ServedModel, req: ClassificationRequest) -> ClassificationResponse:
     """A classification request's response; a 400 APIError for what cannot run."""
     check_runner(served, "pooling", "/classify")
     check_task(served, "classify", "/classify")
     inputs = embedding_inputs(req, gateway.max_client_batch_size, served.spec.max_model_len)
     prompts = await _prompts(gateway, served, inputs, "")
     params = pb.PoolingParams(task="classify", activation=req.use_activation)
-    outputs, tokens = await _pool(gateway, served, "classify", [PoolInput(p) for p in prompts], params, background)
+    outputs, tokens = await _pool(gateway, served, "classify", [PoolInput(p) for p in prompts], params)
     data = [ClassificationData(i, _label(served.spec.labels, probs), probs, len(probs))
             for i, probs in enumerate(outputs)]
     return ClassificationResponse(f"classify-{uuid.uuid4().hex}", int(time.time()), served.name, data,
