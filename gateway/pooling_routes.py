@@ -145,7 +145,8 @@ async def classify(request: web.Request) -> web.Response:
     return await _answer(request, ClassificationRequest, classify_response)
 
 
-async def classify_response(gateway: Gateway, served: ServedModel, req: ClassificationRequest) -> ClassificationResponse:
+async def classify_response(gateway: Gateway, served: ServedModel,
+                            req: ClassificationRequest) -> ClassificationResponse:
     """A classification request's response; a 400 APIError for what cannot run."""
     check_runner(served, "pooling", "/classify")
     check_task(served, "classify", "/classify")
