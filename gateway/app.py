@@ -5,7 +5,7 @@ from pathlib import Path
 from aiohttp import web
 
 from pagedserve.gateway import (anthropic_api, batches_api, files_api, ollama_api, ops_routes, pooling_routes,
-                               responses_api, routes, tokenize_routes)
+                               responses_api, routes, sagemaker, tokenize_routes)
 from pagedserve.gateway.auth import auth_middleware
 from pagedserve.gateway.batch_runner import BATCHES, DEFAULT_CONCURRENCY, DEFAULT_MAX_FILE_MB, BatchRunner
 from pagedserve.gateway.batch_store import BatchStore
@@ -81,7 +81,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     `served_model_names` and `sampling_defaults` these are; `also_serve` adds other models, each
     with its own (see Gateway.served_for for how a request finds its model).
 
-    With `api_key`, every route but /health (and /metrics unless `protect_metrics`) needs it.
+    With `api_key`, every route but /health, /ping (and /metrics unless `protect_metrics`) needs it.
     With `allowed_hosts` (see hosts.allowed_hosts), other Host headers get a 421. `cors` lets browsers
     of its origins call the API.
     `log_requests` logs one line per finished request (vLLM's --enable-log-requests).
@@ -116,7 +116,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     if browsers:
         middlewares.append(browsers.preflight)
     if api_key:
-        open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
+        # SageMaker's health checks, on /ping, carry no key.
+        open_paths = {"/health", "/ping"} if protect_metrics else {"/health", "/ping", "/metrics"}
         middlewares.append(auth_middleware(api_key, frozenset(open_paths)))
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     if browsers:
@@ -126,6 +127,9 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app.on_startup.append(_startup)
     app.on_cleanup.append(_cleanup)
     app.router.add_get("/health", ops_routes.health)
+    app.router.add_get("/ping", ops_routes.health)
+    app.router.add_post("/ping", ops_routes.health)
+    app.router.add_post("/invocations", sagemaker.invocations)
     app.router.add_get("/version", ops_routes.version_info)
     app.router.add_get("/metrics", ops_routes.metrics)
     app.router.add_get("/v1/models", routes.list_models)

@@ -9,7 +9,7 @@ from pagedserve.gateway.server import add_gateway_args, api_key, parse_list
 from pagedserve.gateway.state import GATEWAY
 
 KEY = "sk-test-123"
-OPEN = {"/health", "/metrics"}
+OPEN = {"/health", "/ping", "/metrics"}
 
 
 async def _routes() -> list[tuple[str, str]]:
@@ -53,7 +53,7 @@ async def _status(http, method: str, url: str, **headers) -> int:
 @pytest.mark.parametrize("protect_metrics", [False, True])
 async def test_every_route_needs_the_key_except_the_allowlist(serve, http, protect_metrics):
     url = await serve(api_key=KEY, protect_metrics=protect_metrics)
-    allowlist = {"/health"} if protect_metrics else OPEN
+    allowlist = {"/health", "/ping"} if protect_metrics else OPEN
     for method, path in await _routes():
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
                         {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}):
