@@ -126,6 +126,16 @@ def test_the_gateway_gets_the_generation_config_override():
     assert "--override-generation-config" not in _gateway_argv(parse(), config_from_args(parse()))
 
 
+def test_the_gateway_gets_the_cors_flags_given():
+    from pagedserve.entrypoints.cli import _gateway_argv
+    args = parse("--allowed-origins", "https://a.example", "--allowed-headers", "authorization", "--allow-credentials")
+    argv = _gateway_argv(args, config_from_args(args))
+    assert argv[argv.index("--allowed-origins") + 1] == '["https://a.example"]'
+    assert argv[argv.index("--allowed-headers") + 1] == '["authorization"]' and "--allow-credentials" in argv
+    assert "--allowed-methods" not in argv
+    assert "--allowed-origins" not in _gateway_argv(parse(), config_from_args(parse()))
+
+
 def test_run_batch_refuses_https_flags_before_it_starts(tmp_path):
     from pagedserve.entrypoints import run_batch
     args = build_parser().parse_args(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),

@@ -297,8 +297,9 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
             "--uvicorn-log-level", args.uvicorn_log_level, *tls.argv(args)]
     if args.protect_metrics:
         argv.append("--protect-metrics")
-    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
-        argv += ["--" + name.replace("_", "-"), json.dumps(getattr(args, name))]
+    for name, default in (("allowed_origins", []), ("allowed_methods", ["*"]), ("allowed_headers", ["*"])):
+        if getattr(args, name) != default:
+            argv += ["--" + name.replace("_", "-"), json.dumps(getattr(args, name))]
     if args.allow_credentials:
         argv.append("--allow-credentials")
     if args.allowed_hosts:
