@@ -67,7 +67,8 @@ def _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, cap, MASKED: tl.con
     [HEAD_PAD, TILE] when K_T, else [TILE, HEAD_PAD]. With SOFTCAP, qk_scale is scale / softcap
     and cap softcap * log2(e)."""
     # An fp8 cache widens to the query dtype here; its K scale is folded into qk_scale and its
-    # V scale applied to the output.
+    # V scale applied to the output. V as int16 pairs (see _attend_tiles) keeps acc as a pair.
+    PAIRS: tl.constexpr = v.dtype == tl.int16
     if K_T:
         s = tl.dot(q, k.to(q.dtype))
     else:
@@ -97,14 +98,36 @@ def _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, cap, MASKED: tl.con
         if tl.max(grow.to(tl.int32), 0) > 0:
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha
-            acc = acc * alpha[:, None]
+            acc = _rescaled(acc, alpha, PAIRS)
     else:
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha
-        acc = acc * alpha[:, None]
+        acc = _rescaled(acc, alpha, PAIRS)
     l_i = l_i + tl.sum(p, 1)
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+    if PAIRS:
+        low, high = _widen_pairs(v)
+        acc = (tl.dot(p.to(q.dtype), low, acc[0]), tl.dot(p.to(q.dtype), high, acc[1]))
+    else:
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
     return acc, l_i, m_new
+
+
+@triton.jit
+def _widen_pairs(v):
+    """v: int16, each element two E4M3 values (its low byte the even head dim): the even and the
+    odd ones as fp16, each v's shape."""
+    low = (v & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    high = ((v >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return low, high
+
+
+@triton.jit
+def _rescaled(acc, alpha, PAIRS: tl.constexpr):
+    if PAIRS:
+        acc = (acc[0] * alpha[:, None], acc[1] * alpha[:, None])
+    else:
+        acc = acc * alpha[:, None]
+    return acc
 
 
 @triton.jit
@@ -138,6 +161,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, 
     PADDED: tl.constexpr = HEAD_PAD != HEAD_DIM
     offs_t = tl.arange(0, TILE)
     offs_d = tl.arange(0, HEAD_PAD)
+    offs_p = tl.arange(0, HEAD_PAD // 2)
     d_ok = offs_d < HEAD_DIM
     for j in range(tile_lo, tile_hi):
         k_pos = j * TILE + offs_t
@@ -159,7 +183,11 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache, v_cache, table, kv_head, stride_b, 
             k = _load_tile(k_cache + k_off, d_ok, in_range, PADDED, MASKED)
         else:
             k = _load_tile(k_cache + k_off, in_range, d_ok, MASKED, PADDED)
-        v = _load_tile(v_cache + v_off, in_range, d_ok, MASKED, PADDED)
+        if v_cache.dtype.element_ty == tl.int16:
+            v = _load_tile(v_cache + ((slot // 2)[:, None] + offs_p[None, :]), in_range,
+                           offs_p < HEAD_DIM // 2, MASKED, PADDED)
+        else:
+            v = _load_tile(v_cache + v_off, in_range, d_ok, MASKED, PADDED)
         if MASKED:
             visible = (k_pos[None, :] <= q_limit[:, None]) & in_range[None, :]
             if WINDOW:
@@ -276,7 +304,7 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
                       REVERSE: tl.constexpr, LAZY_RESCALE: tl.constexpr, FRESH: tl.constexpr,
                       K_T: tl.constexpr, DOT_FP16: tl.constexpr, WINDOW: tl.constexpr,
                       SOFTCAP: tl.constexpr, ONE_LOOP: tl.constexpr, HEADS_FIRST: tl.constexpr,
-                      PDL: tl.constexpr):
+                      V_PAIRS: tl.constexpr, PDL: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     if HEADS_FIRST:
         kv_head, block, num_blocks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
@@ -350,7 +378,18 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
     q_limit = context_len + q_pos
     q_first = q_limit - window + 1
     kv_start = first_query - window + 1
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    if V_PAIRS:
+        # p @ v reduces over a V tile's tokens, but the cache holds its head dims contiguous: a
+        # 16-bit tile transposes on its way from shared memory (ldmatrix.trans), which has no
+        # 8-bit form, so an fp8 tile went one byte a load (128 loads a thread per 128-token tile,
+        # 254 registers for sm_90). Read as int16 pairs of head dims it transposes as a 16-bit
+        # tile and widens in registers into the even and the odd head dims, accumulated apart
+        # and interleaved once at the end (151 registers, no byte loads).
+        v_cache = v_cache.to(tl.pointer_type(tl.int16))
+        acc = (tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32),
+               tl.zeros([BLOCK_M, HEAD_PAD // 2], dtype=tl.float32))
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if FRESH:
@@ -375,6 +414,8 @@ def _attention_kernel(out, part_acc, part_ml, q_ptr, k_cache, v_cache, k_scale_p
                                      tile_lo, tile_hi, first_full, num_full, qk_scale, cap,
                                      HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE, LAZY_RESCALE, K_T,
                                      WINDOW, SOFTCAP, ONE_LOOP)
+    if V_PAIRS:
+        acc = tl.reshape(tl.join(acc[0], acc[1]), [BLOCK_M, HEAD_PAD])
     if KV_SCALED:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -667,6 +708,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             REVERSE=cfg.reverse, LAZY_RESCALE=cfg.lazy_rescale, FRESH=descs[0] is not None,
             K_T=cfg.k_transposed, DOT_FP16=fp8, WINDOW=windowed, SOFTCAP=capped,
             ONE_LOOP=cfg.one_loop and not windowed and not capped, HEADS_FIRST=heads_first,
+            V_PAIRS=fp8 and cfg.block_m == 16 and head_dim % 2 == 0,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **launch)
 
