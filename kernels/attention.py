@@ -67,7 +67,8 @@ def _softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, cap, MASKED: tl.con
     [HEAD_PAD, TILE] when K_T, else [TILE, HEAD_PAD]. With SOFTCAP, qk_scale is scale / softcap
     and cap softcap * log2(e)."""
     # An fp8 cache widens to the query dtype here; its K scale is folded into qk_scale and its
-    # V scale applied to the output. V as int16 pairs (see _attend_tiles) keeps acc as a pair.
+    # V scale applied to the output. V read as int16 pairs (V_PAIRS in _attention_kernel) keeps
+    # acc as a pair.
     PAIRS: tl.constexpr = v.dtype == tl.int16
     if K_T:
         s = tl.dot(q, k.to(q.dtype))
