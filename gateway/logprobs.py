@@ -32,11 +32,9 @@ def token_text(tokenizer: Tokenizer, token_id: int, as_ids: bool = False) -> str
 def decode_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs],
                     as_ids: bool = False) -> list[TokenLogprob]:
     """Each token with its logprobs, named as token_text names it."""
-    def text(token_id: int) -> str:
-        return token_text(tokenizer, token_id, as_ids)
-
-    return [TokenLogprob(token_id, text(token_id), max(lp.logprob, _FLOOR), lp.rank,
-                         [(t, text(t), max(p, _FLOOR)) for t, p in zip(lp.top_token_ids, lp.top_logprobs)])
+    return [TokenLogprob(token_id, token_text(tokenizer, token_id, as_ids), max(lp.logprob, _FLOOR), lp.rank,
+                         [(t, token_text(tokenizer, t, as_ids), max(p, _FLOOR))
+                          for t, p in zip(lp.top_token_ids, lp.top_logprobs)])
             for token_id, lp in zip(token_ids, logprobs)]
 
 

@@ -2,6 +2,8 @@
 import argparse
 import ssl
 
+from pagedserve.common.config import flags_given
+
 # vLLM's --ssl-cert-reqs values: ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED.
 CERT_REQS = (0, 1, 2)
 FLAGS = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs")
@@ -42,4 +44,4 @@ def server_context(args: argparse.Namespace) -> ssl.SSLContext | None:
 
 def argv(args: argparse.Namespace) -> list[str]:
     """The --ssl-* flags given, to pass on to the gateway."""
-    return [f"--{name.replace('_', '-')}={value}" for name in FLAGS if (value := getattr(args, name))]
+    return flags_given(args, FLAGS)

@@ -3,7 +3,10 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+from tests.pki import make_pki
 
 # Triton reads this when a kernel is decorated, so it must be set before any kernels module loads.
 if not torch.cuda.is_available():
@@ -26,3 +29,9 @@ def _import_installed(name: str) -> None:
 
 
 _import_installed("kernels")
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """tests/pki.py's CA, other CA and their certificates for localhost (skips without openssl)."""
+    return make_pki(tmp_path_factory.mktemp("pki"))

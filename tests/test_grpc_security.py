@@ -12,7 +12,6 @@ from pagedserve.entrypoints.cli import build_parser, grpc_tls_argv, share_grpc_t
 from pagedserve.executor_svc.null_worker import NullWorker, null_executor_info
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
-from tests.pki import make_pki
 
 SECRET = "s3cret-token"
 
@@ -66,11 +65,6 @@ async def test_without_a_token_set_nothing_is_checked(tmp_path, monkeypatch):
         assert (await describe(address)).block_size == 4
     finally:
         await server.stop()
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture

@@ -270,5 +270,10 @@ def config_to_argv(config: EngineConfig, names: tuple[str, ...]) -> list[str]:
     return argv
 
 
+def flags_given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """The flags among `names` that `args` sets (not empty or zero), as --name=value: to pass on to a child."""
+    return [f"{_flag(name)}={value}" for name in names if (value := getattr(args, name))]
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")

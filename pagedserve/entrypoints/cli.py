@@ -10,7 +10,7 @@ from pagedserve.common import aio, also_serve, arg_types, service
 from pagedserve.common.also_serve import AlsoServe
 from pagedserve.common.config import (COMPAT_FLAGS, EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_FLAGS,
                                       EngineConfig, add_engine_args, add_geometry_checks,
-                                      config_from_args, config_to_argv)
+                                      config_from_args, config_to_argv, flags_given)
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.common.log import configure, get_logger
 from pagedserve.common.model_shapes import SHAPES, write_shape
@@ -131,7 +131,7 @@ def use_grpc_tls(args: argparse.Namespace) -> None:
 
 def grpc_tls_argv(args: argparse.Namespace) -> list[str]:
     """The --grpc-tls-* flags given, to pass on to a child."""
-    return [f"--{name.replace('_', '-')}={value}" for name in TLS_FLAGS if (value := getattr(args, name))]
+    return flags_given(args, TLS_FLAGS)
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:

@@ -9,12 +9,6 @@ import pytest
 from pagedserve.gateway import tls
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.server import start
-from tests.pki import make_pki
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def flags(**given) -> argparse.Namespace:
