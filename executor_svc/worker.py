@@ -180,7 +180,7 @@ class Worker:
                             max_num_batched_tokens=self.config.max_num_batched_tokens,
                             gpu_memory_utilization=self.config.gpu_memory_utilization,
                             runner=self.runner_kind, pooling=self.pooling,
-                            mixed_graph_tokens=mixed_graph_tokens)
+                            mixed_graph_tokens=mixed_graph_tokens, kv_cache_dtype=dtype_name(self.kv_dtype))
 
     def launch(self, plan: StepPlan) -> Launched:
         """Queues the plan's step on the device (see ModelRunner.launch); every rank does too."""

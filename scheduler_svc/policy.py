@@ -20,8 +20,7 @@ FCFS, PRIORITY = "fcfs", "priority"
 # and 32 more prompt tokens (contexts under 1,000) beside the 42 rows 0.23 ms more. So background
 # rows and prompt chunks join every step that does not prefill an interactive prompt, and none that
 # does: that prompt's first token waits for no background work.
-BACKGROUND_ROWS = 20
-BACKGROUND_PREFILL_TOKENS = 40
+BACKGROUND_ROWS, BACKGROUND_PREFILL_TOKENS = 20, 40
 # Should interactive prompts arrive in every step, background work still joins one step in this many.
 BACKGROUND_INTERVAL = 64
 # The two trade interactive TPOT for batch throughput. `bench batch` on the H200 (interactive
@@ -33,6 +32,10 @@ BACKGROUND_INTERVAL = 64
 # 16 and 32 gave 1.04x / 1.12x / 46.1%, and 20 and 40 1.05x / 1.18x / 49.5% (two device calls); with
 # the split merge in one warp (kernels/attention.py), 20 and 40 1.04x / 1.19x / 50.8%, 24 and 48
 # 1.06x / 1.23x / 56.3%, past the TPOT bar of 1.2x (one call).
+# An 8-bit KV cache halves what a background row reads, which is most of its cost: with
+# --kv-cache-dtype fp8, 20 and 40 gave 1.03x / 1.16x / 53.7% (2026-12-04), 30 and 60 1.04x / 1.16x /
+# 70.2% (2026-12-05, one call each).
+BACKGROUND_ROWS_FP8, BACKGROUND_PREFILL_TOKENS_FP8 = 30, 60
 
 # A decode step reads every weight once and leaves the tensor cores mostly idle meanwhile: prompt
 # tokens beside its decode rows cost little until the step's tokens make the projections compute-
@@ -140,17 +143,26 @@ def background_turn(prefills: bool, steps_without: int) -> tuple[bool, int]:
     return False, steps_without + 1
 
 
-def background_budget(left: int, num_interactive: int, max_num_seqs: int, turn: bool) -> tuple[int, int, int]:
+def background_caps(kv_cache_dtype: str) -> tuple[int, int]:
+    """The decode rows and prompt tokens background requests may add to a step beside interactive
+    ones, for a KV cache of this element type (ExecutorInfo.kv_cache_dtype)."""
+    if kv_cache_dtype.startswith("float8"):
+        return BACKGROUND_ROWS_FP8, BACKGROUND_PREFILL_TOKENS_FP8
+    return BACKGROUND_ROWS, BACKGROUND_PREFILL_TOKENS
+
+
+def background_budget(left: int, num_interactive: int, max_num_seqs: int, turn: bool,
+                      caps: tuple[int, int]) -> tuple[int, int, int]:
     """What background requests may take of a step once interactive ones took theirs and `left`
     tokens remain: tokens, the most of them prompts may take, and how many background requests
     may run (admission stops there). All of it with no interactive request running or waiting; none
-    when it is not their `turn` (background_turn); else BACKGROUND_ROWS requests and tokens for as
-    many decode rows plus BACKGROUND_PREFILL_TOKENS of prompts, less in proportion as interactive
-    requests fill max_num_seqs."""
+    when it is not their `turn` (background_turn); else, for `caps` of (rows, prompt tokens) from
+    background_caps, as many requests and tokens for their decode rows plus the prompt tokens,
+    less in proportion as interactive requests fill max_num_seqs."""
     if not num_interactive:
         return left, left, max_num_seqs
     if not turn:
         return 0, 0, 0
     share = max(0.0, 1.0 - num_interactive / max_num_seqs)
-    rows, prefill = int(BACKGROUND_ROWS * share), int(BACKGROUND_PREFILL_TOKENS * share)
+    rows, prefill = int(caps[0] * share), int(caps[1] * share)
     return min(left, rows + prefill), min(left, prefill), rows

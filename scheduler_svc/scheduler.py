@@ -9,8 +9,8 @@ from pagedserve.common.plan import ContinuingRequest, ExecutorInfo, RequestError
 from pagedserve.common.sampling_params import check_request
 from pagedserve.scheduler_svc.block_manager import BlockManager, hash_blocks
 from pagedserve.scheduler_svc.logprobs import attach_logprobs, gather_prompt_logprobs
-from pagedserve.scheduler_svc.policy import (admit, background_budget, background_turn, check_priority, enqueue,
-                                             num_interactive, prompt_budget, requeue)
+from pagedserve.scheduler_svc.policy import (admit, background_budget, background_caps, background_turn,
+                                             check_priority, enqueue, num_interactive, prompt_budget, requeue)
 from pagedserve.scheduler_svc.pooling import check_pooling
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, drop_deferred
 from pagedserve.scheduler_svc.request_checks import check_prompt
@@ -68,6 +68,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Steps with background work that left it out (policy.background_turn).
         self.steps_without_background = 0
+        self.background_caps = background_caps(info.kv_cache_dtype)
         self.num_arrivals = 0
         self.requests: dict[int, Request] = {}
         self.request_ids: dict[str, Request] = {}
@@ -179,7 +180,8 @@ class Scheduler:
         # More tokens than requests planned: one of them is prefilling.
         prefills = bool(plan.new_requests) or self.max_num_batched_tokens - budget > len(plan.continuing)
         turn, self.steps_without_background = background_turn(prefills, self.steps_without_background)
-        budget, prompts, max_rows = background_budget(budget, start + len(self.waiting), self.max_num_seqs, turn)
+        budget, prompts, max_rows = background_budget(budget, start + len(self.waiting), self.max_num_seqs, turn,
+                                                      self.background_caps)
         budget, prompts = self._schedule_running(plan, budget, prompts, start, len(self.running))
         if self.num_preemptions == num_preemptions and not self.waiting and prompts:
             self._schedule_waiting(plan, min(budget, prompts), self.waiting_background,

@@ -44,6 +44,8 @@ def test_fp8_pool_holds_twice_the_blocks_of_bf16(llama):
 
     auto, fp8 = worker("auto"), worker("fp8")
     assert fp8.describe().num_blocks == 2 * auto.describe().num_blocks == fp8.num_blocks
+    # The scheduler sizes the background share of a step by the cache's element type.
+    assert (fp8.describe().kv_cache_dtype, auto.describe().kv_cache_dtype) == ("float8_e4m3fn", "bfloat16")
     fp8_caches, auto_caches = fp8.runner.kv_caches, auto.runner.kv_caches
     assert fp8_caches[0][0].dtype == FP8_DTYPE and auto_caches[0][0].dtype == torch.bfloat16
     assert sum(k.nbytes + v.nbytes for k, v in fp8_caches) == sum(k.nbytes + v.nbytes for k, v in auto_caches)

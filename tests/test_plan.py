@@ -56,6 +56,7 @@ def test_pooling_requests_and_pooled_data_survive_the_wire():
     assert info_from_proto(info_to_proto(info)) == info
 
 
-def test_the_largest_mixed_graph_survives_the_wire():
-    info = ExecutorInfo(8, 16, "bfloat16", "cuda", 100, 64, [2], 4, 64, mixed_graph_tokens=512)
+def test_the_largest_mixed_graph_and_the_kv_cache_dtype_survive_the_wire():
+    info = ExecutorInfo(8, 16, "bfloat16", "cuda", 100, 64, [2], 4, 64, mixed_graph_tokens=512,
+                        kv_cache_dtype="float8_e4m3fn")
     assert info_from_proto(info_to_proto(info)) == info

@@ -154,6 +154,8 @@ class ExecutorInfo:
     # The most tokens of a step with prompt chunks that the executor replays as a CUDA graph
     # (0: such steps run eagerly); the scheduler sizes prompt chunks beside decode rows by it.
     mixed_graph_tokens: int = 0
+    # The KV cache's element type as torch names it ("" from an executor that does not say).
+    kv_cache_dtype: str = ""
 
 
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
@@ -237,7 +239,8 @@ def info_to_proto(i: ExecutorInfo) -> pb.ExecutorInfo:
                            pooling_tasks=p.tasks, embedding_size=p.embedding_size,
                            matryoshka_dimensions=p.matryoshka_dimensions, is_matryoshka=p.is_matryoshka,
                            num_labels=p.num_labels, default_prompt=p.default_prompt,
-                           mixed_graph_tokens=i.mixed_graph_tokens, labels=p.labels)
+                           mixed_graph_tokens=i.mixed_graph_tokens, labels=p.labels,
+                           kv_cache_dtype=i.kv_cache_dtype)
 
 
 def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
@@ -246,4 +249,4 @@ def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
     return ExecutorInfo(m.num_blocks, m.block_size, m.dtype, m.device, m.vocab_size,
                         m.max_model_len, list(m.eos_token_ids), m.max_num_seqs,
                         m.max_num_batched_tokens, m.gpu_memory_utilization, m.runner or "generate", pooling,
-                        m.mixed_graph_tokens)
+                        m.mixed_graph_tokens, m.kv_cache_dtype)

@@ -3,10 +3,11 @@ from collections import deque
 import pytest
 
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.scheduler_svc.policy import (BACKGROUND_INTERVAL, BACKGROUND_PREFILL_TOKENS, BACKGROUND_ROWS,
+from pagedserve.scheduler_svc.policy import (BACKGROUND_INTERVAL, BACKGROUND_PREFILL_TOKENS,
+                                             BACKGROUND_PREFILL_TOKENS_FP8, BACKGROUND_ROWS, BACKGROUND_ROWS_FP8,
                                              BACKLOG_STEPS, BURST_TOKENS, FCFS, PRIORITY, STEP_TOKENS, admit,
-                                             background_budget, background_turn, check_priority, enqueue,
-                                             num_interactive, prompt_budget, requeue)
+                                             background_budget, background_caps, background_turn, check_priority,
+                                             enqueue, num_interactive, prompt_budget, requeue)
 from pagedserve.scheduler_svc.request import Request
 
 
@@ -60,16 +61,27 @@ def test_under_priority_the_interactive_victim_has_the_largest_priority_and_arri
 
 
 def test_background_budget_is_everything_left_without_interactive_load_else_a_shrinking_allowance():
-    assert background_budget(500, 0, 256, False) == background_budget(500, 0, 256, True) == (500, 500, 256)
+    caps = (BACKGROUND_ROWS, BACKGROUND_PREFILL_TOKENS)
+    assert background_budget(500, 0, 256, False, caps) == background_budget(500, 0, 256, True, caps) == (500, 500, 256)
     # Beside interactive requests, in its turn: decode rows and a prompt chunk.
     rows, prefill = BACKGROUND_ROWS // 2, BACKGROUND_PREFILL_TOKENS // 2
-    assert background_budget(500, 128, 256, True) == (rows + prefill, prefill, rows)
+    assert background_budget(500, 128, 256, True, caps) == (rows + prefill, prefill, rows)
     # Out of its turn (a step that prefills an interactive prompt): nothing.
-    assert background_budget(500, 128, 256, False) == (0, 0, 0)
-    assert background_budget(10, 1, 256, True)[:2] == (10, 10)
-    assert background_budget(500, 256, 256, True) == background_budget(500, 300, 256, True) == (0, 0, 0)
-    allowances = [background_budget(8192, n, 256, True) for n in range(1, 300)]
+    assert background_budget(500, 128, 256, False, caps) == (0, 0, 0)
+    assert background_budget(10, 1, 256, True, caps)[:2] == (10, 10)
+    assert background_budget(500, 256, 256, True, caps) == background_budget(500, 300, 256, True, caps) == (0, 0, 0)
+    allowances = [background_budget(8192, n, 256, True, caps) for n in range(1, 300)]
     assert allowances == sorted(allowances, reverse=True)
+
+
+def test_an_8_bit_kv_cache_gives_background_work_more_rows_and_prompt_tokens():
+    assert background_caps("bfloat16") == background_caps("float32") == background_caps("") == (
+        BACKGROUND_ROWS, BACKGROUND_PREFILL_TOKENS)
+    assert background_caps("float8_e4m3fn") == (BACKGROUND_ROWS_FP8, BACKGROUND_PREFILL_TOKENS_FP8)
+    assert BACKGROUND_ROWS_FP8 > BACKGROUND_ROWS and BACKGROUND_PREFILL_TOKENS_FP8 > BACKGROUND_PREFILL_TOKENS
+    # 10 interactive requests of 256 leave 96% of each cap, rounded down: 19 rows and 38 tokens, or 28 and 57.
+    assert background_budget(500, 10, 256, True, background_caps("bfloat16")) == (57, 38, 19)
+    assert background_budget(500, 10, 256, True, background_caps("float8_e4m3fn")) == (85, 57, 28)
 
 
 def test_background_work_skips_steps_that_prefill_interactive_prompts_until_the_interval():

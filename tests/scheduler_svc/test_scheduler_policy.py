@@ -2,7 +2,7 @@
 the background share of a step, and preemption victims."""
 import pytest
 
-from pagedserve.scheduler_svc.policy import BACKGROUND_INTERVAL, background_budget
+from pagedserve.scheduler_svc.policy import BACKGROUND_INTERVAL, background_budget, background_caps
 from pagedserve.scheduler_svc.request import RequestStatus
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from tests.scheduler_svc.helpers import add, make_scheduler, scheduled, step
@@ -64,7 +64,7 @@ def test_beside_interactive_decodes_a_background_prompt_runs_in_chunks_and_skips
         add(s, seq_id, 4, first_token=10 * seq_id, max_tokens=60)
     step(s)
     add(s, 3, 200, first_token=100, background=True, max_tokens=30)
-    budget, max_chunk, _ = background_budget(64 - 2, 2, 8, True)
+    budget, max_chunk, _ = background_budget(64 - 2, 2, 8, True, s.background_caps)
     plan, _ = step(s)
     # A decode step: the background prompt joins it, one allowance's chunk at a time.
     assert scheduled(plan) == {1: 1, 2: 1, 3: min(budget, max_chunk)}
@@ -73,7 +73,7 @@ def test_beside_interactive_decodes_a_background_prompt_runs_in_chunks_and_skips
     # The interactive prompt makes this step a prefill step: background work waits it out.
     assert scheduled(plan) == {1: 1, 2: 1, 4: 10}
     plan, _ = step(s)
-    budget, max_chunk, _ = background_budget(64 - 3, 3, 8, True)
+    budget, max_chunk, _ = background_budget(64 - 3, 3, 8, True, s.background_caps)
     assert scheduled(plan) == {1: 1, 2: 1, 4: 1, 3: min(budget, max_chunk)}
     # Once no interactive request is left, background ones fill the step.
     for rid in ("r1", "r2", "r4"):
@@ -103,7 +103,7 @@ def test_background_decode_rows_beside_interactive_ones_stay_within_the_allowanc
     # The interactive prompt's step takes no background work.
     assert scheduled(plan) == {900: 2}
     plan, _ = step(s)
-    budget, _, _ = background_budget(128 - 1, 1, 128, True)
+    budget, _, _ = background_budget(128 - 1, 1, 128, True, s.background_caps)
     assert 0 < budget < 120
     assert scheduled(plan)[900] == 1 and background_tokens(s, plan) == budget
     assert all(n == 1 for n in scheduled(plan).values())
@@ -112,15 +112,16 @@ def test_background_decode_rows_beside_interactive_ones_stay_within_the_allowanc
     assert set(scheduled(step(s)[0])) == set(scheduled(plan))
 
 
-def test_beside_interactive_load_background_admission_stops_at_the_allowance_of_rows():
-    s = make_scheduler(num_blocks=512, max_num_seqs=64, max_num_batched_tokens=256)
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_beside_interactive_load_background_admission_stops_at_the_allowance_of_rows(kv_cache_dtype):
+    s = make_scheduler(num_blocks=512, max_num_seqs=64, max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype)
     add(s, 1, 2, max_tokens=200)
     step(s)
     for seq_id in range(2, 100):
         add(s, seq_id, 4, first_token=10 * seq_id, background=True, max_tokens=200)
     for _ in range(40):
         step(s)
-    _, _, max_rows = background_budget(256 - 1, 1, 64, True)
+    _, _, max_rows = background_budget(256 - 1, 1, 64, True, background_caps(kv_cache_dtype))
     assert len(s.running) - 1 == max_rows and s.waiting_background
 
 
