@@ -6,7 +6,6 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.executor_svc.step_buffers import ALIGN, Staging
-from pagedserve.common.sampling_params import MAX_LOGPROBS
 
 # Room for each upload's start being rounded up to ALIGN: a step makes about 15, this covers 64.
 ALIGNMENT_SLACK = 64 * ALIGN
@@ -21,10 +20,10 @@ class HostSlot:
     logprob_ids: torch.Tensor
 
     @classmethod
-    def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int,
+    def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int, max_logprobs: int,
                  device: torch.device) -> "HostSlot":
         pinned = device.type == "cuda"
-        num_logprobs = max_seqs * (1 + MAX_LOGPROBS)
+        num_logprobs = max_seqs * (1 + max_logprobs)
         return cls(Staging(staging_bytes(max_tokens, max_seqs, max_blocks), device),
                    torch.empty(max_seqs, dtype=torch.int64, pin_memory=pinned),
                    torch.empty(num_logprobs, dtype=torch.float32, pin_memory=pinned),

@@ -30,7 +30,7 @@ from pagedserve.executor_svc.step_clock import StepClock
 from pagedserve.executor_svc.structured_outputs import StructuredOutputs
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.plan import MAX_STEPS_IN_FLIGHT, NewRequest, RequestError, StepPlan, StepResult
-from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -115,7 +115,7 @@ class ModelRunner:
         max_blocks = self.batch.max_blocks
         # A padded mixed step has a sequence more than it may schedule.
         self.buffers = StepBuffers.allocate(max_tokens, self.max_seqs + 1, max_blocks, device)
-        self.slots = [HostSlot.allocate(max_tokens, self.max_seqs + 1, max_blocks, device)
+        self.slots = [HostSlot.allocate(max_tokens, self.max_seqs + 1, max_blocks, config.max_logprobs, device)
                       for _ in range(MAX_STEPS_IN_FLIGHT)]
         self.slot = self.slots[0]
         # The device copy of the batch's block table, updated from each plan's new block ids.
@@ -244,7 +244,7 @@ class ModelRunner:
                   decode_rows: int = 0) -> None:
         """One forward of `num_tokens` prompt tokens (in sequences of up to max_model_len sharing
         one scratch KV cache, their KV in `num_splits` segments if given) and `decode_rows`
-        one-token sequences, the largest prompt logprobs pass (a chunk of positions, MAX_LOGPROBS
+        one-token sequences, the largest prompt logprobs pass (a chunk of positions, --max-logprobs
         top tokens), then logits and sampling for `num_sample_rows` rows, the first greedy and the
         others top-p: the largest step the engine will run, for memory profiling and warm-up."""
         seq_len = min(num_tokens, self.max_model_len)
@@ -264,7 +264,7 @@ class ModelRunner:
             hidden = self._forward(step, scratch)
             positions = torch.arange(min(num_tokens, PROMPT_LOGPROBS_CHUNK), device=self.device)
             chunked_logprobs(self.model.compute_logits, hidden, positions, torch.zeros_like(positions),
-                             MAX_LOGPROBS)
+                             self.config.max_logprobs)
             n = num_sample_rows
             step.sample_rows = np.arange(n)
             step.logits_indices = torch.arange(n, device=self.device) % num_tokens

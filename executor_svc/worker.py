@@ -5,6 +5,7 @@ CUDA graphs, and carries tensor parallelism's control plane: it joins the group,
 starts ranks 1..N-1 and has them repeat its launch, collect and reset calls (tp_workers.py)."""
 import time
 import weakref
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -71,6 +72,8 @@ class Worker:
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         self.config = resolve_batch_limits(config, batch_defaults(self.device, offline),
                                            self.max_model_len, self.runner_kind == "pooling")
+        if config.max_logprobs == -1:
+            self.config = replace(self.config, max_logprobs=self.model_config.vocab_size)
         self.block_size = self.config.block_size
         self.tp = self.ranks = None
         if config.tensor_parallel_size > 1:
@@ -180,7 +183,8 @@ class Worker:
                             max_num_batched_tokens=self.config.max_num_batched_tokens,
                             gpu_memory_utilization=self.config.gpu_memory_utilization,
                             runner=self.runner_kind, pooling=self.pooling,
-                            mixed_graph_tokens=mixed_graph_tokens, kv_cache_dtype=dtype_name(self.kv_dtype))
+                            mixed_graph_tokens=mixed_graph_tokens, kv_cache_dtype=dtype_name(self.kv_dtype),
+                            max_logprobs=self.config.max_logprobs)
 
     def launch(self, plan: StepPlan) -> Launched:
         """Queues the plan's step on the device (see ModelRunner.launch); every rank does too."""

@@ -8,6 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.gateway.engine_stream import EngineStream
 from pagedserve.gateway.errors import APIError, Unavailable, bad_request, internal, overloaded
 from pagedserve.common import service
+from pagedserve.common.sampling_params import MAX_LOGPROBS
 from pagedserve.v1 import engine_pb2 as pb
 from pagedserve.v1 import sampling_pb2
 from pagedserve.v1.engine_pb2_grpc import EngineStub
@@ -38,12 +39,15 @@ class ModelSpec:
     num_labels: int = 0
     default_prompt: str = ""
     labels: tuple[str, ...] = ()
+    # The most top logprobs a request may ask for per token (the engine's --max-logprobs).
+    max_logprobs: int = MAX_LOGPROBS
 
     @classmethod
     def of(cls, info: pb.ModelInfo) -> "ModelSpec":
         return cls(info.served_model_name, info.max_model_len, info.vocab_size, info.runner or "generate",
                    tuple(info.pooling_tasks), info.embedding_size, tuple(info.matryoshka_dimensions),
-                   info.is_matryoshka, info.num_labels, info.default_prompt, tuple(info.labels))
+                   info.is_matryoshka, info.num_labels, info.default_prompt, tuple(info.labels),
+                   info.max_logprobs)
 
 
 # A call the gateway cancels itself never raises (a client that leaves cancels the handler), so a

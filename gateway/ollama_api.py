@@ -74,7 +74,8 @@ def _neutral(req: GenerationFields, **chat) -> NeutralRequest:
     fmt = translate.constraint(req.format)
     return NeutralRequest(_sampling(req), constraint=None if fmt is None else ("format", fmt),
                           max_tokens=translate.max_tokens((req.options or Options()).num_predict),
-                          logprobs=req.top_logprobs if req.logprobs else None, **chat)
+                          logprobs=req.top_logprobs if req.logprobs else None,
+                          field_names={"logprobs": "top_logprobs"}, **chat)
 
 
 def _loaded(req: GenerationFields, chat: bool) -> web.Response:

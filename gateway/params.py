@@ -8,7 +8,9 @@ import msgspec
 from pagedserve.gateway.errors import bad_request, unsupported
 from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
 from pagedserve.common.tokenizer import RESERVED_VARIABLES, Tokenizer
-from pagedserve.common.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams, StructuredOutputsParams
+from pagedserve.common import sampling_params as engine_params
+from pagedserve.common.sampling_params import (MAX_LOGIT_BIAS_TOKENS, OutOfRange, SamplingParams,
+                                               StructuredOutputsParams)
 
 # Text of one request (its prompts, or everything its chat template renders); past a million
 # characters no context window of a served model is near, and tokenizing it alone takes seconds of CPU.
@@ -191,6 +193,14 @@ def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
         if not ids:
             raise bad_request("The prompt is empty; send at least one token.", param="prompt")
         check_token_ids(ids, vocab_size, "prompt")
+
+
+def check_logprobs(wanted: SamplingParams, max_logprobs: int) -> None:
+    """A 400 for more top logprobs a token than the engine returns (its --max-logprobs)."""
+    try:
+        engine_params.check_logprobs(wanted, max_logprobs)
+    except OutOfRange as e:
+        raise bad_request(f"{e}.", param=e.param) from None
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:

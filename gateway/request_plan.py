@@ -167,6 +167,7 @@ def _choices(rid: str, req: NeutralRequest, prompts: list[list[int]], served: Se
     params.check_stop(sampling.stop)
     wanted = params.sampling_params(sampling, req.max_tokens, req.logprobs, served.sampling_defaults, constraint,
                                     req.prompt_logprobs, bias)
+    params.check_logprobs(wanted, spec.max_logprobs)
     choices = fan_out(rid, prompts, wanted, Routing(sampling.cache_salt, sampling.priority, req.background))
     served.metrics.request_params_n.observe(sampling.n)
     served.metrics.request_params_max_tokens.observe(

@@ -32,6 +32,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await run(request, p, wire)
 
 
+# Chat names the top logprobs a token `top_logprobs`.
+_CHAT_FIELD_NAMES = {"logprobs": "top_logprobs"}
+
+
 async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRequest,
                     background: bool = False) -> tuple[Plan, ChatResponses]:
     """A chat completion request's plan and wire (the route's and a batch line's); a 400 APIError
@@ -43,7 +47,7 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
                              logprobs=params.chat_logprobs(req), prompt_logprobs=req.prompt_logprobs,
                              include_usage=_include_usage(req), chat_template_kwargs=req.chat_template_kwargs,
                              chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
-                             background=background)
+                             background=background, field_names=_CHAT_FIELD_NAMES)
     p = await plan(gateway, served, neutral)
     prompt_lp = None
     if req.prompt_logprobs is not None:

@@ -17,8 +17,9 @@ Stop = str | Annotated[list[str], Meta(max_length=4)]
 MAX_STOP_STRINGS = 16
 
 # The engine's ranges, less where OpenAI's API allows less: up to 16 choices, temperature up to 2.
-# Completions' logprobs go to 20 as in vLLM (its default --max-logprobs), not OpenAI's legacy 5:
-# evaluation harnesses written against vLLM ask for more than 5. Each endpoint names logprobs its own way.
+# Completions' logprobs and chat's top_logprobs go to the engine's --max-logprobs (20 by default) as
+# in vLLM, not OpenAI's legacy 5 and 20: evaluation harnesses written against vLLM ask for more than 5.
+# Each endpoint names logprobs its own way.
 SAMPLING_RANGES = {name: allowed for name, allowed in RANGES.items() if name != "logprobs"} | {
     "n": Range(1, 16), "temperature": Range(0, 2, note="0 = greedy")}
 CHAT_RANGES = SAMPLING_RANGES | {"max_completion_tokens": RANGES["max_tokens"],

@@ -50,6 +50,7 @@ class Scheduler:
         self.mixed_graph_tokens = info.mixed_graph_tokens
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.max_logprobs = info.max_logprobs
         self.eos_token_ids = frozenset(info.eos_token_ids)
         # "pooling": every request is a pooling one (scheduler_svc/pooling.py), else none is.
         self.runner, self.pooling = info.runner, info.pooling
@@ -111,7 +112,7 @@ class Scheduler:
         check_prompt(request, self.max_model_len, self.max_len, self.kv_capacity)
         check_pooling(request, self.runner, self.pooling, self.max_model_len,
                       min(self.max_num_batched_tokens, self.kv_capacity))
-        check_request(request.prompt_token_ids, request.sampling, self.vocab_size)
+        check_request(request.prompt_token_ids, request.sampling, self.vocab_size, self.max_logprobs)
         check_priority(request.priority, self.policy)
         if request.seq_id in self.requests or request.request_id in self.request_ids:
             raise ValueError(f"request {request.request_id!r} (seq {request.seq_id}) is already queued")

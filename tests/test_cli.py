@@ -50,7 +50,7 @@ def test_model_positional_or_flag_and_several_served_names():
                                   ["--data-parallel-size", "3"], ["--enable-chunked-prefill"],
                                   ["--swap-space", "16"], ["--disable-custom-all-reduce"], ["-pp", "1"],
                                   ["--pipeline-parallel-size", "1"], ["--distributed-executor-backend", "mp"],
-                                  ["--tokenizer-mode", "auto"]])
+                                  ["--tokenizer-mode", "auto"], ["--max-logprobs", "-1"], ["--max-logprobs", "0"]])
 def test_accepted_vllm_flags(argv):
     parse(*argv)
 
@@ -82,6 +82,7 @@ def test_a_deployment_guides_compat_flags_reach_no_process():
     (["--distributed-executor-backend", "ray"], "a backend other than mp is not built yet"),
     (["--tokenizer-mode", "mistral"], "a tokenizer mode other than auto is not built yet"),
     (["--swap-space", "-4"], "must be 0 or more"),
+    (["--max-logprobs", "-2"], "must be 0 or more, or -1 for the whole vocabulary"),
     (["--gpu", "0.5"], "unrecognized argument --gpu; did you mean --gpu-memory-utilization?"),
     (["--max-num-seq", "8"], "did you mean --max-num-seqs?"),
     (["--gpu-memory-utlization", "0.5"], "did you mean --gpu-memory-utilization?"),
@@ -155,9 +156,10 @@ def test_help_shows_defaults_and_says_no_remote_code_runs(capsys):
 
 def test_each_child_gets_its_own_flags():
     config = config_from_args(parse("--max-num-seqs", "16", "--max-model-len", "4k", "--no-enable-prefix-caching",
-                                    "--served-model-name", "a", "b", "-q", "FP8"))
+                                    "--served-model-name", "a", "b", "-q", "FP8", "--max-logprobs", "-1"))
     executor, scheduler = config_to_argv(config, EXECUTOR_FLAGS), config_to_argv(config, SCHEDULER_FLAGS)
-    assert executor == ["--max-model-len", "4000", "--max-num-seqs", "16", "--quantization", "fp8"]
+    assert executor == ["--max-model-len", "4000", "--max-num-seqs", "16", "--quantization", "fp8",
+                        "--max-logprobs", "-1"]
     assert scheduler == ["--served-model-name", "a", "b", "--no-enable-prefix-caching"]
     build_parser().parse_args(["executor", *executor])
     build_parser().parse_args(["scheduler", *scheduler])

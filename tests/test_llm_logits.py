@@ -1,6 +1,7 @@
 """Logprobs, penalties and min_tokens through the offline LLM (scheduler + executor cores) on a tiny
 model, against transformers: its log_softmax, its repetition and min-new-tokens processors, and a
 frequency/presence processor written out below."""
+import math
 import random
 from dataclasses import replace
 
@@ -88,6 +89,22 @@ def test_logprobs_are_transformers_log_softmax_of_the_raw_logits(path, hf):
                     assert entries[token].rank == int((expected[i] >= expected[i, token]).sum())
                 if params.temperature == 0:
                     assert entries[token].rank == 1
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask_for_and_minus_one_is_the_whole_vocabulary(path, hf):
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\] \(the server's --max-logprobs\), got 21"):
+        LLM(str(path)).generate(prompt, SamplingParams(max_tokens=1, logprobs=21), use_tqdm=False)
+    vocab = hf.config.vocab_size
+    llm = LLM(str(path), max_logprobs=-1)
+    assert llm.worker.describe().max_logprobs == vocab
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=vocab, prompt_logprobs=vocab)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    every = [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]
+    assert len(every) == 2 + len(PROMPTS[0]) - 1
+    for entries in every:
+        assert sorted(entries) == list(range(vocab))
+        assert abs(sum(math.exp(e.logprob) for e in entries.values()) - 1) < 1e-4
 
 
 def test_no_logprobs_unless_asked(path):

@@ -71,14 +71,14 @@ def test_every_value_outside_its_range_is_refused_by_name(name):
 
 def test_range_messages_read_as_intervals():
     messages = {}
-    for name, value in (("top_p", 0), ("temperature", -1), ("repetition_penalty", 0), ("logprobs", 21)):
+    for name, value in (("top_p", 0), ("temperature", -1), ("repetition_penalty", 0), ("logprobs", -1)):
         with pytest.raises(OutOfRange) as e:
             SamplingParams(**{name: value})
         messages[name] = str(e.value)
     assert messages == {"top_p": "top_p must be in (0, 1], got 0",
                         "temperature": "temperature must be at least 0 (0 = greedy), got -1",
                         "repetition_penalty": "repetition_penalty must be greater than 0 (1 = off), got 0",
-                        "logprobs": "logprobs must be in [0, 20], got 21"}
+                        "logprobs": "logprobs must be in [0, 2147483647], got -1"}
 
 
 def test_nan_is_out_of_every_range():

@@ -21,6 +21,14 @@ def positive_int(value: str | int) -> int:
     return number
 
 
+def max_logprobs(value: str | int) -> int:
+    """0 or more, or -1 for the whole vocabulary, as vLLM's --max-logprobs takes."""
+    number = _integer(value)
+    if number < -1:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, or -1 for the whole vocabulary, got {value!r}")
+    return number
+
+
 def size(value: str | int) -> int:
     """A positive integer, also as vLLM writes sizes: 8k = 8000, 8K = 8192, 1.5m = 1500000."""
     if isinstance(value, str):

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, fields
 
 from pagedserve.common import arg_types
+from pagedserve.common.sampling_params import MAX_LOGPROBS
 
 
 @dataclass(slots=True)
@@ -46,6 +47,8 @@ class EngineConfig:
     task: str | None = None
     pooler_config: dict | None = None
     hf_overrides: dict | None = None
+    # The most top logprobs a request may ask for per token; -1: the vocabulary's size.
+    max_logprobs: int = MAX_LOGPROBS
 
     @property
     def name(self) -> str:
@@ -58,7 +61,7 @@ SCHEDULER_FLAGS = ("served_model_name", "max_num_queued_reqs", "scheduling_polic
 EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes", "dtype",
                   "kv_cache_dtype", "seed", "load_format", "quantization", "device", "enforce_eager",
-                  "tensor_parallel_size", "runner", "task", "pooler_config", "hf_overrides")
+                  "tensor_parallel_size", "runner", "task", "pooler_config", "hf_overrides", "max_logprobs")
 # Executor flags whose value Describe reports back; a scheduler given one checks it against that.
 GEOMETRY_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "num_gpu_blocks_override", "dtype")
@@ -162,6 +165,11 @@ def _flag_specs() -> dict[str, dict]:
                                   "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
                                   "\"classifier_from_token\": [\"no\", \"yes\"], "
                                   "\"is_original_qwen3_reranker\": true}'"),
+        "max_logprobs": dict(type=arg_types.max_logprobs, default=d.max_logprobs,
+                             help="the most top logprobs a request may ask for per token (logprobs, "
+                                  "top_logprobs, prompt_logprobs); -1: the whole vocabulary. The "
+                                  "executor holds pinned host memory of max_num_seqs x (1 + N) x 24 "
+                                  "bytes for them"),
         "trust_remote_code": dict(action="store_true",
                                   help="accepted for vLLM's commands; pagedserve never runs code from a "
                                        "model directory, so it changes nothing"),

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pagedserve.common.pooling_params import PoolingParams, pooling_from_proto, pooling_to_proto
-from pagedserve.common.sampling_params import SamplingParams, sampling_from_proto, sampling_to_proto
+from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams, sampling_from_proto, sampling_to_proto
 from pagedserve.v1 import executor_pb2 as pb
 
 # Steps planned ahead of results: with two, the executor prepares and launches the next step
@@ -156,6 +156,9 @@ class ExecutorInfo:
     mixed_graph_tokens: int = 0
     # The KV cache's element type as torch names it ("" from an executor that does not say).
     kv_cache_dtype: str = ""
+    # The most top logprobs a request may ask for per token (--max-logprobs, -1 resolved to the
+    # vocabulary's size): what the executor sized its logprob buffers for.
+    max_logprobs: int = MAX_LOGPROBS
 
 
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
@@ -240,7 +243,7 @@ def info_to_proto(i: ExecutorInfo) -> pb.ExecutorInfo:
                            matryoshka_dimensions=p.matryoshka_dimensions, is_matryoshka=p.is_matryoshka,
                            num_labels=p.num_labels, default_prompt=p.default_prompt,
                            mixed_graph_tokens=i.mixed_graph_tokens, labels=p.labels,
-                           kv_cache_dtype=i.kv_cache_dtype)
+                           kv_cache_dtype=i.kv_cache_dtype, max_logprobs=i.max_logprobs)
 
 
 def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
@@ -249,4 +252,4 @@ def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
     return ExecutorInfo(m.num_blocks, m.block_size, m.dtype, m.device, m.vocab_size,
                         m.max_model_len, list(m.eos_token_ids), m.max_num_seqs,
                         m.max_num_batched_tokens, m.gpu_memory_utilization, m.runner or "generate", pooling,
-                        m.mixed_graph_tokens, m.kv_cache_dtype)
+                        m.mixed_graph_tokens, m.kv_cache_dtype, m.max_logprobs)

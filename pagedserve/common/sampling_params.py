@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.v1 import sampling_pb2 as pb
 
-# vLLM's default max_logprobs: the most top logprobs a request may ask for per token.
+# vLLM's default --max-logprobs: the most top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
 # The wire's integer fields are int32, the seed an int64.
 INT32_MAX = 2**31 - 1
@@ -66,8 +66,9 @@ RANGES: dict[str, Range] = {
     "presence_penalty": Range(-2, 2),
     "frequency_penalty": Range(-2, 2),
     "repetition_penalty": Range(0, low_open=True, note="1 = off"),
-    "logprobs": Range(0, MAX_LOGPROBS),
-    "prompt_logprobs": Range(0, MAX_LOGPROBS),
+    # The engine's --max-logprobs bounds both further (check_logprobs).
+    "logprobs": Range(0, INT32_MAX),
+    "prompt_logprobs": Range(0, INT32_MAX),
 }
 
 # OpenAI's bound on a logit_bias value; a larger one is clamped to it, as OpenAI does.
@@ -183,11 +184,24 @@ def _clamped_bias(bias: dict[int, float]) -> dict[int, float]:
     return {int(t): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b))) for t, b in bias.items()}
 
 
-def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """Raises OutOfRange if logprobs or prompt_logprobs asks for more than the engine's
+    --max-logprobs, which sized the executor's buffers."""
+    allowed = Range(0, max_logprobs, note="the server's --max-logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise OutOfRange(name, allowed, value)
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
+                  max_logprobs: int) -> None:
     """Raises ValueError (OutOfRange for an id) naming the first field that holds a token id outside
     [0, vocab_size) or is longer than its bound: the prompt, stop_token_ids, logit_bias keys and
-    reasoning_end_ids, and the constraint's size. An id past the vocabulary would index past the
-    embedding or, in the executor's flat [rows x vocab] logits, into another request's row."""
+    reasoning_end_ids, and the constraint's size; or logprobs past `max_logprobs`. An id past the
+    vocabulary would index past the embedding or, in the executor's flat [rows x vocab] logits, into
+    another request's row."""
+    check_logprobs(params, max_logprobs)
     _check_ids("prompt_token_ids", prompt_token_ids, vocab_size)
     _check_ids("stop_token_ids", params.stop_token_ids, vocab_size, MAX_STOP_TOKEN_IDS)
     if params.logit_bias:

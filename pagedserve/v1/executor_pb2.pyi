@@ -13,7 +13,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "dtype", "device", "vocab_size", "max_model_len", "eos_token_ids", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "runner", "pooling_tasks", "embedding_size", "matryoshka_dimensions", "is_matryoshka", "num_labels", "default_prompt", "mixed_graph_tokens", "labels", "kv_cache_dtype")
+    __slots__ = ("num_blocks", "block_size", "dtype", "device", "vocab_size", "max_model_len", "eos_token_ids", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "runner", "pooling_tasks", "embedding_size", "matryoshka_dimensions", "is_matryoshka", "num_labels", "default_prompt", "mixed_graph_tokens", "labels", "kv_cache_dtype", "max_logprobs")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class ExecutorInfo(_message.Message):
     MIXED_GRAPH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     dtype: str
@@ -54,7 +55,8 @@ class ExecutorInfo(_message.Message):
     mixed_graph_tokens: int
     labels: _containers.RepeatedScalarFieldContainer[str]
     kv_cache_dtype: str
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., gpu_memory_utilization: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., is_matryoshka: _Optional[bool] = ..., num_labels: _Optional[int] = ..., default_prompt: _Optional[str] = ..., mixed_graph_tokens: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    max_logprobs: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., gpu_memory_utilization: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., is_matryoshka: _Optional[bool] = ..., num_labels: _Optional[int] = ..., default_prompt: _Optional[str] = ..., mixed_graph_tokens: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache_dtype: _Optional[str] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "num_scheduled_tokens", "block_ids", "sampling", "num_prompt_tokens", "min_tokens_mask_ids", "pooling", "token_type_ids")

@@ -14,6 +14,7 @@ from grpc_health.v1.health import aio as health_aio
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from pagedserve.common.sampling_params import MAX_LOGPROBS
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.server import start
@@ -132,6 +133,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.delay = 0.001
         self.tokens_per_reply = 1
         self.max_model_len = MAX_MODEL_LEN
+        self.max_logprobs = MAX_LOGPROBS
         self.fail_after: int | None = None
         self.reject: grpc.StatusCode | None = None
         self.requests: list[pb.GenerateRequest] = []
@@ -226,7 +228,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     async def GetModelInfo(self, request, context):
         self.info_calls += 1
         return pb.ModelInfo(served_model_name=self.model, max_model_len=self.max_model_len,
-                            vocab_size=self.vocab_size, eos_token_ids=[self.eos], **ENGINE_STATS,
+                            vocab_size=self.vocab_size, eos_token_ids=[self.eos], max_logprobs=self.max_logprobs,
+                            **ENGINE_STATS,
                             **self.steps, runner=self.runner, **self.pooling)
 
     async def Pool(self, request, context):

@@ -89,6 +89,23 @@ async def test_completion_logprobs_go_to_twenty_as_in_vllm(http, base_url, engin
     check_completion_logprobs(whole, tokenizer, 3, 20)
 
 
+async def test_logprobs_go_to_the_engines_max_logprobs_and_no_further(serve, http, engine):
+    engine.max_logprobs = 25
+    url = await serve()
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 25}
+    async with http.post(f"{url}/v1/chat/completions", json=chat) as r:
+        assert r.status == 200
+    assert engine.requests[-1].params.logprobs == 25
+    completion = {"model": MODEL, "prompt": "Once", "max_tokens": 2}
+    for path, body, param in (("chat/completions", {**chat, "top_logprobs": 26}, "top_logprobs"),
+                              ("completions", {**completion, "logprobs": 26}, "logprobs"),
+                              ("completions", {**completion, "prompt_logprobs": 26}, "prompt_logprobs")):
+        async with http.post(f"{url}/v1/{path}", json=body) as r:
+            error = (await r.json())["error"]
+        assert r.status == 400 and error["param"] == param
+        assert error["message"] == f"{param.removeprefix('top_')} must be in [0, 25] (the server's --max-logprobs), got 26."
+
+
 async def test_tokens_as_token_ids_by_request_or_by_the_server_flag(serve, http, tokenizer):
     ids = tokenizer.encode(REPLY, add_special_tokens=False)[:4]
     named = [f"token_id:{t}" for t in ids]

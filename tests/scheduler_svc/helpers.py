@@ -1,7 +1,7 @@
 """Builds small schedulers and requests for the scheduler tests."""
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.plan import ExecutorInfo, StepPlan, StepResult
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.scheduler_svc.request import Request, RequestDelta
 from pagedserve.scheduler_svc.scheduler import Scheduler
 
@@ -12,13 +12,14 @@ def make_scheduler(num_blocks: int = 64, max_model_len: int = 256, block_size: i
                    max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                    enable_prefix_caching: bool = True, max_num_queued_reqs: int | None = None,
                    scheduling_policy: str = "fcfs", mixed_graph_tokens: int = 0,
-                   kv_cache_dtype: str = "bfloat16") -> Scheduler:
+                   kv_cache_dtype: str = "bfloat16", max_logprobs: int = MAX_LOGPROBS) -> Scheduler:
     config = EngineConfig(enable_prefix_caching=enable_prefix_caching, max_num_queued_reqs=max_num_queued_reqs,
                           scheduling_policy=scheduling_policy)
     info = ExecutorInfo(num_blocks=num_blocks, block_size=block_size, dtype="none", device="none",
                         vocab_size=1000, max_model_len=max_model_len, eos_token_ids=[EOS],
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        mixed_graph_tokens=mixed_graph_tokens, kv_cache_dtype=kv_cache_dtype)
+                        mixed_graph_tokens=mixed_graph_tokens, kv_cache_dtype=kv_cache_dtype,
+                        max_logprobs=max_logprobs)
     return Scheduler(config, info)
 
 

@@ -12,8 +12,8 @@ import pytest
 from pagedserve.common import service
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.plan import NewRequest, StepPlan, plan_from_proto, plan_to_proto
-from pagedserve.common.sampling_params import (MAX_CONSTRAINT_CHARS, MAX_LOGIT_BIAS_TOKENS, MAX_REASONING_END_IDS,
-                                               MAX_STOP_TOKEN_IDS, OutOfRange, SamplingParams,
+from pagedserve.common.sampling_params import (MAX_CONSTRAINT_CHARS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS,
+                                               MAX_REASONING_END_IDS, MAX_STOP_TOKEN_IDS, OutOfRange, SamplingParams,
                                                StructuredOutputsParams, check_request, sampling_from_proto,
                                                sampling_to_proto)
 from pagedserve.executor_svc.null_worker import VOCAB, NullWorker, null_executor_info
@@ -38,7 +38,7 @@ V = VOCAB
 ])
 def test_an_id_outside_the_vocabulary_names_its_field(prompt, params, field):
     with pytest.raises(OutOfRange, match=f"{field} must be in \\[0, {V - 1}\\]") as refused:
-        check_request(prompt, SamplingParams(**params), V)
+        check_request(prompt, SamplingParams(**params), V, MAX_LOGPROBS)
     assert refused.value.param == field
 
 
@@ -52,7 +52,7 @@ def test_an_id_outside_the_vocabulary_names_its_field(prompt, params, field):
 ])
 def test_a_list_past_its_bound_is_refused(params, field):
     with pytest.raises(ValueError, match=f"^{field} holds"):
-        check_request([1], SamplingParams(**params), V)
+        check_request([1], SamplingParams(**params), V, MAX_LOGPROBS)
 
 
 def test_the_scheduler_core_refuses_them_before_queueing():
@@ -66,6 +66,15 @@ def test_the_scheduler_core_refuses_them_before_queueing():
     assert s.num_waiting == 1
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_past_the_executors_max_logprobs_are_refused_naming_the_flag(field):
+    s = make_scheduler(max_logprobs=5)
+    with pytest.raises(OutOfRange, match=f"{field} must be in \\[0, 5\\] \\(the server's --max-logprobs\\), got 6"):
+        add(s, 1, 4, **{field: 6})
+    add(s, 2, 4, **{field: 5})
+    assert s.num_waiting == 1
+
+
 def test_a_request_at_the_bias_bound_costs_the_scheduler_well_under_5_ms():
     """The scheduler's share of a request with MAX_LOGIT_BIAS_TOKENS biased tokens: decoding its
     params, checking them, and encoding them into the plan, plus the executor's decode. About 1 ms
@@ -75,7 +84,7 @@ def test_a_request_at_the_bias_bound_costs_the_scheduler_well_under_5_ms():
 
     def one_request() -> None:
         params = sampling_from_proto(message)
-        check_request([1] * 64, params, V)
+        check_request([1] * 64, params, V, MAX_LOGPROBS)
         plan.new_requests[0].sampling = params
         plan_from_proto(plan_to_proto(plan))
 
