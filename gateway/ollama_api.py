@@ -18,7 +18,7 @@ from pagedserve.gateway.ollama_schemas import (ChatRequest, EmbeddingsRequest, E
                                                ShowResponse, TagsResponse, VersionResponse)
 from pagedserve.gateway.pooling_inputs import split_inputs
 from pagedserve.gateway.request_id import HEADER, current_request_id
-from pagedserve.gateway.request_plan import NeutralRequest, plan
+from pagedserve.gateway.request_plan import TOP_LOGPROBS_NAMES, NeutralRequest, plan
 from pagedserve.gateway.schemas import SamplingFields
 from pagedserve.gateway.serving import json_response, read_json, run
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
@@ -75,7 +75,7 @@ def _neutral(req: GenerationFields, **chat) -> NeutralRequest:
     return NeutralRequest(_sampling(req), constraint=None if fmt is None else ("format", fmt),
                           max_tokens=translate.max_tokens((req.options or Options()).num_predict),
                           logprobs=req.top_logprobs if req.logprobs else None,
-                          field_names={"logprobs": "top_logprobs"}, **chat)
+                          field_names=TOP_LOGPROBS_NAMES, **chat)
 
 
 def _loaded(req: GenerationFields, chat: bool) -> web.Response:

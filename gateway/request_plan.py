@@ -25,6 +25,10 @@ from pagedserve.gateway.tools import tool_options
 ToolChoice = str | NamedToolChoice | None
 
 
+# The field names of chat and Ollama, which call the top logprobs a token `top_logprobs`.
+TOP_LOGPROBS_NAMES = {"logprobs": "top_logprobs"}
+
+
 @dataclass(slots=True)
 class NeutralRequest:
     """What a client asks for, in OpenAI's chat terms: `messages` (a chat, rendered with the chat

@@ -5,7 +5,7 @@ from pagedserve.gateway import params
 from pagedserve.gateway.chat_responses import ChatResponses, CompletionResponses, PromptLogprobs
 from pagedserve.gateway.admission import engine_route, served_for
 from pagedserve.gateway.errors import bad_request
-from pagedserve.gateway.request_plan import NeutralRequest, Plan, plan
+from pagedserve.gateway.request_plan import TOP_LOGPROBS_NAMES, NeutralRequest, Plan, plan
 from pagedserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields
 from pagedserve.gateway.serving import json_response, read_json, run
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
@@ -32,10 +32,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await run(request, p, wire)
 
 
-# Chat names the top logprobs a token `top_logprobs`.
-_CHAT_FIELD_NAMES = {"logprobs": "top_logprobs"}
-
-
 async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRequest,
                     background: bool = False) -> tuple[Plan, ChatResponses]:
     """A chat completion request's plan and wire (the route's and a batch line's); a 400 APIError
@@ -47,7 +43,7 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
                              logprobs=params.chat_logprobs(req), prompt_logprobs=req.prompt_logprobs,
                              include_usage=_include_usage(req), chat_template_kwargs=req.chat_template_kwargs,
                              chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
-                             background=background, field_names=_CHAT_FIELD_NAMES)
+                             background=background, field_names=TOP_LOGPROBS_NAMES)
     p = await plan(gateway, served, neutral)
     prompt_lp = None
     if req.prompt_logprobs is not None:
