@@ -26,7 +26,7 @@ from pagedserve.v1 import engine_pb2 as pb
 
 _encoder = msgspec.json.Encoder()
 # Ollama's names of the generation-config defaults that /api/show lists as parameters.
-_PARAMETER_NAMES = {"repetition_penalty": "repeat_penalty"}
+_PARAMETER_NAMES = {"repetition_penalty": "repeat_penalty", "max_tokens": "num_predict"}
 # The model never unloads: /api/ps says so with the latest time a client will parse.
 _NEVER = "9999-12-31T23:59:59Z"
 # What /api/version reports: the Ollama release whose API (docs/api.md) these routes follow. Clients

@@ -255,6 +255,13 @@ def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_le
             code="context_length_exceeded")
 
 
+def max_tokens(asked: int | None, defaults: dict) -> int | None:
+    """A request's output limit under the generation config's max_new_tokens (`defaults`'
+    max_tokens), which caps it as vLLM's does."""
+    cap = defaults.get("max_tokens")
+    return cap if asked is None else asked if cap is None else min(asked, cap)
+
+
 # Fields whose None means the model's generation-config default, else SamplingParams'.
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
               "repetition_penalty")
@@ -273,7 +280,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     if structured is not None and req.ignore_eos:
         raise bad_request("`ignore_eos` would let a structured output run past its end; remove it.",
                           param="ignore_eos")
-    given = defaults | {name: getattr(req, name) for name in _DEFAULTED if getattr(req, name) is not None}
+    given = ({name: value for name, value in defaults.items() if name in _DEFAULTED}
+             | {name: getattr(req, name) for name in _DEFAULTED if getattr(req, name) is not None})
     return SamplingParams(
         n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
         stop=[] if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or [],

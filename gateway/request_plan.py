@@ -163,17 +163,18 @@ async def _checked(gateway: Gateway,
 def _choices(rid: str, req: NeutralRequest, prompts: list[list[int]], served: ServedModel,
              constraint: StructuredOutputsParams | None) -> list[Choice]:
     sampling, spec = req.sampling, served.spec
+    max_tokens = params.max_tokens(req.max_tokens, served.sampling_defaults)
     # The length first: it costs nothing, while the vocabulary check reads every id.
-    params.check_context(prompts, req.max_tokens, spec.max_model_len)
+    params.check_context(prompts, max_tokens, spec.max_model_len)
     params.check_prompts(prompts, spec.vocab_size)
     params.check_token_ids(sampling.stop_token_ids or [], spec.vocab_size, "stop_token_ids")
     bias = params.logit_bias(sampling.logit_bias, spec.vocab_size)
     params.check_stop(sampling.stop)
-    wanted = params.sampling_params(sampling, req.max_tokens, req.logprobs, served.sampling_defaults, constraint,
+    wanted = params.sampling_params(sampling, max_tokens, req.logprobs, served.sampling_defaults, constraint,
                                     req.prompt_logprobs, bias)
     params.check_logprobs(wanted, spec.max_logprobs)
     choices = fan_out(rid, prompts, wanted, Routing(sampling.cache_salt, sampling.priority, req.background))
     served.metrics.request_params_n.observe(sampling.n)
     served.metrics.request_params_max_tokens.observe(
-        req.max_tokens or spec.max_model_len - max(len(p) for p in prompts))
+        max_tokens or spec.max_model_len - max(len(p) for p in prompts))
     return choices

@@ -47,15 +47,23 @@ def test_an_override_sets_options_over_the_models(model_dir):
         sampling_defaults(model_dir, override={"top_p": 0})
 
 
+def test_max_new_tokens_is_sampling_params_max_tokens(model_dir):
+    (model_dir / "generation_config.json").write_text(json.dumps({"max_new_tokens": 512, "max_length": 20}))
+    assert sampling_defaults(model_dir) == {"max_tokens": 512}
+    assert sampling_defaults(model_dir, override={"max_new_tokens": 64}) == {"max_tokens": 64}
+    with pytest.raises(ValueError, match=r"--override-generation-config: max_tokens must be in \[1, "):
+        sampling_defaults(model_dir, override={"max_new_tokens": 0})
+
+
 def test_llm_uses_them_when_no_sampling_params_are_given(tmp_path):
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
-    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 3}))
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 3, "max_new_tokens": 4}))
     llm = LLM(str(path), max_model_len=64)
     params = llm.get_default_sampling_params()
-    assert (params.temperature, params.top_k, params.top_p) == (0.0, 3, 1.0)
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.0, 3, 1.0, 4)
     prompt = {"prompt_token_ids": [5, 6, 7]}
     assert (llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids
-            == llm.generate(prompt, SamplingParams(temperature=0), use_tqdm=False)[0].outputs[0].token_ids)
+            == llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids)
     assert LLM(str(path), max_model_len=64, generation_config="vllm").get_default_sampling_params().top_k == 0
     overridden = LLM(str(path), max_model_len=64, override_generation_config={"top_k": 5})
     assert overridden.get_default_sampling_params().top_k == 5

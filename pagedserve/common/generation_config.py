@@ -6,22 +6,29 @@ from pathlib import Path
 
 from pagedserve.common.sampling_params import SamplingParams
 
-# generation_config.json's names, which SamplingParams shares, of the options a request may omit.
-FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json's names of the options a request may omit. SamplingParams shares them but
+# for transformers' max_new_tokens, its max_tokens, which caps every request's as vLLM reads it.
+FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+_RENAMED = {"max_new_tokens": "max_tokens"}
 
 
 def sampling_defaults(model: str | Path, source: str = "auto", override: dict | None = None) -> dict:
     """The sampling options the model's generation config sets, with `override`'s (vLLM's
-    --override-generation-config) over them; a request's own values win. Raises ValueError for an
-    option out of range or one `override` may not set."""
+    --override-generation-config) over them, by SamplingParams' names; a request's own values win,
+    but for max_tokens, of which the smaller applies. Raises ValueError for an option out of range
+    or one `override` may not set."""
     unknown = sorted(set(override or {}) - set(FIELDS))
     if unknown:
         raise ValueError(f"--override-generation-config sets {unknown[0]!r}; it sets {', '.join(FIELDS)}")
-    defaults = _from_file(model, source)
+    defaults = _renamed(_from_file(model, source))
     _check(defaults, "generation_config.json")
-    merged = {**defaults, **(override or {})}
+    merged = {**defaults, **_renamed(override or {})}
     _check(merged, "--override-generation-config")
     return merged
+
+
+def _renamed(options: dict) -> dict:
+    return {_RENAMED.get(name, name): value for name, value in options.items()}
 
 
 def _check(defaults: dict, where: str) -> None:

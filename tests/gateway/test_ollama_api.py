@@ -118,7 +118,8 @@ async def test_nothing_to_generate_answers_loaded(base_url, engine):
 
 
 async def test_model_routes(serve):
-    url = await serve(tool_parser="hermes", sampling_defaults={"temperature": 0.6, "repetition_penalty": 1.1})
+    url = await serve(tool_parser="hermes", sampling_defaults={"temperature": 0.6, "repetition_penalty": 1.1,
+                                                               "max_tokens": 256})
     client = ollama.AsyncClient(host=url)
     [listed] = (await client.list()).models
     [running] = (await client.ps()).models
@@ -128,7 +129,7 @@ async def test_model_routes(serve):
     assert shown.capabilities == ["completion", "tools"]
     architecture = shown.modelinfo["general.architecture"]
     assert shown.modelinfo[f"{architecture}.context_length"] == MAX_MODEL_LEN
-    assert shown.parameters.split() == ["temperature", "0.6", "repeat_penalty", "1.1"]
+    assert shown.parameters.split() == ["temperature", "0.6", "repeat_penalty", "1.1", "num_predict", "256"]
     # VS Code's Copilot refuses an Ollama server below 0.6.4.
     version = (await client._request_raw("GET", "/api/version")).json()["version"]
     assert tuple(map(int, version.split("."))) >= (0, 6, 4)
