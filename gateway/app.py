@@ -63,6 +63,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
               allowed_hosts: frozenset[str] | None = None,
               cors: CorsRules | None = None, stream_interval: int = 1,
               log_requests: bool = False, sampling_defaults: dict | None = None,
+              max_tokens_cap: int | None = None,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
               max_client_batch_size: int = DEFAULT_MAX_CLIENT_BATCH_SIZE,
               body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
@@ -85,7 +86,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     With `allowed_hosts` (see hosts.allowed_hosts), other Host headers get a 421. `cors` lets browsers
     of its origins call the API.
     `log_requests` logs one line per finished request (vLLM's --enable-log-requests).
-    `sampling_defaults` (the model's generation config) fill the sampling options a request omits.
+    `sampling_defaults` (the model's generation config) fill the sampling options a request omits;
+    no request gets more than `max_tokens_cap` output tokens.
     `tool_parser` reads tool calls under tool_choice "auto"; `reasoning_parser` splits off thinking.
     `trust_request_chat_template` lets requests bring a chat template (else a 400).
     Past `max_concurrent_requests` generation requests in flight, new ones get a 503.
@@ -98,7 +100,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     also_serve = also_serve or []
     _check_names([set(served_model_names or ()), *(set(model.served_model_names) for model in also_serve)])
     main = ModelEngines(EnginePool(scheduler_address), tokenizer, list(served_model_names or ()),
-                        sampling_defaults or {})
+                        sampling_defaults or {}, max_tokens_cap)
     gateway = Gateway([main, *also_serve], stream_interval=stream_interval, log_requests=log_requests,
                       tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                       max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout,

@@ -255,11 +255,12 @@ def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_le
             code="context_length_exceeded")
 
 
-def max_tokens(asked: int | None, defaults: dict) -> int | None:
-    """A request's output limit under the generation config's max_new_tokens (`defaults`'
-    max_tokens), which caps it as vLLM's does."""
-    cap = defaults.get("max_tokens")
-    return cap if asked is None else asked if cap is None else min(asked, cap)
+def max_tokens(asked: int | None, default: int | None, cap: int | None) -> int | None:
+    """A request's output limit as vLLM's get_max_tokens sets it: its own, else the generation
+    config's default, and at most `cap` (generation_config.max_tokens_cap); None lets the scheduler
+    fill the context."""
+    limits = [limit for limit in (default if asked is None else asked, cap) if limit is not None]
+    return min(limits) if limits else None
 
 
 # Fields whose None means the model's generation-config default, else SamplingParams'.

@@ -163,7 +163,7 @@ async def _checked(gateway: Gateway,
 def _choices(rid: str, req: NeutralRequest, prompts: list[list[int]], served: ServedModel,
              constraint: StructuredOutputsParams | None) -> list[Choice]:
     sampling, spec = req.sampling, served.spec
-    max_tokens = params.max_tokens(req.max_tokens, served.sampling_defaults)
+    max_tokens = params.max_tokens(req.max_tokens, served.sampling_defaults.get("max_tokens"), served.max_tokens_cap)
     # The length first: it costs nothing, while the vocabulary check reads every id.
     params.check_context(prompts, max_tokens, spec.max_model_len)
     params.check_prompts(prompts, spec.vocab_size)

@@ -15,7 +15,7 @@ from aiohttp.abc import AbstractAccessLogger
 from pagedserve.common import aio, also_serve, arg_types, service
 from pagedserve.common.also_serve import AlsoServe
 from pagedserve.common.config import add_engine_args
-from pagedserve.common.generation_config import sampling_defaults
+from pagedserve.common.generation_config import max_tokens_cap, sampling_defaults
 from pagedserve.gateway import reasoning, tls, tool_parsers
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.cors import CorsRules
@@ -230,9 +230,11 @@ def also_served(spec: AlsoServe) -> ModelEngines:
     options = spec.options
     names = options["served-model-name"].split(",") if "served-model-name" in options else []
     template = chat_template(options["chat-template"]) if "chat-template" in options else None
+    source = options.get("generation-config", "auto")
+    defaults = sampling_defaults(spec.model, source)
     return ModelEngines(EnginePool(options["scheduler-address"]),
                         Tokenizer.load(options.get("tokenizer", spec.model), template), names,
-                        sampling_defaults(spec.model, options.get("generation-config", "auto")))
+                        defaults, max_tokens_cap(defaults, source))
 
 
 def chat_template(value: str) -> str:
@@ -294,12 +296,13 @@ def raise_open_files_limit() -> None:
 async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     """Serves until SIGINT or SIGTERM; then drains (see Drain) and stops."""
     raise_open_files_limit()
+    defaults = sampling_defaults(args.model, args.generation_config, args.override_generation_config)
     app = build_app(tokenizer, args.scheduler_address, args.served_model_name, api_key=args.api_key,
                     allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
                     protect_metrics=args.protect_metrics, cors=cors_rules(args),
                     stream_interval=args.stream_interval, log_requests=args.enable_log_requests,
-                    sampling_defaults=sampling_defaults(args.model, args.generation_config,
-                                                        args.override_generation_config),
+                    sampling_defaults=defaults,
+                    max_tokens_cap=max_tokens_cap(defaults, args.generation_config, args.override_generation_config),
                     tool_parser=tool_parser(args), reasoning_parser=args.reasoning_parser,
                     max_client_batch_size=args.max_client_batch_size, body_read_timeout=args.body_read_timeout,
                     trust_request_chat_template=args.trust_request_chat_template,

@@ -35,6 +35,8 @@ class ModelEngines:
     # --served-model-name: overrides the scheduler's name; every one is accepted as `model`.
     served_model_names: list[str] = field(default_factory=list)
     sampling_defaults: dict = field(default_factory=dict)
+    # generation_config.max_tokens_cap: the most max_tokens any request gets.
+    max_tokens_cap: int | None = None
 
     def names(self) -> tuple[str, ...]:
         """Every name clients may send for it; none until its schedulers have answered, unless given."""
@@ -54,6 +56,7 @@ class ServedModel:
     engines: EnginePool
     metrics: ModelMetrics
     sampling_defaults: dict
+    max_tokens_cap: int | None
 
 
 @dataclass(slots=True)
@@ -135,7 +138,8 @@ class Gateway:
         spec = await model.engines.model_spec()
         names = model.names()
         return ServedModel(names[0], names, spec, model.tokenizer, model.engines,
-                           self.metrics.bind(names[0], spec.max_model_len), model.sampling_defaults)
+                           self.metrics.bind(names[0], spec.max_model_len), model.sampling_defaults,
+                           model.max_tokens_cap)
 
     async def offload(self, size: int, fn: Callable[..., T], *args) -> T:
         """fn(*args): inline for small inputs, on the pool when `size` (characters or token ids)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.common.generation_config import sampling_defaults
+from pagedserve.common.generation_config import max_tokens_cap, sampling_defaults
 from tests.tiny_models import make_tiny_model
 
 
@@ -55,6 +55,15 @@ def test_max_new_tokens_is_sampling_params_max_tokens(model_dir):
         sampling_defaults(model_dir, override={"max_new_tokens": 0})
 
 
+def test_max_tokens_is_capped_by_the_override_or_a_named_folder_as_in_vllm(model_dir):
+    (model_dir / "generation_config.json").write_text(json.dumps({"max_new_tokens": 512}))
+    assert max_tokens_cap(sampling_defaults(model_dir), "auto") is None
+    assert max_tokens_cap(sampling_defaults(model_dir, "vllm"), "vllm") is None
+    override = {"max_new_tokens": 64}
+    assert max_tokens_cap(sampling_defaults(model_dir, override=override), "auto", override) == 64
+    assert max_tokens_cap(sampling_defaults(model_dir, str(model_dir)), str(model_dir)) == 512
+
+
 def test_llm_uses_them_when_no_sampling_params_are_given(tmp_path):
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
     (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 3, "max_new_tokens": 4}))
@@ -62,8 +71,9 @@ def test_llm_uses_them_when_no_sampling_params_are_given(tmp_path):
     params = llm.get_default_sampling_params()
     assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.0, 3, 1.0, 4)
     prompt = {"prompt_token_ids": [5, 6, 7]}
+    greedy = SamplingParams(temperature=0, max_tokens=4)
     assert (llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids
-            == llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids)
+            == llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
     assert LLM(str(path), max_model_len=64, generation_config="vllm").get_default_sampling_params().top_k == 0
     overridden = LLM(str(path), max_model_len=64, override_generation_config={"top_k": 5})
     assert overridden.get_default_sampling_params().top_k == 5

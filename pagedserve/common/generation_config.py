@@ -7,16 +7,16 @@ from pathlib import Path
 from pagedserve.common.sampling_params import SamplingParams
 
 # generation_config.json's names of the options a request may omit. SamplingParams shares them but
-# for transformers' max_new_tokens, its max_tokens, which caps every request's as vLLM reads it.
+# for transformers' max_new_tokens, its max_tokens.
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 _RENAMED = {"max_new_tokens": "max_tokens"}
 
 
 def sampling_defaults(model: str | Path, source: str = "auto", override: dict | None = None) -> dict:
     """The sampling options the model's generation config sets, with `override`'s (vLLM's
-    --override-generation-config) over them, by SamplingParams' names; a request's own values win,
-    but for max_tokens, of which the smaller applies. Raises ValueError for an option out of range
-    or one `override` may not set."""
+    --override-generation-config) over them, by SamplingParams' names; a request's own values win
+    (max_tokens within max_tokens_cap). Raises ValueError for an option out of range or one
+    `override` may not set."""
     unknown = sorted(set(override or {}) - set(FIELDS))
     if unknown:
         raise ValueError(f"--override-generation-config sets {unknown[0]!r}; it sets {', '.join(FIELDS)}")
@@ -25,6 +25,14 @@ def sampling_defaults(model: str | Path, source: str = "auto", override: dict | 
     merged = {**defaults, **_renamed(override or {})}
     _check(merged, "--override-generation-config")
     return merged
+
+
+def max_tokens_cap(defaults: dict, source: str = "auto", override: dict | None = None) -> int | None:
+    """The most max_tokens any request gets, as vLLM sets it: --override-generation-config's
+    max_new_tokens, or that of a --generation-config folder (in `defaults`, sampling_defaults')."""
+    if source in ("auto", "vllm"):
+        return (override or {}).get("max_new_tokens")
+    return defaults.get("max_tokens")
 
 
 def _renamed(options: dict) -> dict:

@@ -260,11 +260,12 @@ async def test_the_models_generation_config_fills_omitted_sampling_options(serve
     assert (given.temperature, given.top_k) == (1.0, 7)
 
 
-async def test_the_generation_configs_max_new_tokens_caps_every_requests_max_tokens(serve, engine):
-    url = await serve(sampling_defaults={"max_tokens": 5})
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0) as client:
-        for asked in (None, 3, 50):
-            await client.completions.create(model=MODEL, prompt="Hi", max_tokens=asked)
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                 max_completion_tokens=asked)
-    assert [r.params.max_tokens for r in engine.requests] == [5, 5, 3, 3, 5, 5]
+async def test_the_generation_configs_max_new_tokens_is_a_default_and_its_cap_a_bound(serve, engine):
+    for cap in (None, 5):
+        url = await serve(sampling_defaults={"max_tokens": 5}, max_tokens_cap=cap)
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0) as client:
+            for asked in (None, 3, 50):
+                await client.completions.create(model=MODEL, prompt="Hi", max_tokens=asked)
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_completion_tokens=asked)
+    assert [r.params.max_tokens for r in engine.requests] == [5, 5, 3, 3, 50, 50] + [5, 5, 3, 3, 5, 5]
