@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
 from pagedserve.common import aio, service
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config import EngineConfig, flag_name
 from pagedserve.common.log import get_logger
 from pagedserve.common.plan import ExecutorInfo, info_from_proto
 from pagedserve.common.pooling_params import pooling_from_proto
@@ -259,7 +259,7 @@ def check_geometry(expected: dict[str, int | str], info: ExecutorInfo, executor_
                 "max_num_seqs": info.max_num_seqs, "max_num_batched_tokens": info.max_num_batched_tokens}
     for name, value in expected.items():
         if value != reported[name] and not (name == "dtype" and value == "auto"):
-            flag = "--" + name.replace("_", "-")
+            flag = flag_name(name)
             raise ExecutorMismatch(f"{flag} {value} disagrees with the executor at {executor_address}, "
                                    f"which reports {reported[name]}; drop {flag} (the scheduler takes "
                                    f"the executor's) or start the executor with {flag} {value}")

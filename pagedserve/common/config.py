@@ -204,7 +204,7 @@ def add_engine_args(parser: argparse.ArgumentParser, names: tuple[str, ...] = EN
     g = parser.add_argument_group("engine")
     for name in names:
         spec = dict(specs[name])
-        g.add_argument(_flag(name), *spec.pop("flags", ()), **spec)
+        g.add_argument(flag_name(name), *spec.pop("flags", ()), **spec)
 
 
 def add_geometry_checks(parser: argparse.ArgumentParser) -> None:
@@ -213,7 +213,7 @@ def add_geometry_checks(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("KV-cache geometry and batch limits (the executor's; checked "
                                   "against its Describe)")
     for name in GEOMETRY_FLAGS:
-        g.add_argument(_flag(name), **{**specs[name], "default": None})
+        g.add_argument(flag_name(name), **{**specs[name], "default": None})
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -266,7 +266,7 @@ def config_to_argv(config: EngineConfig, names: tuple[str, ...]) -> list[str]:
         value = getattr(config, name)
         if value == getattr(default, name):
             continue
-        flag = _flag(name)
+        flag = flag_name(name)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, list):
@@ -280,8 +280,9 @@ def config_to_argv(config: EngineConfig, names: tuple[str, ...]) -> list[str]:
 
 def flags_given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     """The flags among `names` that `args` sets (not empty or zero), as --name=value: to pass on to a child."""
-    return [f"{_flag(name)}={value}" for name in names if (value := getattr(args, name))]
+    return [f"{flag_name(name)}={value}" for name in names if (value := getattr(args, name))]
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """A flag's spelling on the command line: max_model_len -> --max-model-len."""
     return "--" + name.replace("_", "-")

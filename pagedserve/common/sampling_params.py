@@ -187,11 +187,10 @@ def _clamped_bias(bias: dict[int, float]) -> dict[int, float]:
 def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
     """Raises OutOfRange if logprobs or prompt_logprobs asks for more than the engine's
     --max-logprobs, which sized the executor's buffers."""
-    allowed = Range(0, max_logprobs, note="the server's --max-logprobs")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > max_logprobs:
-            raise OutOfRange(name, allowed, value)
+            raise OutOfRange(name, Range(0, max_logprobs, note="the server's --max-logprobs"), value)
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,

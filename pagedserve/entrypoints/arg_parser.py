@@ -7,6 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from pagedserve.common.config import flag_name
+
 CONFIG_FLAG = "--config"
 
 
@@ -70,7 +72,7 @@ class Parser(argparse.ArgumentParser):
                              "`max-model-len: 8192`")
         argv = []
         for key, value in data.items():
-            flag = "--" + str(key).replace("_", "-")
+            flag = flag_name(str(key))
             action = self._option_string_actions.get(flag)
             if action is None or flag == CONFIG_FLAG:
                 close = closest(flag, [o for a in self._actions for o in a.option_strings if o != CONFIG_FLAG])

@@ -10,7 +10,7 @@ from pagedserve.common import aio, also_serve, arg_types, service
 from pagedserve.common.also_serve import AlsoServe
 from pagedserve.common.config import (COMPAT_FLAGS, EXECUTOR_FLAGS, GEOMETRY_FLAGS, SCHEDULER_FLAGS,
                                       EngineConfig, add_engine_args, add_geometry_checks,
-                                      config_from_args, config_to_argv, flags_given)
+                                      config_from_args, config_to_argv, flag_name, flags_given)
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.common.log import configure, get_logger
 from pagedserve.common.model_shapes import SHAPES, write_shape
@@ -299,7 +299,7 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv.append("--protect-metrics")
     for name, default in (("allowed_origins", []), ("allowed_methods", ["*"]), ("allowed_headers", ["*"])):
         if getattr(args, name) != default:
-            argv += ["--" + name.replace("_", "-"), json.dumps(getattr(args, name))]
+            argv += [flag_name(name), json.dumps(getattr(args, name))]
     if args.allow_credentials:
         argv.append("--allow-credentials")
     if args.allowed_hosts:
@@ -314,7 +314,7 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv += ["--stream-interval", str(args.stream_interval)]
     for name in ("shutdown_timeout", "max_client_batch_size", "timeout_keep_alive", "body_read_timeout",
                  "responses_store_mb", "responses_store_ttl", "batch_concurrency", "batch_max_file_mb"):
-        argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+        argv += [flag_name(name), str(getattr(args, name))]
     if args.batch_dir is not None:
         argv += ["--batch-dir", str(args.batch_dir)]
     if args.max_concurrent_requests is not None:
