@@ -102,7 +102,7 @@ class Sampler:
             logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         elif batch.top_k is not None:
             logits = apply_top_k(logits, batch.top_k, batch.max_top_k)
-        sampled = sample_exponential(logits, batch.generators)
+        sampled = sample_rows(logits, batch.generators)
         if greedy is None:
             return sampled
         return torch.where(batch.greedy, greedy, sampled)
@@ -138,19 +138,44 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def sample_rows(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token a row from softmax(logits): the Gumbel-max trick on a GPU, the inverse of the
+    cumulative distribution on the CPU."""
+    if logits.is_cuda:
+        return sample_exponential(logits, generators)
+    return sample_inverse_cdf(logits, generators)
+
+
 def sample_exponential(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """argmax(logits - log E) with E ~ Exponential(1) draws one token from softmax(logits) (the
+    """On a GPU: argmax(logits - log E) with E ~ Exponential(1) draws one token from softmax(logits) (the
     Gumbel-max trick, as argmax(probs / E) in log space) without a softmax or torch.multinomial's
     host sync."""
     noise = torch.empty_like(logits).exponential_()
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)
-    return row_argmax(logits, noise)
+    return argmax(logits, noise)
 
 
-def row_argmax(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """argmax(x - log(noise)) per row (of x alone without noise): the Triton kernel on a GPU,
-    where torch's argmax is slow on long rows, and torch on the CPU."""
+def sample_inverse_cdf(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """The first token whose cumulative probability passes a uniform draw of its row's total.
+
+    torch's CPU exponential_ draws about 16 ns an element on one thread: 13.6 ms for 16 rows of a
+    49,152-token vocabulary, a fifth of the default model's step; this takes 0.57 ms (0.07 against
+    0.86 at one row). The cumulative sum runs along each row in order, so it never decreases, and
+    the draw stays under the row's total: the token found always has a nonzero probability."""
+    cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    draw = torch.rand(len(logits), 1)
+    for row, generator in generators.items():
+        draw[row] = torch.rand(1, generator=generator)
+    point = draw.mul_(total).clamp_(max=total.nextafter(torch.zeros(())))
+    return torch.searchsorted(cdf, point, right=True).squeeze(1)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest value: the Triton kernel on a GPU, where torch's
+    argmax is slow on long rows; on the CPU torch's max, which takes a third of argmax's time there
+    (0.16 against 0.51 ms at 16 rows of 49,152)."""
     if x.is_cuda:
-        return argmax(x, noise)
-    return (x if noise is None else x - noise.log()).argmax(dim=-1)
+        return argmax(x)
+    return x.max(dim=-1).indices

@@ -86,6 +86,24 @@ def test_temperature_sampling_follows_softmax():
     torch.testing.assert_close(observed, expected, atol=0.015, rtol=0)
 
 
+def test_masked_tokens_are_never_drawn_at_either_end_of_a_long_vocabulary():
+    # The default model's vocabulary, allowed tokens at both ends and one with almost no mass.
+    logits = torch.full((1, 49152), float("-inf"))
+    allowed = [0, 1, 30000, 49151]
+    logits[0, allowed] = torch.tensor([0.0, -30.0, 1.0, 0.5])
+    observed = frequencies(logits, SamplingParams())
+    assert set(observed.nonzero().flatten().tolist()) <= set(allowed)
+    expected = torch.softmax(logits[0, allowed], dim=-1)
+    torch.testing.assert_close(observed[allowed], expected, atol=0.015, rtol=0)
+
+
+def test_a_row_with_one_allowed_token_draws_it():
+    for token in (0, 7, 299):
+        logits = torch.full((4000, 300), float("-inf"))
+        logits[:, token] = 0.0
+        assert set(sample(logits, [SamplingParams()] * 4000, [None] * 4000).tolist()) == {token}
+
+
 def test_top_k_keeps_the_k_most_likely():
     logits = torch.tensor([[3.0, 0.0, 2.0, 1.0, 2.5]])
     observed = frequencies(logits, SamplingParams(top_k=3))
