@@ -10,9 +10,10 @@ import aiohttp
 import numpy as np
 import pytest
 
-from pagedserve.bench.serve import (RequestResult, arrival_times, inter_token_latencies, mark_stable,
-                                    parse_metric, resolve_target, server_vocab_size, step_stats, step_totals,
-                                    summarize, time_per_output_token)
+from pagedserve.bench.cli import add_bench_args
+from pagedserve.bench.serve import (RequestResult, Target, arrival_times, inter_token_latencies, mark_stable,
+                                    parse_metric, request_body, resolve_target, sampling_fields, server_vocab_size,
+                                    step_stats, step_totals, summarize, time_per_output_token)
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.entrypoints import default_model
 from tests.serving import free_port, run_cli, wait_http
@@ -96,6 +97,26 @@ def test_step_statistics_without_the_histograms_are_absent():
     assert step_stats(None, full) is None and step_stats(full, None) is None
 
 
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def sent_fields(args: argparse.Namespace) -> dict:
+    """The fields of a request's body beyond those every request carries."""
+    body = request_body(Target("c", "m", "model", {}, "d", sampling_fields(args)), [1, 2], 5)
+    return {k: v for k, v in body.items() if k not in ("model", "prompt", "max_tokens", "ignore_eos",
+                                                       "stream", "stream_options")}
+
+
+@pytest.mark.parametrize("bench", ["serve", "batch"])
+def test_requests_are_greedy_unless_sampling_flags_are_given(bench):
+    assert sent_fields(bench_args(bench)) == {"temperature": 0.0}
+    sampled = bench_args(bench, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40", "--min-p", "0.05")
+    assert sent_fields(sampled) == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.05}
+
+
 def test_poisson_arrivals():
     assert not arrival_times(4, math.inf, 0).any()
     times = arrival_times(20000, 50.0, 0)
@@ -119,9 +140,11 @@ def test_bench_serve_against_the_default_model(server, tmp_path, capsys):
     out = tmp_path / "serve.json"
     # No --vocab-size: the bench finds the model's on the server (then keeps to the workload's 32000).
     run_cli(["bench", "serve", "--base-url", server, "--num-prompts", "6", "--concurrency", "1,3",
-              "--dataset", "random", "--input-len", "16", "--output-len", "8", "--output-json", str(out)])
+              "--dataset", "random", "--input-len", "16", "--output-len", "8", "--output-json", str(out),
+              "--temperature", "1.0", "--top-p", "0.9"])
     result = json.loads(out.read_text())
     assert result["model"] == default_model.NAME
+    assert result["sampling"] == {"temperature": 1.0, "top_p": 0.9}
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
     for lv in result["levels"]:
         assert (lv["completed"], lv["failed"], lv["errors"]) == (6, 0, [])
@@ -134,13 +157,14 @@ def test_bench_serve_against_the_default_model(server, tmp_path, capsys):
         assert step["idle_us_mean"] > 0 and 0 < step["idle_pct"] < 100
     table = capsys.readouterr().out
     assert "concurrency" in table and "TTFT p99" in table and "idle %" in table and "stable" in table
+    assert "temperature 1.0, top_p 0.9" in table
 
 
 def test_bench_serve_finds_the_vocabulary_and_fails_on_failed_requests(server, tmp_path):
     async def vocab() -> int:
         async with aiohttp.ClientSession() as session:
-            return await server_vocab_size(session, await resolve_target(session, argparse.Namespace(
-                base_url=server, api_key=None, model=None)))
+            return await server_vocab_size(session, await resolve_target(session, bench_args(
+                "serve", "--base-url", server)))
 
     assert asyncio.run(vocab()) == Tokenizer.load(default_model.default_model()).vocab_size
     out = tmp_path / "serve.json"

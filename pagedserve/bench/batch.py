@@ -30,6 +30,7 @@ def add_batch_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=100, help="interactive requests per level")
     p.add_argument("--batch-lines", type=int, default=2000)
     p.add_argument("--window", type=float, default=15.0, help="seconds the batch runs alone, measured")
+    bench_serve.add_sampling_args(p)  # for the interactive requests and the batch's lines alike
     p.add_argument("--output-json", help="also write the results here")
     p.set_defaults(run=run_batch_bench)
 
@@ -58,7 +59,8 @@ async def measure(args: argparse.Namespace) -> dict:
         batch_beside = (tokens - beside["output_tokens"]) / seconds
         counts = await cancel(session, target, batch_id)
     left = batch_alone - beside["output_throughput"]
-    return dict(bench="batch", model=target.model, concurrency=args.concurrency, batch_lines=args.batch_lines,
+    return dict(bench="batch", model=target.model, sampling=target.sampling, concurrency=args.concurrency,
+                batch_lines=args.batch_lines,
                 interactive_alone=pick(alone), interactive_beside_batch=pick(beside),
                 ttft_p50_ratio=round(beside["ttft_ms"]["median"] / alone["ttft_ms"]["median"], 3),
                 tpot_mean_ratio=round(beside["tpot_ms"]["mean"] / alone["tpot_ms"]["mean"], 3),
@@ -83,7 +85,7 @@ async def start_batch(session: aiohttp.ClientSession, target: bench_serve.Target
     work = workload.mixed(n=args.batch_lines, seed=1000, vocab=args.vocab_size)
     lines = (json.dumps(dict(custom_id=f"line-{i}", method="POST", url="/v1/completions",
                              body=dict(model=target.model, prompt=prompt, max_tokens=out, ignore_eos=True,
-                                       temperature=0.0)))
+                                       **target.sampling)))
              for i, (prompt, out) in enumerate(zip(work.prompts, work.output_lens)))
     form = aiohttp.FormData()
     form.add_field("purpose", "batch")

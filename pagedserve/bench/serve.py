@@ -49,6 +49,8 @@ class Target:
     model: str
     headers: dict[str, str]
     detokenize_url: str
+    # The sampling fields every request carries (sampling_fields).
+    sampling: dict[str, float | int]
 
 
 def add_serve_args(sub: argparse._SubParsersAction) -> None:
@@ -70,10 +72,25 @@ def add_serve_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrivals per second; inf sends as fast as the workers allow")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds without a byte")
+    add_sampling_args(p)
     p.add_argument("--output-json", help="also write every level's results here")
     p.add_argument("--plot", help="PNG of output throughput and mean TTFT against concurrency "
                                   "(needs matplotlib: pip install 'pagedserve[plot]')")
     p.set_defaults(run=run_serve_bench)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's bench sampling flags: greedy unless --temperature is given; the others are sent only
+    when given, so the server's defaults apply."""
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
+
+
+def sampling_fields(args: argparse.Namespace) -> dict[str, float | int]:
+    fields = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def concurrency_levels(text: str) -> list[int]:
@@ -120,6 +137,7 @@ async def sweep(args: argparse.Namespace) -> dict:
                 input_len=args.input_len if args.dataset == "random" else None,
                 output_len=args.output_len if args.dataset == "random" else None,
                 request_rate=args.request_rate if math.isfinite(args.request_rate) else "inf",
+                sampling=target.sampling,
                 stable_rule=f"no failed request and p99 TTFT <= {STABLE_TTFT_FACTOR:g} x the sweep's "
                             "lowest median TTFT",
                 date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), levels=levels)
@@ -141,7 +159,8 @@ async def resolve_target(session: aiohttp.ClientSession, args: argparse.Namespac
             reply.raise_for_status()
             model = (await reply.json())["data"][0]["id"]
     root = base.removesuffix("/v1")
-    return Target(f"{base}/completions", f"{root}/metrics", model, headers, f"{root}/detokenize")
+    return Target(f"{base}/completions", f"{root}/metrics", model, headers, f"{root}/detokenize",
+                  sampling_fields(args))
 
 
 async def server_vocab_size(session: aiohttp.ClientSession, target: Target) -> int:
@@ -204,8 +223,7 @@ def arrival_times(n: int, rate: float, seed: int) -> np.ndarray:
 
 
 async def send(session: aiohttp.ClientSession, target: Target, prompt: list[int], output_len: int) -> RequestResult:
-    body = dict(model=target.model, prompt=prompt, max_tokens=output_len, ignore_eos=True, temperature=0.0,
-                stream=True, stream_options=dict(include_usage=True))
+    body = request_body(target, prompt, output_len)
     result = RequestResult(prompt_tokens=len(prompt))
     start = time.perf_counter()
     try:
@@ -217,6 +235,11 @@ async def send(session: aiohttp.ClientSession, target: Target, prompt: list[int]
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         result.error = f"{type(e).__name__}: {e}"
     return result
+
+
+def request_body(target: Target, prompt: list[int], output_len: int) -> dict:
+    return dict(model=target.model, prompt=prompt, max_tokens=output_len, ignore_eos=True,
+                stream=True, stream_options=dict(include_usage=True), **target.sampling)
 
 
 async def read_stream(reply: aiohttp.ClientResponse, result: RequestResult, start: float) -> None:
@@ -372,8 +395,9 @@ def parse_metric(text: str, name: str) -> float | None:
 
 
 def print_table(result: dict) -> None:
+    sampling = ", ".join(f"{name} {value}" for name, value in result["sampling"].items())
     print(f"\nbench serve: {result['model']} at {result['base_url']}, dataset {result['dataset']}, "
-          f"request rate {result['request_rate']}")
+          f"request rate {result['request_rate']}, {sampling}")
     header = (f"{'concurrency':>11} {'ok':>5} {'failed':>6} {'TTFT mean':>10} {'TTFT p99':>9} "
               f"{'TPOT mean':>10} {'out tok/s':>10} {'req/s':>7} {'KV peak':>8} {'idle %':>7} "
               f"{'stable':>6}")
