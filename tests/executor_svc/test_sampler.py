@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from pagedserve.executor_svc.logits import LogprobRows, Penalties
-from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
+from pagedserve.executor_svc.sampler import (Sampler, SamplingBatch, make_sampling_batch, top_k_top_p_by_threshold,
+                                             top_k_top_p_sorted)
 from pagedserve.common.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -122,6 +123,23 @@ def test_top_k_and_top_p_combine():
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     observed = frequencies(probs.log(), SamplingParams(top_k=3, top_p=0.95))
     torch.testing.assert_close(observed, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0.0]), atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 7, 299, 300, 400])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
+def test_the_cpu_threshold_cut_keeps_what_the_sort_keeps(top_k, top_p):
+    logits = torch.randn(64, 300, generator=seeded(top_k)) * 3
+    k, p = torch.full((64,), top_k), torch.full((64,), top_p)
+    kept = ~top_k_top_p_by_threshold(logits, k, p).isinf()
+    assert torch.equal(kept, ~top_k_top_p_sorted(logits, k, p).isinf())
+    torch.testing.assert_close(top_k_top_p_by_threshold(logits, k, p)[kept], logits[kept], rtol=0, atol=0)
+
+
+def test_the_cpu_threshold_cut_keeps_ties_and_the_whole_top_k_at_top_p_1():
+    logits = torch.tensor([[4.0, 1.0, 1.0, 1.0, 0.0]] * 2 + [[float(-i) for i in range(5)]])
+    cut = top_k_top_p_by_threshold(logits, torch.tensor([0, 2, 4]), torch.tensor([0.9, 1.0, 1.0]))
+    assert (~cut.isinf()).tolist() == [[True, True, True, True, False], [True, True, True, True, False],
+                                       [True, True, True, True, False]]
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top():
