@@ -111,44 +111,47 @@ class Penalties:
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place on logits [N, vocab]; the other rows stay as they are."""
-        penalised = apply_penalties(logits[self.rows], self.token_ids, self.num_prompt,
-                                    self.repetition, self.frequency, self.presence)
-        logits.index_copy_(0, self.rows, penalised)
+        apply_penalties(logits, self.rows, self.token_ids, self.num_prompt, self.repetition,
+                        self.frequency, self.presence)
 
 
-def apply_penalties(logits: torch.Tensor, token_ids: torch.Tensor, num_prompt: torch.Tensor,
-                    repetition: torch.Tensor | None, frequency: torch.Tensor | None,
-                    presence: torch.Tensor | None) -> torch.Tensor:
-    """vLLM's penalties on float32 logits [N, vocab]. token_ids [N, L] holds each row's prompt
-    (its first num_prompt[i] entries) then its outputs, padded with vocab. repetition
-    divides the positive logits and multiplies the negative ones of every token seen in prompt or
-    output; frequency subtracts per occurrence in the output, presence once per token there. A
-    penalty no row uses is None."""
-    num_rows, vocab = logits.shape
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                    num_prompt: torch.Tensor, repetition: torch.Tensor | None,
+                    frequency: torch.Tensor | None, presence: torch.Tensor | None) -> None:
+    """vLLM's penalties, in place on the `rows` [R] of contiguous float32 logits [N, vocab].
+    token_ids [R, L] holds each row's prompt (its first num_prompt[i] entries, at least one) then
+    its outputs, padded with vocab. repetition divides the positive logits and multiplies the
+    negative ones of every token seen in prompt or output; frequency subtracts per occurrence in
+    the output, presence once per token there. A penalty no row uses is None.
+
+    Only the listed tokens' logits are read and written, each occurrence of a token writing the
+    same value: passes over whole rows took 5.9 ms for a repetition penalty and 10.8 ms for all
+    three at 16 rows of 49,152 and 192 tokens on the 2-core machine."""
+    vocab = logits.shape[1]
+    listed = token_ids < vocab
+    # Padding stands for the row's first token, a prompt's, and so writes what that one writes.
+    index = rows[:, None] * vocab + torch.where(listed, token_ids, token_ids[:, :1])
+    flat = logits.view(-1)
+    values = flat[index]
     if repetition is not None:
-        # Column `vocab` collects the padding.
-        seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
-        seen = seen.scatter_(1, token_ids, True)[:, :vocab]
-        scale = torch.where(seen, repetition[:, None], 1.0)
-        logits = torch.where(logits > 0, logits / scale, logits * scale)
-    if frequency is None and presence is None:
-        return logits
-    counts = _output_counts(token_ids, num_prompt, vocab)
-    if frequency is not None:
-        logits = logits - frequency[:, None] * counts
-    if presence is not None:
-        logits = logits - presence[:, None] * (counts > 0)
-    return logits
+        values = torch.where(values > 0, values / repetition[:, None], values * repetition[:, None])
+    if frequency is not None or presence is not None:
+        positions = torch.arange(token_ids.shape[1], device=token_ids.device)
+        counts = _output_counts(index, listed & (positions[None, :] >= num_prompt[:, None]))
+        if frequency is not None:
+            values = values - frequency[:, None] * counts
+        if presence is not None:
+            values = values - presence[:, None] * (counts > 0)
+    flat[index] = values
 
 
-def _output_counts(token_ids: torch.Tensor, num_prompt: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N, vocab] float32: how often each token occurs among each row's outputs. token_ids [N, L]
-    as apply_penalties takes them."""
-    positions = torch.arange(token_ids.shape[1], device=token_ids.device)
-    outputs = token_ids.masked_fill(positions[None, :] < num_prompt[:, None], vocab)
-    counts = torch.zeros(token_ids.shape[0], vocab + 1, dtype=torch.float32, device=token_ids.device)
-    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
-    return counts[:, :vocab]
+def _output_counts(index: torch.Tensor, is_output: torch.Tensor) -> torch.Tensor:
+    """How often each entry's (row, token) `index` occurs where is_output, as float32 of index's
+    shape; by a sort and two binary searches, with no size that depends on the data (no host
+    sync on a GPU)."""
+    outputs = torch.where(is_output, index, -1).flatten().sort().values
+    found = torch.searchsorted(outputs, index, right=True) - torch.searchsorted(outputs, index)
+    return found.float()
 
 
 @dataclass(slots=True)

@@ -32,12 +32,18 @@ def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[in
     return row
 
 
+def penalised(logits: torch.Tensor, token_ids: torch.Tensor, num_prompt: torch.Tensor, *penalties) -> torch.Tensor:
+    """apply_penalties on every row of a copy of logits."""
+    out = logits.clone()
+    apply_penalties(out, torch.arange(len(out)), token_ids, num_prompt, *penalties)
+    return out
+
+
 def test_penalties_by_hand():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     # Prompt [0], outputs [1, 1, 2]; token 3 never seen, token 4 seen nowhere either.
     ids = torch.tensor([[0, 1, 1, 2]])
-    out = apply_penalties(logits, ids, torch.tensor([1]), torch.tensor([2.0]), torch.tensor([0.5]),
-                          torch.tensor([0.25]))
+    out = penalised(logits, ids, torch.tensor([1]), torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25]))
     expected = torch.tensor([[2.0 / 2, -1.0 * 2 - 2 * 0.5 - 0.25, 0.5 / 2 - 0.5 - 0.25, 3.0, -2.0]])
     torch.testing.assert_close(out, expected)
 
@@ -57,8 +63,8 @@ def test_penalties_match_the_reference(penalties):
     outputs = [[3, 5, 5, 5], [], [7, 8, 7], [1]]
     # A penalty no row uses travels as None.
     args = {name: torch.tensor(penalties[name]) if name in penalties else None for name in NEUTRAL}
-    out = apply_penalties(logits, padded([p + o for p, o in zip(prompts, outputs)]),
-                          torch.tensor([len(p) for p in prompts]), **args)
+    out = penalised(logits, padded([p + o for p, o in zip(prompts, outputs)]),
+                    torch.tensor([len(p) for p in prompts]), *args.values())
     for i, (prompt, output) in enumerate(zip(prompts, outputs)):
         values = {name: penalties[name][i] if name in penalties else neutral
                   for name, neutral in NEUTRAL.items()}
@@ -66,10 +72,21 @@ def test_penalties_match_the_reference(penalties):
         torch.testing.assert_close(out[i], expected)
 
 
+def test_penalties_touch_only_their_rows():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    out = logits.clone()
+    # Rows 2 and 0 of the batch, in that order; row 0's prompt repeats a token its output has.
+    apply_penalties(out, torch.tensor([2, 0]), padded([[5, 6], [9, 9, 3]]), torch.tensor([1, 1]),
+                    torch.tensor([1.5, 2.0]), torch.tensor([0.5, 1.0]), torch.tensor([0.25, 0.0]))
+    assert torch.equal(out[[1, 3]], logits[[1, 3]])
+    torch.testing.assert_close(out[2], reference_penalties(logits[2], [5], [6], 1.5, 0.5, 0.25))
+    torch.testing.assert_close(out[0], reference_penalties(logits[0], [9], [9, 3], 2.0, 1.0, 0.0))
+
+
 def test_neutral_penalties_change_nothing():
     logits = torch.randn(2, VOCAB)
-    out = apply_penalties(logits, padded([[1, 2, 3], [4]]), torch.tensor([1, 1]), torch.ones(2),
-                          torch.zeros(2), torch.zeros(2))
+    out = penalised(logits, padded([[1, 2, 3], [4]]), torch.tensor([1, 1]), torch.ones(2), torch.zeros(2),
+                    torch.zeros(2))
     assert torch.equal(out, logits)
 
 
