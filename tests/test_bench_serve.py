@@ -113,8 +113,10 @@ def sent_fields(args: argparse.Namespace) -> dict:
 @pytest.mark.parametrize("bench", ["serve", "batch"])
 def test_requests_are_greedy_unless_sampling_flags_are_given(bench):
     assert sent_fields(bench_args(bench)) == {"temperature": 0.0}
-    sampled = bench_args(bench, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40", "--min-p", "0.05")
-    assert sent_fields(sampled) == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.05}
+    sampled = bench_args(bench, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40", "--min-p", "0.05",
+                         "--repetition-penalty", "1.1", "--frequency-penalty", "0.5", "--presence-penalty", "-0.5")
+    assert sent_fields(sampled) == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
+                                    "repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": -0.5}
 
 
 def test_poisson_arrivals():

@@ -86,11 +86,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--min-p", type=float)
+    for penalty in SAMPLING_PENALTIES:
+        p.add_argument(f"--{penalty.replace('_', '-')}", type=float)
+
+
+SAMPLING_PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
 def sampling_fields(args: argparse.Namespace) -> dict[str, float | int]:
-    fields = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
-    return {name: value for name, value in fields.items() if value is not None}
+    names = ("temperature", "top_p", "top_k", "min_p", *SAMPLING_PENALTIES)
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def concurrency_levels(text: str) -> list[int]:
