@@ -21,8 +21,8 @@ import torch
 from pagedserve.kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_quant_fp8,
                                            silu_and_mul, silu_and_mul_quant_fp8)
 from pagedserve.kernels.attention import paged_attention
-from pagedserve.kernels.cpu_attention import (DecodePlan, decode_attention_cpu, decode_plan, rotate,
-                                              rotation, write_kv_cpu)
+from pagedserve.kernels.cpu_attention import (DecodePlan, decode_attention_cpu, decode_plan,
+                                              prefill_attention_cpu, rotate, rotation, write_kv_cpu)
 from pagedserve.kernels.fused_moe import fused_moe
 from pagedserve.kernels.moe_routing import route
 from pagedserve.kernels.norm import rms_norm, rms_norm_quant_fp8
@@ -97,16 +97,23 @@ class TorchAttentionBackend:
         (None: none)."""
         q, k = rotary_ref(positions, q, k, cos_sin_cache)
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
-        return with_rows(paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                             meta.query_start_loc, scale, kv_scales, sliding_window,
-                                             softcap), out_rows)
+        return with_rows(self.attend(q, k_cache, v_cache, meta, scale, kv_scales, sliding_window, softcap),
+                         out_rows)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float, kv_scales: tuple[torch.Tensor, torch.Tensor],
+               sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        """forward's attention of the rotated q over the cache, this step's keys written."""
+        return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                   meta.query_start_loc, scale, kv_scales, sliding_window, softcap)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """The references, but a decode step's attention in one SDPA call for the whole batch over a
     plan its first layer makes (kernels/cpu_attention.py), its cache write without a mask, and
     float32 norms in torch's one call: on a CPU a decode step's small ops cost more than its
-    arithmetic. Prefill chunks, sliding windows, soft caps and fp8 caches take the references."""
+    arithmetic. Prefill chunks and sliding windows take the references' rotary and cache write,
+    then an SDPA call a sequence; soft caps and fp8 caches the references throughout."""
 
     def __init__(self) -> None:
         self._plan: tuple[AttentionMetadata, torch.Tensor, DecodePlan] | None = None
@@ -137,6 +144,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         write_kv_cpu(rotate(_first(k, n), cos, sin), _first(v, n), k_cache, v_cache, plan.slots)
         out = decode_attention_cpu(rotate(_first(q, n), cos, sin), k_cache, v_cache, plan, scale)
         return with_rows(out if n == len(q) else torch.cat((out, q[n:])), out_rows)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float, kv_scales: tuple[torch.Tensor, torch.Tensor],
+               sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        if softcap or is_fp8(k_cache):
+            return super().attend(q, k_cache, v_cache, meta, scale, kv_scales, sliding_window, softcap)
+        return prefill_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, scale, sliding_window)
 
     def _decode_plan(self, positions: torch.Tensor, meta: AttentionMetadata, block_size: int) -> DecodePlan:
         """The step's plan, made by its first layer: every layer of a forward gets the same

@@ -1,6 +1,7 @@
-"""Paged decode attention on the CPU: the whole batch in one SDPA call over its gathered blocks,
-rather than the reference's loop of per-sequence gathers, repeats and softmaxes (whose small ops
-cost more than their arithmetic here), with its rotary embedding and cache write.
+"""Paged attention on the CPU. A decode step's: the whole batch in one SDPA call over its gathered
+blocks, rather than the reference's loop of per-sequence gathers, repeats and softmaxes (whose small
+ops cost more than their arithmetic here), with its rotary embedding and cache write. A prefill
+step's: an SDPA call a sequence (`prefill_attention_cpu`).
 
 A decode step's batch is planned once (`decode_plan`: its rows, slots, blocks, mask and rotary
 angles), and every layer reads the plan: the per-layer ops that derived them were a third of a
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from pagedserve.kernels.reference import visible_keys
 
 
 @dataclass(slots=True)
@@ -82,3 +85,39 @@ def _gather(cache: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
     """[rows, blocks * block_size, kv_heads, head_dim]: each row's blocks, in order
     (index_select copies whole blocks several times faster than advanced indexing here)."""
     return torch.index_select(cache, 0, plan.blocks).view(plan.rows, -1, *cache.shape[2:])
+
+
+def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                          scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """paged_attention_ref's result without a soft cap or an fp8 cache, each sequence's queries in
+    one SDPA call over its gathered context: torch's CPU flash attention never holds the [heads,
+    queries, keys] scores that the reference builds, masks and softmaxes."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        lo, hi = starts[i], starts[i + 1]
+        if hi > lo:
+            blocks = block_tables[i, :-(-seq_len // block_size)]
+            out[lo:hi] = _attend(q[lo:hi], _context(k_cache, blocks, seq_len),
+                                 _context(v_cache, blocks, seq_len), scale, sliding_window)
+    return out
+
+
+def _context(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[kv_heads, seq_len, head_dim]: a sequence's keys or values, in order."""
+    return torch.index_select(cache, 0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            sliding_window: int | None) -> torch.Tensor:
+    """The last len(q) positions' queries [n, heads, head_dim] over keys [kv_heads, L, head_dim]."""
+    n, seq_len = len(q), k.shape[1]
+    whole = n == seq_len and not sliding_window
+    mask = None
+    if not whole and (n > 1 or sliding_window):
+        mask = visible_keys(torch.arange(seq_len - n, seq_len), torch.arange(seq_len), sliding_window)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, is_causal=whole and n > 1,
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

@@ -1,10 +1,11 @@
-"""The CPU's batched decode attention, rotary and cache write against the references."""
+"""The CPU's batched decode attention, prefill attention, rotary and cache write against the
+references."""
 import pytest
 import torch
 
 from pagedserve.executor_svc.layers.rotary import Rope, cos_sin_cache
-from pagedserve.kernels.cpu_attention import (decode_attention_cpu, decode_plan, rotate, rotation,
-                                              write_kv_cpu)
+from pagedserve.kernels.cpu_attention import (decode_attention_cpu, decode_plan, prefill_attention_cpu,
+                                              rotate, rotation, write_kv_cpu)
 from pagedserve.kernels.reference import paged_attention_ref, rotary_ref, write_kv_ref
 from tests.kernels.kernel_testing import assert_close, random_paged_kv
 
@@ -40,6 +41,24 @@ def test_decode_attention_matches_the_reference(dtype, group, seq_lens):
     starts = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
     out = decode_attention_cpu(q, k_cache, v_cache, plan_for(seq_lens, table), HEAD_DIM ** -0.5)
     ref = paged_attention_ref(q, k_cache, v_cache, table, lens, starts, HEAD_DIM ** -0.5)
+    assert out.dtype == dtype
+    assert_close(out, ref, products=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("window", [None, 20])
+# (context, new queries) a sequence: whole prompts, chunks after a cached context, decode rows.
+@pytest.mark.parametrize("sequences", [[(0, 77)], [(0, 33), (500, 100), (40, 1), (0, 1), (16, 17)]])
+def test_prefill_attention_matches_the_reference(dtype, group, window, sequences):
+    torch.manual_seed(0)
+    seq_lens = [context + new for context, new in sequences]
+    k_cache, v_cache, table = finite_paged_kv(seq_lens, dtype)
+    starts = torch.tensor([0] + [new for _, new in sequences]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(starts[-1]), NUM_KV_HEADS * group, HEAD_DIM, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = prefill_attention_cpu(q, k_cache, v_cache, table, lens, starts, HEAD_DIM ** -0.5, window)
+    ref = paged_attention_ref(q, k_cache, v_cache, table, lens, starts, HEAD_DIM ** -0.5, sliding_window=window)
     assert out.dtype == dtype
     assert_close(out, ref, products=2)
 
