@@ -171,9 +171,9 @@ def sample_rows(logits: torch.Tensor, generators: dict[int, torch.Generator]) ->
 
 
 def sample_exponential(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """On a GPU: argmax(logits - log E) with E ~ Exponential(1) draws one token from softmax(logits) (the
-    Gumbel-max trick, as argmax(probs / E) in log space) without a softmax or torch.multinomial's
-    host sync."""
+    """On a GPU: argmax(logits - log E) with E ~ Exponential(1) draws one token from
+    softmax(logits) (the Gumbel-max trick, as argmax(probs / E) in log space) without a softmax or
+    torch.multinomial's host sync."""
     noise = torch.empty_like(logits).exponential_()
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)
