@@ -118,6 +118,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     mask = None
     if not whole and (n > 1 or sliding_window):
         mask = visible_keys(torch.arange(seq_len - n, seq_len), torch.arange(seq_len), sliding_window)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, is_causal=whole and n > 1,
-                                         scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    # Four dims, or torch takes its math kernel, which holds the scores: 266 against 27 ms for
+    # 2,048 queries of 9 heads over 3 KV heads (two threads, the 2-core machine).
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                         is_causal=whole and n > 1, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
