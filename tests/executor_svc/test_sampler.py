@@ -92,10 +92,11 @@ def test_masked_tokens_are_never_drawn_at_either_end_of_a_long_vocabulary():
     logits = torch.full((1, 49152), float("-inf"))
     allowed = [0, 1, 30000, 49151]
     logits[0, allowed] = torch.tensor([0.0, -30.0, 1.0, 0.5])
-    observed = frequencies(logits, SamplingParams())
+    # Fewer draws than elsewhere: each is a row of the whole vocabulary.
+    observed = frequencies(logits, SamplingParams(), draws=1500)
     assert set(observed.nonzero().flatten().tolist()) <= set(allowed)
     expected = torch.softmax(logits[0, allowed], dim=-1)
-    torch.testing.assert_close(observed[allowed], expected, atol=0.015, rtol=0)
+    torch.testing.assert_close(observed[allowed], expected, atol=0.05, rtol=0)
 
 
 def test_a_row_with_one_allowed_token_draws_it():
