@@ -114,12 +114,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             sliding_window: int | None) -> torch.Tensor:
     """The last len(q) positions' queries [n, heads, head_dim] over keys [kv_heads, L, head_dim]."""
     n, seq_len = len(q), k.shape[1]
-    whole = n == seq_len and not sliding_window
     mask = None
-    if not whole and (n > 1 or sliding_window):
+    if sliding_window or 1 < n < seq_len:
         mask = visible_keys(torch.arange(seq_len - n, seq_len), torch.arange(seq_len), sliding_window)
     # Four dims, or torch takes its math kernel, which holds the scores: 266 against 27 ms for
     # 2,048 queries of 9 heads over 3 KV heads (two threads, the 2-core machine).
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
-                                         is_causal=whole and n > 1, scale=scale, enable_gqa=True)
+                                         is_causal=mask is None and n > 1, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
