@@ -2,6 +2,7 @@
 checked and turned into engine requests (the prompt, the choices, how their output is read).
 
 A protocol's handler is a translator: its body to a NeutralRequest, then output_events to its wire."""
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -82,11 +83,14 @@ class Plan:
 
 async def plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> Plan:
     """The engine requests for `req`; a 400 (APIError) for what cannot run, naming the field by
-    the protocol's name for it."""
+    the protocol's name for it, in its `param` and its message."""
     try:
         return await _plan(gateway, served, req)
     except APIError as e:
-        e.info.param = req.field_names.get(e.info.param, e.info.param)
+        name = req.field_names.get(e.info.param)
+        if name is not None:
+            e.info.message = re.sub(rf"(?<![\w-]){re.escape(e.info.param)}(?![\w-])", name, e.info.message)
+            e.info.param = name
         raise
 
 

@@ -103,7 +103,7 @@ async def test_logprobs_go_to_the_engines_max_logprobs_and_no_further(serve, htt
         async with http.post(f"{url}/v1/{path}", json=body) as r:
             error = (await r.json())["error"]
         assert r.status == 400 and error["param"] == param
-        assert error["message"] == f"{param.removeprefix('top_')} must be in [0, 25] (the server's --max-logprobs), got 26."
+        assert error["message"] == f"{param} must be in [0, 25] (the server's --max-logprobs), got 26."
 
 
 async def test_tokens_as_token_ids_by_request_or_by_the_server_flag(serve, http, tokenizer):
