@@ -3,7 +3,7 @@
 Run as `python -m pagedserve.bench.decode_sweep [CASE ...]` (default: every case of CASES); prints
 a line a case and cache, then one JSON line with every number. Each tiling of TILINGS and the
 default one attend LAYERS layers of distinct caches in one CUDA graph, so that the cache is read
-from memory rather than L2, timed as the least of REPEATS x REPLAYS replays, in us a layer. A
+from memory rather than L2, timed as the median replay (bench/timing.py), in us a layer. A
 tiling whose output differs from the default's by more than MAX_ABS_ERR is reported, not timed.
 Shapes are Llama-3.1-8B attention (bench/kernels.py); each row's context is drawn from its case's
 range and its blocks are shuffled over the cache.
@@ -17,6 +17,7 @@ import torch
 import triton
 
 from pagedserve.bench.kernels import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE
+from pagedserve.bench.timing import graph_ms
 from pagedserve.kernels.attention import AttentionConfig, paged_attention
 from pagedserve.kernels.reference import FP8_DTYPE
 
@@ -24,7 +25,7 @@ from pagedserve.kernels.reference import FP8_DTYPE
 # the 16-42 rows of an online server at 10-50 streams.
 CASES = {"512xU150-1100": (512, 150, 1100), "256x1024": (256, 1024, 1024), "64x4096": (64, 4096, 4096),
          "42xU400-1000": (42, 400, 1000), "32x600": (32, 600, 600), "16x600": (16, 600, 600)}
-LAYERS, REPLAYS, REPEATS = 8, 20, 3
+LAYERS = 8
 MAX_ABS_ERR = 2e-2
 # The decode tiling's shape (16 rows, keys loaded transposed, one masked loop) at each KV tile,
 # stage count and warp count.
@@ -46,26 +47,9 @@ def case_tables(batch: int, least: int, most: int,
     return lens.int().to(device), table.to(device), len(order)
 
 
-def graph_us(fn: Callable[[], None]) -> float:
-    """us a layer of fn (LAYERS launches), captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        fn()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    best = float("inf")
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / REPLAYS / LAYERS)
-    return best
+def layer_us(fn: Callable[[], None]) -> float:
+    """us a layer of fn (LAYERS launches) replayed from a CUDA graph."""
+    return graph_ms(fn) * 1e3 / LAYERS
 
 
 def sweep_case(batch: int, least: int, most: int, fp8: bool) -> dict:
@@ -92,14 +76,14 @@ def sweep_case(batch: int, least: int, most: int, fp8: bool) -> dict:
 
     layers(None)()
     expected = out.float()
-    row: dict = {"default": graph_us(layers(None))}
+    row: dict = {"default": layer_us(layers(None))}
     for name, config in TILINGS.items():
         try:
             out.fill_(float("nan"))
             layers(config)()
             err = (out.float() - expected).abs().max().item()
             timed = err <= MAX_ABS_ERR
-            row[name] = graph_us(layers(config)) if timed else f"max abs err {err:.2e}, not timed"
+            row[name] = layer_us(layers(config)) if timed else f"max abs err {err:.2e}, not timed"
         except Exception as failure:  # a tiling the compiler or the GPU refuses: report, go on
             row[name] = f"{type(failure).__name__}: {str(failure).splitlines()[0][:120]}"
     return row

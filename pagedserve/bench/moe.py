@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.testing
 
+from pagedserve.bench.timing import graph_ms, median_ms
 from pagedserve.kernels import moe_config
 from pagedserve.kernels.fused_moe import expert_gemm, fused_moe
 from pagedserve.kernels.moe_config import (GEMV_MAX_TOKENS, TUNED, AnyMoeConfig, MoeConfig, MoeGemmConfig,
@@ -157,31 +157,6 @@ def gemv_heuristic(shape: Shape, kind: str) -> SmallBatchMoeConfig:
 
 def with_w8a8(config: MoeConfig, w8a8: bool) -> MoeConfig:
     return replace(config, gate_up=replace(config.gate_up, w8a8=w8a8), down=replace(config.down, w8a8=w8a8))
-
-
-def median_ms(fn: Callable[[], object]) -> float:
-    if torch.cuda.is_available():
-        return triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median")
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
-def graph_ms(fn: Callable[[], object]) -> float:
-    """fn's time replayed from a CUDA graph (once, timed on the host, without a GPU)."""
-    if not torch.cuda.is_available():
-        return median_ms(fn)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = median_ms(graph.replay)
-    del graph
-    return ms
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
