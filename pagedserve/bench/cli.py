@@ -3,6 +3,7 @@
 import argparse
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedserve.bench import batch as bench_batch, control as bench_control, serve as bench_serve, workload
+from pagedserve.bench import (batch as bench_batch, control as bench_control, serve as bench_serve, step_profile,
+                              workload)
 from pagedserve.common.config import add_engine_args, config_from_args
 from pagedserve.common.model_shapes import SHAPES, write_shape
 
@@ -88,6 +90,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     lat.add_argument("--num-iters", type=int, default=3, help="timed generate calls")
     lat.add_argument("--output-json", help="also write the result here")
     lat.add_argument("--structured", action="store_true", help="every request under a JSON schema")
+    lat.add_argument("--profile", action="store_true",
+                     help="then one more run under torch's profiler: a decode step's device time by "
+                          "kind of kernel (a CUDA GPU only)")
     add_engine_args(lat)
     lat.set_defaults(run=run_latency)
 
@@ -203,6 +208,8 @@ def run_latency(args: argparse.Namespace) -> None:
     from pagedserve.common.sampling_params import SamplingParams
 
     llm = _make_llm(args)
+    if args.profile and llm.worker.device.type != "cuda":
+        sys.exit("--profile times CUDA kernels, and this engine runs on the CPU; leave --profile out.")
     vocab = min(workload.VOCAB, llm.worker.describe().vocab_size)
     work = workload.random(n=args.batch_size, input_len=args.input_len,
                            output_len=args.output_len, vocab=vocab)
@@ -233,6 +240,10 @@ def run_latency(args: argparse.Namespace) -> None:
     print(f"per step (all steps): {result['device_step_ms']:.3f} ms of device work, "
           f"{result['device_idle_ms']:.3f} ms device idle before it, "
           f"{result['host_step_ms']:.3f} ms host time in launch and collect")
+    if args.profile:
+        result["profile_us"] = step_profile.profile_decode(llm, prompts, params)
+        print("a decode step's device time, median us (kernel time by kind, span, gaps, overlap):")
+        print(step_profile.table(result["profile_us"]))
     _emit(result, args.output_json)
 
 
