@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from pagedserve.entrypoints.launcher import grpc_ready, http_ready
+from pagedserve.gateway.engine_pool import POLL_INTERVAL_S
 from tests.e2e.test_reliability import ended_well, long_chat, read_stream
 from tests.serving import free_port, pagedserve, pagedserve_many
 
@@ -36,6 +37,22 @@ async def per_engine(http: aiohttp.ClientSession, base: str, name: str) -> dict[
     return {engine: float(v) for n, engine, v in SAMPLE.findall(text) if n == f"vllm:{name}"}
 
 
+async def quiet(http: aiohttp.ClientSession, base: str, name: str) -> dict[str, float]:
+    """per_engine two of the gateway's polls after the requests answered so far: /metrics shows
+    each engine's counters as of the last poll (every POLL_INTERVAL_S)."""
+    await asyncio.sleep(2 * POLL_INTERVAL_S)
+    return await per_engine(http, base, name)
+
+
+async def settled(http: aiohttp.ClientSession, base: str, name: str,
+                  before: dict[str, float]) -> dict[str, float]:
+    """quiet once the counters have moved from `before` (a loaded machine may poll late)."""
+    deadline = time.monotonic() + 10
+    while await per_engine(http, base, name) == before and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_INTERVAL_S / 2)
+    return await quiet(http, base, name)
+
+
 def grew(before: dict[str, float], after: dict[str, float]) -> list[str]:
     return sorted(e for e in after if after[e] > before.get(e, 0))
 
@@ -52,7 +69,7 @@ def server():
 async def test_a_burst_of_32_succeeds_on_both_engines(server):
     _, base = server
     async with aiohttp.ClientSession() as http:
-        before = await per_engine(http, base, "prefix_cache_queries_total")
+        before = await quiet(http, base, "prefix_cache_queries_total")
 
         async def one(i: int) -> int:
             async with http.post(base + COMPLETIONS, json={"prompt": f"Fact {i}:", "max_tokens": 8}) as r:
@@ -60,7 +77,7 @@ async def test_a_burst_of_32_succeeds_on_both_engines(server):
                 return r.status
 
         statuses = await asyncio.gather(*[one(i) for i in range(32)])
-        after = await per_engine(http, base, "prefix_cache_queries_total")
+        after = await settled(http, base, "prefix_cache_queries_total", before)
     assert statuses == [200] * 32
     assert grew(before, after) == ["0", "1"]
 
@@ -71,14 +88,14 @@ async def test_a_shared_prefix_stays_on_one_engine_and_hits_its_cache(server):
                  "What is a tracking number?"]
     cached = []
     async with aiohttp.ClientSession() as http:
-        before = await per_engine(http, base, "prefix_cache_queries_total")
+        before = await quiet(http, base, "prefix_cache_queries_total")
         for question in questions:
             body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
                     "max_tokens": 4}
             async with http.post(base + CHAT, json=body) as r:
                 assert r.status == 200, await r.text()
                 cached.append((await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
-        after = await per_engine(http, base, "prefix_cache_queries_total")
+        after = await settled(http, base, "prefix_cache_queries_total", before)
     assert len(grew(before, after)) == 1
     assert all(c > 0 for c in cached[1:])
 
