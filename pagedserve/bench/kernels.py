@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 import triton
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pagedserve.bench import timing
 from pagedserve.kernels.attention import AttentionConfig, default_config, paged_attention
 from pagedserve.kernels.reference import FP8_DTYPE, paged_attention_ref
 
@@ -62,7 +62,7 @@ SWEEP_VARIANTS = {
 
 
 def median_ms(fn: Callable[[], object]) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    return timing.median_ms(fn, warmup_ms=25, rep_ms=200)
 
 
 def fits(nbytes: int) -> bool:

@@ -50,7 +50,8 @@ def summarize(step: list[Kernel]) -> dict[str, float]:
     out = {"span": step[-1].end_us - step[0].start_us, "gaps": 0.0, "overlap": 0.0,
            "kernels": float(len(step))}
     for kernel in step:
-        out[kind(kernel.name)] = out.get(kind(kernel.name), 0.0) + kernel.end_us - kernel.start_us
+        name = kind(kernel.name)
+        out[name] = out.get(name, 0.0) + kernel.end_us - kernel.start_us
     for before, after in zip(step, step[1:]):
         between = after.start_us - before.end_us
         out["gaps" if between > 0 else "overlap"] += abs(between)

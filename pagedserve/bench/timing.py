@@ -7,10 +7,10 @@ import torch
 import triton.testing
 
 
-def median_ms(fn: Callable[[], object]) -> float:
-    """fn's median time, ms, over triton's do_bench (about 10 ms of calls)."""
+def median_ms(fn: Callable[[], object], warmup_ms: int = 2, rep_ms: int = 10) -> float:
+    """fn's median time, ms, over triton's do_bench (warmup_ms, then rep_ms of calls)."""
     if torch.cuda.is_available():
-        return triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
