@@ -65,6 +65,9 @@ class TorchAttentionBackend:
     # as an FP8 linear layer does off a GPU.
     route = staticmethod(route_ref)
     fused_moe = staticmethod(fused_moe_ref)
+    # Whether a model's RMSNorms may be folded into the projections after them
+    # (layers/decoder.py's fold_norms): forward and the gated activations then take `norm_of`.
+    folds_norms = False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None,
@@ -170,6 +173,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
     gelu_tanh_and_mul_quant_fp8 = staticmethod(gelu_tanh_and_mul_quant_fp8)
     route = staticmethod(route)
     fused_moe = staticmethod(fused_moe)
+    folds_norms = True
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None,
@@ -177,21 +181,24 @@ class TritonAttentionBackend(TorchAttentionBackend):
         out = padded_rows(x, out_rows, *x.shape[1:])
         return out, rms_norm(x, weight, eps, residual, out[:len(x)])[1]
 
-    def silu_and_mul(self, x: torch.Tensor, out_rows: int = 0) -> torch.Tensor:
-        return _gated(silu_and_mul, x, out_rows)
+    def silu_and_mul(self, x: torch.Tensor, out_rows: int = 0,
+                     norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        return _gated(silu_and_mul, x, out_rows, norm_of)
 
-    def gelu_tanh_and_mul(self, x: torch.Tensor, out_rows: int = 0) -> torch.Tensor:
-        return _gated(gelu_tanh_and_mul, x, out_rows)
+    def gelu_tanh_and_mul(self, x: torch.Tensor, out_rows: int = 0,
+                          norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        return _gated(gelu_tanh_and_mul, x, out_rows, norm_of)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[torch.Tensor, torch.Tensor], *,
                 sliding_window: int | None = None, softcap: float | None = None,
-                out_rows: int = 0) -> torch.Tensor:
+                out_rows: int = 0, norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """norm_of: see kernels/rotary.py's rotary_write_kv."""
         # One launch for rotary and the cache write: a decode step is bound by small launches.
         q = rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                            meta.slot_mapping, kv_scales)
+                            meta.slot_mapping, kv_scales, norm_of)
         # A prefill launch reads this step's keys (rotated in place above) and values from k
         # and v rather than from their cache slots; decode steps, the ones CUDA graphs capture,
         # read the cache alone.
@@ -227,11 +234,12 @@ def with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _gated(act: Callable[..., torch.Tensor], x: torch.Tensor, out_rows: int) -> torch.Tensor:
+def _gated(act: Callable[..., torch.Tensor], x: torch.Tensor, out_rows: int,
+           norm_of: tuple[torch.Tensor, float] | None) -> torch.Tensor:
     """A gated activation kernel's output for x [T, 2 * d] written into the first rows of a
     buffer of max(T, out_rows) rows."""
     out = padded_rows(x, out_rows, x.shape[1] // 2)
-    act(x, out[:len(x)])
+    act(x, out[:len(x)], norm_of)
     return out
 
 

@@ -17,7 +17,7 @@ from pagedserve.executor_svc.device import (cap_cpu_threads, default_dtype, dtyp
 from pagedserve.executor_svc.fp8 import Quantize, check_fp8_device
 from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block, determine_num_blocks,
                                               resolve_kv_cache_dtype)
-from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.layers.decoder import CausalLM, fold_norms
 from pagedserve.executor_svc.layers.encoder_attention import load_kernels
 from pagedserve.executor_svc.layers.linear import NarrowHead, narrow_linears
 from pagedserve.executor_svc.memory_profile import profile_peak_bytes, used_bytes
@@ -93,6 +93,8 @@ class Worker:
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = build_model(self.rank_config, backend, self.max_model_len, self.tp)
         self._load_weights(backend.per_token_quant_fp8 if self.quantization else None)
+        if isinstance(self.model, CausalLM) and fold_norms(self.model):
+            log.info("norms_folded", layers=len(self.model.model.layers))
         self.pooling = PoolingInfo()
         if self.runner_kind == "pooling":
             self._build_pooling(config)

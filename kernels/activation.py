@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import pdl
+from pagedserve.kernels.norm import inv_rms
 from pagedserve.kernels.quant import INTERPRETED, empty_quantized, store_quantized_row
 from pagedserve.kernels.reference import FP8_MAX, FP8_MIN_SCALE
 
@@ -26,23 +27,36 @@ def tanh(x):
 def _gated(x, row, stride_x, d, offs, mask, ACT: tl.constexpr):
     gate = tl.load(x + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
+    return _act_mul(gate, up, ACT).to(x.dtype.element_ty)
+
+
+@triton.jit
+def _act_mul(gate, up, ACT: tl.constexpr):
     if ACT == _SILU:
         h = gate * tl.sigmoid(gate)
     else:
         # PyTorch's gelu(approximate="tanh"); 0.7978845608028654 is sqrt(2 / pi).
         inner = (gate + 0.044715 * gate * gate * gate) * 0.7978845608028654
         h = 0.5 * gate * (1.0 + tanh(inner))
-    return (h * up).to(x.dtype.element_ty)
+    return h * up
 
 
 @triton.jit
-def _gated_kernel(x, out, stride_x, stride_o, d, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                  PDL: tl.constexpr):
+def _gated_kernel(x, out, stream, stride_x, stride_o, stride_s, d, hidden, eps,
+                  ACT: tl.constexpr, BLOCK: tl.constexpr, NORMED: tl.constexpr,
+                  HIDDEN_PAD: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
-    tl.store(out + row * stride_o + offs, _gated(x, row, stride_x, d, offs, mask, ACT), mask=mask)
+    if NORMED:
+        inv = inv_rms(stream + row * stride_s, hidden, eps, HIDDEN_PAD)
+        gate = tl.load(x + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32) * inv
+        up = tl.load(x + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32) * inv
+        h = _act_mul(gate, up, ACT).to(x.dtype.element_ty)
+    else:
+        h = _gated(x, row, stride_x, d, offs, mask, ACT)
+    tl.store(out + row * stride_o + offs, h, mask=mask)
 
 
 @triton.jit
@@ -58,18 +72,32 @@ def _gated_quant_kernel(x, out, scale, stride_x, stride_o, d, min_scale, ACT: tl
     store_quantized_row(h, mask, out + row * stride_o, offs, scale + row, min_scale, FP8_MAX, EXACT)
 
 
-def _gated_and_mul(x: torch.Tensor, act: int, out: torch.Tensor | None) -> torch.Tensor:
+# A folded norm's scale is summed anew by each program of a row, so steps of many tokens take
+# a program a row, as the quantizing kernel does.
+NORMED_WIDE_ROWS = 256
+
+
+def _gated_and_mul(x: torch.Tensor, act: int, out: torch.Tensor | None,
+                   norm_of: tuple[torch.Tensor, float] | None) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     if out is None:
         out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, d)
-    block = min(1024, triton.next_power_of_2(d))
+    stream, eps = norm_of if norm_of is not None else (x2, 0.0)
+    wide = norm_of is not None and x2.shape[0] > NORMED_WIDE_ROWS
+    block = triton.next_power_of_2(d) if wide else min(1024, triton.next_power_of_2(d))
     if x2.shape[0] > 0:
         _gated_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out2, x2.stride(0), out2.stride(0), d, ACT=act, BLOCK=block,
+            x2, out2, stream, x2.stride(0), out2.stride(0), stream.stride(0), d, stream.shape[-1],
+            eps, ACT=act, BLOCK=block, NORMED=norm_of is not None,
+            HIDDEN_PAD=triton.next_power_of_2(stream.shape[-1]), num_warps=_warps(block),
             **pdl.launch_args(x.device))
     return out
+
+
+def _warps(block: int) -> int:
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
 def _gated_and_mul_quant_fp8(x: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,15 +107,18 @@ def _gated_and_mul_quant_fp8(x: torch.Tensor, act: int) -> tuple[torch.Tensor, t
     if x.shape[0] > 0:
         _gated_quant_kernel[(x.shape[0],)](
             x, out, scale, x.stride(0), out.stride(0), d, FP8_MIN_SCALE, ACT=act, BLOCK=block,
-            FP8_MAX=FP8_MAX, EXACT=INTERPRETED, num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4,
+            FP8_MAX=FP8_MAX, EXACT=INTERPRETED, num_warps=_warps(block),
             **pdl.launch_args(x.device))
     return out, scale
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
+                 norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [..., 2 * d] holding gate then up projections; returns silu(gate) * up [..., d], written
-    into `out` if given (rows of d contiguous, e.g. the first rows of a larger buffer)."""
-    return _gated_and_mul(x, SILU, out)
+    into `out` if given (rows of d contiguous, e.g. the first rows of a larger buffer).
+    norm_of=(stream, eps), where gate_up's input RMSNorm was folded into its weights: gate and up
+    are first scaled per row by 1 / RMS(stream[row]) with that eps (stream [T, hidden])."""
+    return _gated_and_mul(x, SILU, out, norm_of)
 
 
 def silu_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,11 +127,12 @@ def silu_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return _gated_and_mul_quant_fp8(x, SILU)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
+                      norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [..., 2 * d] holding gate then up projections; returns gelu_tanh(gate) * up [..., d]
     (GELU's tanh approximation, Gemma's gelu_pytorch_tanh), like `gelu_tanh_and_mul_ref`; written
-    into `out` if given, as silu_and_mul does."""
-    return _gated_and_mul(x, GELU_TANH, out)
+    into `out` and scaled by `norm_of` if given, as silu_and_mul does."""
+    return _gated_and_mul(x, GELU_TANH, out, norm_of)
 
 
 def gelu_tanh_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
 """RMSNorm, optionally fused with the residual add that precedes it and with the per-token FP8
-quantization of its output that an FP8 projection after it needs."""
+quantization of its output that an FP8 projection after it needs; and the per-token scale of a
+norm folded into the projection after it (`inv_rms`)."""
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +36,14 @@ def _rms_norm_kernel(x, residual, weight, out, sum_out, scale, stride_x, stride_
                             min_scale, FP8_MAX, EXACT)
     else:
         tl.store(out + row * stride_o + offs, normed, mask=mask)
+
+
+@triton.jit
+def inv_rms(x_row, hidden, eps, BLOCK: tl.constexpr):
+    """1 / RMS of the `hidden` values at x_row, in fp32: the scale RMSNorm gives that row."""
+    offs = tl.arange(0, BLOCK)
+    h = tl.load(x_row + offs, mask=offs < hidden, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(h * h, 0) / hidden + eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

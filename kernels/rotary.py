@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import pdl
+from pagedserve.kernels.norm import inv_rms
 from pagedserve.kernels.reference import FP8_MAX, is_fp8
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -81,20 +82,26 @@ def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, scale, HEADS_PAD: tl.
 
 @triton.jit
 def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                            k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                            stride_cache, stride_kcb, stride_kcs, stride_kch, stride_vcb,
-                            stride_vcs, stride_vch, num_heads, num_kv_heads,
-                            BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
+                            k_scale_ptr, v_scale_ptr, x, stride_qt, stride_qh, stride_kt, stride_kh,
+                            stride_vt, stride_vh, stride_x, stride_cache, stride_kcb, stride_kcs,
+                            stride_kch, stride_vcb, stride_vcs, stride_vch, num_heads, num_kv_heads,
+                            hidden, eps, BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
                             K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
                             HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                             HEAD_PAD: tl.constexpr, TAIL_PAD: tl.constexpr, FP8: tl.constexpr,
-                            KV_SCALED: tl.constexpr, PDL: tl.constexpr):
+                            KV_SCALED: tl.constexpr, NORMED: tl.constexpr,
+                            HIDDEN_PAD: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     # Positions, slots and the cos/sin cache were uploaded before the step's first kernel:
     # read before the wait (see kernels/pdl.py).
     cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF, HALF_PAD)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     pdl.wait_for_previous(PDL)
+    if NORMED:
+        # Rotation is linear: scaling the rotated halves is scaling the projection's input.
+        inv = inv_rms(x + token * stride_x, hidden, eps, HIDDEN_PAD)
+        cos = cos * inv
+        sin = sin * inv
     q_token = q + token * stride_qt
     q_lo, q_hi = _rotate_heads(q_token, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF,
                                HALF_PAD)
@@ -106,6 +113,13 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                                HALF_PAD)
     _store_halves(k_token, stride_kh, num_kv_heads, k_lo, k_hi, 1.0, K_HEADS_PAD, HALF, HALF_PAD,
                   False)
+    v_heads, v_mask = _head_tile(v + token * stride_vt, stride_vh, num_kv_heads, K_HEADS_PAD,
+                                 HEAD_DIM, HEAD_PAD)
+    v_token = tl.load(v_heads, mask=v_mask)
+    if NORMED:
+        # Back to v as well, for prefill attention.
+        v_token = (v_token.to(tl.float32) * inv).to(v.dtype.element_ty)
+        tl.store(v_heads, v_token, mask=v_mask)
     # Slot -1 marks a CUDA-graph padding token: it owns no cache slot.
     if slot < 0:
         return
@@ -121,15 +135,16 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
         # Partial rotary: the dims past the rotary ones are stored as they came.
         _copy_heads(k_token + 2 * HALF, stride_kh, k_entry + 2 * HALF, stride_kch, num_kv_heads,
                     k_scale, K_HEADS_PAD, HEAD_DIM - 2 * HALF, TAIL_PAD, FP8)
-    _copy_heads(v + token * stride_vt, stride_vh,
-                _cache_entry(v_cache, slot, stride_vcb, stride_vcs, BLOCK_SIZE), stride_vch,
-                num_kv_heads, v_scale, K_HEADS_PAD, HEAD_DIM, HEAD_PAD, FP8)
+    v_entry, _ = _head_tile(_cache_entry(v_cache, slot, stride_vcb, stride_vcs, BLOCK_SIZE),
+                            stride_vch, num_kv_heads, K_HEADS_PAD, HEAD_DIM, HEAD_PAD)
+    tl.store(v_entry, _to_storage(v_token, v_scale, v_cache, FP8), mask=v_mask)
 
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor,
-                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """`rotary_ref` then `write_kv_ref` in one kernel launch: rotates q [T, num_heads, head_dim]
     and k IN PLACE by positions [T] (cos_sin_cache [max_positions, rotary_dim] holds cos then sin
     halves; only the first rotary_dim dims of each head rotate), and writes the rotated k and v
@@ -138,8 +153,12 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     stores k / k_scale and v / v_scale (kv_scales: float32 [] tensors; none means 1.0),
     saturated to +-448; other caches ignore kv_scales.
 
-    Returns q. v is only read. q, k and v may be strided views (of the fused qkv output) whose
-    last dim is contiguous.
+    norm_of=(x, eps), for a projection whose input RMSNorm was folded into its weights
+    (layers/decoder.py's fold_norms): q, k and v are first scaled per token by 1 / RMS(x[t])
+    with that norm's eps (x [T, hidden], rows contiguous), v IN PLACE too; heads must rotate whole.
+
+    Returns q. Without norm_of v is only read. q, k and v may be strided views (of the fused qkv
+    output) whose last dim is contiguous.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -148,17 +167,21 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     fp8 = is_fp8(k_cache)
     scaled = fp8 and kv_scales is not None
     k_scale, v_scale = kv_scales if scaled else (None, None)
+    if norm_of is not None and tail:
+        raise ValueError("rotary_write_kv scales by a folded norm only where heads rotate whole")
+    x, eps = norm_of if norm_of is not None else (q, 0.0)
     if num_tokens > 0:
         _rotary_write_kv_kernel[(num_tokens,)](
-            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-            q.stride(0),
-            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_heads, num_kv_heads,
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, x,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            x.stride(0), cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_heads,
+            num_kv_heads, x.shape[-1], eps,
             BLOCK_SIZE=k_cache.shape[1], Q_HEADS_PAD=triton.next_power_of_2(num_heads),
             K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=half,
             HALF_PAD=triton.next_power_of_2(half), HEAD_DIM=head_dim,
             HEAD_PAD=triton.next_power_of_2(head_dim),
             TAIL_PAD=triton.next_power_of_2(tail) if tail else 0, FP8=fp8, KV_SCALED=scaled,
+            NORMED=norm_of is not None, HIDDEN_PAD=triton.next_power_of_2(x.shape[-1]),
             **pdl.launch_args(q.device))
     return q

@@ -49,10 +49,7 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | Quantized, kv_cache: KVCache,
                 meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
         if self.qk_norm:
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
@@ -64,6 +61,23 @@ class Attention(nn.Module):
         out = self.o_proj(out.view(rows, -1))[:len(q)]
         # NCCL's all-reduce is captured in the decode CUDA graphs like the kernels around it.
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def accumulate(self, positions: torch.Tensor, x: torch.Tensor, num_tokens: int, kv_cache: KVCache,
+                   meta: AttentionMetadata, cos_sin_cache: torch.Tensor, eps: float) -> None:
+        """x += this attention's output, where the layer's input RMSNorm (of `eps`) is folded into
+        qkv_proj (decoder.fold_norms): x is the residual stream itself, not its norm, its first
+        num_tokens rows the tokens' (the rest padding, which o_proj adds into too)."""
+        q, k, v = self._qkv(x[:num_tokens])
+        out = self.backend.forward(positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1],
+                                   meta, self.scale, (self.k_scale, self.v_scale),
+                                   sliding_window=self.sliding_window, softcap=self.softcap,
+                                   out_rows=len(x), norm_of=(x, eps))
+        x.addmm_(out.view(len(x), -1), self.o_proj.weight.t())
+
+    def _qkv(self, x: torch.Tensor | Quantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
 
 
 def layer_windows(config: ModelConfig) -> list[int | None]:

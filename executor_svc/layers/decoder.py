@@ -10,11 +10,13 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from pagedserve.executor_svc.attention_backend import AttentionMetadata
+from pagedserve.executor_svc.attention_backend import AttentionMetadata, with_rows
 from pagedserve.executor_svc.fp8 import Fp8Linear, takes_quantized
 from pagedserve.executor_svc.kv_cache import KVCache
-from pagedserve.executor_svc.layers.linear import NarrowHead, embedding, shard
-from pagedserve.executor_svc.layers.norm import Norm
+from pagedserve.executor_svc.layers.attention import Attention
+from pagedserve.executor_svc.layers.linear import Linear, MergedLinear, NarrowHead, embedding, input_rows, shard
+from pagedserve.executor_svc.layers.mlp import GatedMLP
+from pagedserve.executor_svc.layers.norm import Norm, RMSNorm
 from pagedserve.executor_svc.layers.rotary import RotaryEmbedding
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
@@ -35,10 +37,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(config.hidden_size)
         # A plain attribute: a submodule's would cost a Module.__getattr__ per layer and step.
         self.quantize_mlp_input = mlp.quantized_input
+        # Set by fold_norms: the norms' weights live in the projections after them.
+        self.folded = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
-                quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                quantize: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.folded:
+            # x is the residual stream (residual is None throughout), updated in place.
+            num_tokens = len(positions)
+            self.self_attn.accumulate(positions, x, num_tokens, kv_cache, meta, cos_sin_cache,
+                                      self.input_layernorm.eps)
+            self.mlp.accumulate(x, num_tokens, self.post_attention_layernorm.eps)
+            return x, None
         x, residual = self.attend(positions, x, residual, kv_cache, meta, cos_sin_cache, quantize)
         num_tokens = len(residual)
         x, residual = self.post_attention_layernorm(x, residual, quantize and self.quantize_mlp_input,
@@ -85,9 +96,13 @@ class DecoderModel(nn.Module):
         by cos_sin_caches[i]."""
         residual = None
         quantize = isinstance(self.layers[0].self_attn.o_proj, Fp8Linear) and takes_quantized(x)
+        num_tokens = len(x)
+        if self.layers[0].folded:
+            # o_proj and down_proj add into the stream: on its rows, which they run faster on.
+            x = with_rows(x, input_rows(self.layers[0].self_attn.o_proj, num_tokens))
         for layer, kv_cache, cos_sin_cache in zip(self.layers, kv_caches, cos_sin_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta, cos_sin_cache, quantize)
-        return self.norm(x, residual)[0]
+        return self.norm(x[:num_tokens], residual)[0]
 
 
 class CausalLM(nn.Module):
@@ -140,3 +155,37 @@ class CausalLM(nn.Module):
         """The checkpoint's (name, tensor) pairs as this model's parameters take them: a family
         whose checkpoints name or store a weight otherwise renames or converts it here."""
         return tensors
+
+
+def fold_norms(model: CausalLM) -> bool:
+    """Folds each layer's two RMSNorm weights into the projections after them (W * diag(weight)),
+    where every layer is a plain DecoderLayer of unsharded, unbiased model-dtype projections,
+    without q/k norms, rotating whole heads, on a backend whose kernels scale by the norm
+    (`folds_norms`): each layer then runs without its norm kernels, its projections reading the
+    residual stream, rotary and the activation scaling by its 1 / RMS, and o_proj and down_proj
+    adding into the stream. Returns whether it folded."""
+    layers = model.model.layers
+    if not all(_foldable(layer) for layer in layers):
+        return False
+    if model.model.rotary_emb.cos_sin_cache.shape[1] != layers[0].self_attn.head_dim:
+        return False
+    for layer in layers:
+        _fold(layer.input_layernorm, layer.self_attn.qkv_proj)
+        _fold(layer.post_attention_layernorm, layer.mlp.gate_up_proj)
+        layer.folded = True
+    return True
+
+
+def _foldable(layer: nn.Module) -> bool:
+    if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not GatedMLP:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+    return (attn.backend.folds_norms and attn.tp is None and mlp.tp is None and not attn.qk_norm
+            and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+            and all(type(p) in (Linear, MergedLinear) and p.bias is None for p in projections))
+
+
+def _fold(norm: RMSNorm, projection: Linear) -> None:
+    # One rounding, as torch multiplies bf16 in fp32.
+    projection.weight.data.mul_(norm.weight.to(projection.weight.dtype))

@@ -46,3 +46,10 @@ class GatedMLP(nn.Module):
             h = self.act_and_mul(h, input_rows(self.down_proj, num_tokens))
         out = self.down_proj(h)[:num_tokens]
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def accumulate(self, x: torch.Tensor, num_tokens: int, eps: float) -> None:
+        """x += this block's output, where the RMSNorm (of `eps`) before it is folded into
+        gate_up_proj (decoder.fold_norms): x is the residual stream itself, not its norm, its
+        first num_tokens rows the tokens' (the rest padding, which down_proj adds into too)."""
+        h = self.act_and_mul(self.gate_up_proj(x[:num_tokens]), len(x), norm_of=(x, eps))
+        x.addmm_(h, self.down_proj.weight.t())

@@ -8,7 +8,7 @@ import torch
 from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
 from pagedserve.executor_svc.device import default_dtype
 from pagedserve.executor_svc.kv_cache import allocate_kv_cache
-from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.layers.decoder import CausalLM, fold_norms
 from pagedserve.executor_svc.model_config import load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.models import build_model
 from pagedserve.executor_svc.weight_loader import load_weights
@@ -120,16 +120,20 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 def paged_prefill_logits(path, prompts: list[list[int]], backend=None,
                          device: torch.device = torch.device("cpu"),
                          dtype: torch.dtype = torch.float32, fp8: bool = False,
-                         load_format: str = "auto", kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                         load_format: str = "auto", kv_dtype: torch.dtype | None = None,
+                         fold: bool = False) -> list[torch.Tensor]:
     """Every prompt's logits at every position, all prompts packed into one flattened batch whose
     KV blocks are shuffled across the cache (of kv_dtype, by default the model's). `fp8`: the
-    decoder's projections in FP8, quantized at load (an FP8 checkpoint loads as FP8 either way)."""
+    decoder's projections in FP8, quantized at load (an FP8 checkpoint loads as FP8 either way).
+    `fold`: the norms folded into the projections after them, as the worker folds them."""
     config = load_model_config(path)
     backend = backend or TorchAttentionBackend()
     with torch.device(device), default_dtype(dtype):
         model = build_model(config, backend, resolve_max_model_len(config, None))
     fp8 = fp8 or config.quantization is not None
     load_weights(model, path, load_format, quantize=backend.per_token_quant_fp8 if fp8 else None)
+    if fold:
+        assert fold_norms(model)
     num_blocks = [-(-len(p) // BLOCK_SIZE) for p in prompts]
     block_ids = list(range(sum(num_blocks) + 3))
     random.Random(0).shuffle(block_ids)

@@ -75,3 +75,16 @@ def test_gated_activation_writes_the_first_rows_of_a_given_buffer(kernel, ref) -
     assert kernel(x, buffer[:3]).data_ptr() == buffer.data_ptr()
     assert_close(buffer[:3], ref(x))
     assert torch.all(buffer[3:] == 7.0)
+
+
+@pytest.mark.parametrize("rows", [3, 300])
+@pytest.mark.parametrize("kernel, ref", [(silu_and_mul, silu_and_mul_ref),
+                                         (gelu_tanh_and_mul, gelu_tanh_and_mul_ref)],
+                         ids=["silu", "gelu_tanh"])
+def test_gated_activation_scaled_by_a_folded_norm(kernel, ref, rows: int) -> None:
+    """norm_of=(stream, eps): gate and up scaled by each row's 1 / RMS(stream) first; past
+    NORMED_WIDE_ROWS rows in wider programs."""
+    x = torch.randn(rows, 2 * 1500, device=DEVICE) * 4
+    stream = torch.randn(rows, 96, device=DEVICE) * torch.linspace(0.1, 30, rows, device=DEVICE)[:, None]
+    inv = torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert_close(kernel(x, norm_of=(stream, 1e-5)), ref(x * inv))

@@ -117,3 +117,46 @@ def run_case(dtype: torch.dtype, cache_dtype: torch.dtype, group: int, block_siz
         assert_close(k_slots[written], ref_k_slots)
         assert torch.equal(v_slots[written], ref_v_slots)
     assert k_slots[untouched].float().isnan().all() and v_slots[untouched].float().isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_write_kv_scales_by_a_folded_norm(dtype: torch.dtype) -> None:
+    """norm_of=(x, eps): q, k and v scaled by each token's 1 / RMS(x) first, v in place too (a
+    prefill launch reads it there), padding tokens' included; the cache gets the scaled k, v."""
+    num_tokens, num_heads, num_kv_heads, head_dim, hidden, block_size = 6, 4, 2, 32, 96, 4
+    eps = 1e-5
+    positions = torch.tensor([3, 4, 5, 0, 1, 0], device=DEVICE)
+    slots = torch.tensor([9, 10, 11, 0, 1, -1], device=DEVICE)
+    x = (torch.randn(num_tokens, hidden, device=DEVICE) * torch.tensor([[0.1], [1], [30], [2], [5], [1]],
+                                                                          device=DEVICE)).to(dtype)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1))
+    cos_sin_cache = torch.randn(8, head_dim, device=DEVICE)
+    xf = x.float()
+    inv = torch.rsqrt(xf.pow(2).mean(-1) + eps)[:, None, None]
+    scaled_v = v.float() * inv
+    ref_q, ref_k = rotary_ref(positions, q.float() * inv, k.float() * inv, cos_sin_cache)
+    shape = (3, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.full(shape, float("nan"), device=DEVICE).to(dtype) for _ in range(2))
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    write_kv_ref(ref_k.to(dtype), scaled_v.to(dtype), ref_k_cache, ref_v_cache, slots)
+
+    rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slots, norm_of=(x, eps))
+
+    assert_close(q, ref_q.to(dtype))
+    assert_close(k, ref_k.to(dtype))
+    assert_close(v, scaled_v.to(dtype))
+    written = slots[slots >= 0]
+    for cache, ref in ((k_cache, ref_k_cache), (v_cache, ref_v_cache)):
+        slots_of = cache.view(-1, num_kv_heads, head_dim)
+        assert_close(slots_of[written], ref.view(-1, num_kv_heads, head_dim)[written])
+    assert k_cache.view(-1, num_kv_heads, head_dim)[12:].float().isnan().all()
+
+
+def test_a_folded_norm_needs_whole_heads_rotated() -> None:
+    q, k, v = torch.zeros(1, 2, 16), torch.zeros(1, 1, 16), torch.zeros(1, 1, 16)
+    cache = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="rotate whole"):
+        rotary_write_kv(torch.zeros(1, dtype=torch.long), q, k, v, torch.zeros(4, 8), cache, cache.clone(),
+                        torch.zeros(1, dtype=torch.long), norm_of=(torch.ones(1, 8), 1e-6))
