@@ -35,6 +35,9 @@ from pagedserve.kernels.reference import (fused_moe_ref, gelu_tanh_and_mul_quant
                                           write_kv_ref)
 from pagedserve.kernels.rotary import rotary_write_kv
 
+# (q_weight, k_weight, eps): RMSNorms of each q and k head (Qwen3's q_norm and k_norm).
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -86,8 +89,9 @@ class TorchAttentionBackend:
                 meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[torch.Tensor, torch.Tensor], *,
                 sliding_window: int | None = None, softcap: float | None = None,
-                out_rows: int = 0) -> torch.Tensor:
-        """Rotates q and k by their positions [T], writes this step's k, v into the paged cache,
+                out_rows: int = 0, qk_norm: QKNorm | None = None) -> torch.Tensor:
+        """RMS-norms q's and k's heads by qk_norm=(q_weight, k_weight, eps) if given (Qwen3),
+        rotates q and k by their positions [T], writes this step's k, v into the paged cache,
         then attends q over each context.
 
         q [T, heads, head_dim], k and v [T, kv_heads, head_dim]; returns [max(T, out_rows), heads,
@@ -98,10 +102,17 @@ class TorchAttentionBackend:
         multiplies by when read. sliding_window: the layer's window (a query at i sees keys
         j > i - sliding_window; None: all earlier ones); softcap: its attention logit cap
         (None: none)."""
-        q, k = rotary_ref(positions, q, k, cos_sin_cache)
+        q, k = rotary_ref(positions, *self.qk_normed(q, k, qk_norm), cos_sin_cache)
         write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         return with_rows(self.attend(q, k_cache, v_cache, meta, scale, kv_scales, sliding_window, softcap),
                          out_rows)
+
+    def qk_normed(self, q: torch.Tensor, k: torch.Tensor,
+                  qk_norm: QKNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if qk_norm is None:
+            return q, k
+        q_weight, k_weight, eps = qk_norm
+        return self.rms_norm(q, q_weight, eps)[0], self.rms_norm(k, k_weight, eps)[0]
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, kv_scales: tuple[torch.Tensor, torch.Tensor],
@@ -136,7 +147,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[torch.Tensor, torch.Tensor], *,
                 sliding_window: int | None = None, softcap: float | None = None,
-                out_rows: int = 0) -> torch.Tensor:
+                out_rows: int = 0, qk_norm: QKNorm | None = None) -> torch.Tensor:
+        q, k = self.qk_normed(q, k, qk_norm)
         if meta.max_query_len > 1 or sliding_window or softcap or is_fp8(k_cache):
             return super().forward(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, scale,
                                    kv_scales, sliding_window=sliding_window, softcap=softcap,
@@ -194,11 +206,13 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[torch.Tensor, torch.Tensor], *,
                 sliding_window: int | None = None, softcap: float | None = None,
-                out_rows: int = 0, norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                out_rows: int = 0, qk_norm: QKNorm | None = None,
+                norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         """norm_of: see kernels/rotary.py's rotary_write_kv."""
-        # One launch for rotary and the cache write: a decode step is bound by small launches.
+        # One launch for the q/k norms, rotary and the cache write: a decode step is bound by
+        # small launches.
         q = rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                            meta.slot_mapping, kv_scales, norm_of)
+                            meta.slot_mapping, kv_scales, norm_of, qk_norm)
         # A prefill launch reads this step's keys (rotated in place above) and values from k
         # and v rather than from their cache slots; decode steps, the ones CUDA graphs capture,
         # read the cache alone.

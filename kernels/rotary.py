@@ -46,13 +46,33 @@ def _head_tile(base, stride_h, num_heads, HEADS_PAD: tl.constexpr, WIDTH: tl.con
 
 
 @triton.jit
-def _rotate_heads(src, stride_sh, num_heads, cos, sin, HEADS_PAD: tl.constexpr,
-                  HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """One token's heads read from src, rotated: their rotary dims' low and high halves in fp32."""
+def _rotate_heads(src, stride_sh, num_heads, cos, sin, norm_weight, norm_eps, scale,
+                  HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                  HEAD_NORM: tl.constexpr):
+    """One token's heads read from src, rotated: their rotary dims' low and high halves in fp32;
+    with HEAD_NORM each head first RMS-normed (see _head_normed)."""
     src_lo, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, HALF, HALF_PAD)
-    x1 = tl.load(src_lo, mask=mask).to(tl.float32)
-    x2 = tl.load(src_lo + HALF, mask=mask).to(tl.float32)
+    x1 = tl.load(src_lo, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_lo + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HEAD_NORM:
+        x1, x2 = _head_normed(x1, x2, norm_weight, norm_eps, scale, src.dtype.element_ty, HALF,
+                              HALF_PAD)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _head_normed(x1, x2, weight, eps, scale, DTYPE: tl.constexpr, HALF: tl.constexpr,
+                 HALF_PAD: tl.constexpr):
+    """The q/k norm (RMS over each head, with that eps, times weight) of heads' halves [heads,
+    HALF_PAD] scaled by `scale` (a folded input norm's 1 / RMS, else 1), rounded to DTYPE as the
+    norm kernel's output was before rotary read it: GPU greedy tokens of a bf16 Qwen3-MoE fell
+    below the parity test's agreement with transformers (0.945 < 0.95) when it stayed fp32."""
+    mean_square = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) * (scale * scale) / (2 * HALF)
+    r = (scale * tl.rsqrt(mean_square + eps))[:, None]
+    offs = tl.arange(0, HALF_PAD)[None, :]
+    w1 = tl.load(weight + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    w2 = tl.load(weight + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    return (x1 * r * w1).to(DTYPE).to(tl.float32), (x2 * r * w2).to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -82,7 +102,7 @@ def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, scale, HEADS_PAD: tl.
 
 @triton.jit
 def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                            k_scale_ptr, v_scale_ptr, x, stride_qt, stride_qh, stride_kt, stride_kh,
+                            k_scale_ptr, v_scale_ptr, x, q_norm, k_norm, qk_eps, stride_qt, stride_qh, stride_kt, stride_kh,
                             stride_vt, stride_vh, stride_x, stride_cache, stride_kcb, stride_kcs,
                             stride_kch, stride_vcb, stride_vcs, stride_vch, num_heads, num_kv_heads,
                             hidden, eps, BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
@@ -90,27 +110,30 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                             HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                             HEAD_PAD: tl.constexpr, TAIL_PAD: tl.constexpr, FP8: tl.constexpr,
                             KV_SCALED: tl.constexpr, NORMED: tl.constexpr,
-                            HIDDEN_PAD: tl.constexpr, PDL: tl.constexpr):
+                            HIDDEN_PAD: tl.constexpr, HEAD_NORM: tl.constexpr,
+                            PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     # Positions, slots and the cos/sin cache were uploaded before the step's first kernel:
     # read before the wait (see kernels/pdl.py).
     cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF, HALF_PAD)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     pdl.wait_for_previous(PDL)
+    inv = 1.0
     if NORMED:
-        # Rotation is linear: scaling the rotated halves is scaling the projection's input.
         inv = inv_rms(x + token * stride_x, hidden, eps, HIDDEN_PAD)
-        cos = cos * inv
-        sin = sin * inv
+        if not HEAD_NORM:
+            # Rotation is linear: scaling the rotated halves is scaling the projection's input.
+            cos = cos * inv
+            sin = sin * inv
     q_token = q + token * stride_qt
-    q_lo, q_hi = _rotate_heads(q_token, stride_qh, num_heads, cos, sin, Q_HEADS_PAD, HALF,
-                               HALF_PAD)
+    q_lo, q_hi = _rotate_heads(q_token, stride_qh, num_heads, cos, sin, q_norm, qk_eps, inv,
+                               Q_HEADS_PAD, HALF, HALF_PAD, HEAD_NORM)
     _store_halves(q_token, stride_qh, num_heads, q_lo, q_hi, 1.0, Q_HEADS_PAD, HALF, HALF_PAD,
                   False)
     # The rotated k also goes back to k: prefill attention reads the step's keys from there.
     k_token = k + token * stride_kt
-    k_lo, k_hi = _rotate_heads(k_token, stride_kh, num_kv_heads, cos, sin, K_HEADS_PAD, HALF,
-                               HALF_PAD)
+    k_lo, k_hi = _rotate_heads(k_token, stride_kh, num_kv_heads, cos, sin, k_norm, qk_eps, inv,
+                               K_HEADS_PAD, HALF, HALF_PAD, HEAD_NORM)
     _store_halves(k_token, stride_kh, num_kv_heads, k_lo, k_hi, 1.0, K_HEADS_PAD, HALF, HALF_PAD,
                   False)
     v_heads, v_mask = _head_tile(v + token * stride_vt, stride_vh, num_kv_heads, K_HEADS_PAD,
@@ -144,7 +167,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor,
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                    norm_of: tuple[torch.Tensor, float] | None = None,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """`rotary_ref` then `write_kv_ref` in one kernel launch: rotates q [T, num_heads, head_dim]
     and k IN PLACE by positions [T] (cos_sin_cache [max_positions, rotary_dim] holds cos then sin
     halves; only the first rotary_dim dims of each head rotate), and writes the rotated k and v
@@ -156,6 +180,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     norm_of=(x, eps), for a projection whose input RMSNorm was folded into its weights
     (layers/decoder.py's fold_norms): q, k and v are first scaled per token by 1 / RMS(x[t])
     with that norm's eps (x [T, hidden], rows contiguous), v IN PLACE too; heads must rotate whole.
+    qk_norm=(q_weight, k_weight, eps): q's and k's heads are RMS-normed over head_dim (Qwen3's
+    q_norm and k_norm) before they rotate, after norm_of's scale; heads must rotate whole.
 
     Returns q. Without norm_of v is only read. q, k and v may be strided views (of the fused qkv
     output) whose last dim is contiguous.
@@ -167,13 +193,15 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     fp8 = is_fp8(k_cache)
     scaled = fp8 and kv_scales is not None
     k_scale, v_scale = kv_scales if scaled else (None, None)
-    if norm_of is not None and tail:
-        raise ValueError("rotary_write_kv scales by a folded norm only where heads rotate whole")
+    if (norm_of is not None or qk_norm is not None) and tail:
+        raise ValueError("rotary_write_kv applies a folded norm or q/k norms only where heads "
+                         "rotate whole")
     x, eps = norm_of if norm_of is not None else (q, 0.0)
+    q_norm, k_norm, qk_eps = qk_norm if qk_norm is not None else (q, q, 0.0)
     if num_tokens > 0:
         _rotary_write_kv_kernel[(num_tokens,)](
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, x,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q_norm, k_norm, qk_eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             x.stride(0), cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_heads,
             num_kv_heads, x.shape[-1], eps,
@@ -183,5 +211,5 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             HEAD_PAD=triton.next_power_of_2(head_dim),
             TAIL_PAD=triton.next_power_of_2(tail) if tail else 0, FP8=fp8, KV_SCALED=scaled,
             NORMED=norm_of is not None, HIDDEN_PAD=triton.next_power_of_2(x.shape[-1]),
-            **pdl.launch_args(q.device))
+            HEAD_NORM=qk_norm is not None, **pdl.launch_args(q.device))
     return q

@@ -6,7 +6,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
+from pagedserve.executor_svc.attention_backend import AttentionMetadata, QKNorm, TorchAttentionBackend
 from pagedserve.executor_svc.fp8 import Quantized
 from pagedserve.executor_svc.kv_cache import KVCache
 from pagedserve.executor_svc.layers.linear import column_linear, input_rows, row_linear
@@ -50,14 +50,11 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor | Quantized, kv_cache: KVCache,
                 meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x)
-        if self.qk_norm:
-            q, _ = self.q_norm(q)
-            k, _ = self.k_norm(k)
         rows = input_rows(self.o_proj, len(q))
         out = self.backend.forward(positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1],
                                    meta, self.scale, (self.k_scale, self.v_scale),
                                    sliding_window=self.sliding_window, softcap=self.softcap,
-                                   out_rows=rows)
+                                   out_rows=rows, qk_norm=self._qk_norm())
         out = self.o_proj(out.view(rows, -1))[:len(q)]
         # NCCL's all-reduce is captured in the decode CUDA graphs like the kernels around it.
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -71,8 +68,11 @@ class Attention(nn.Module):
         out = self.backend.forward(positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1],
                                    meta, self.scale, (self.k_scale, self.v_scale),
                                    sliding_window=self.sliding_window, softcap=self.softcap,
-                                   out_rows=len(x), norm_of=(x, eps))
+                                   out_rows=len(x), qk_norm=self._qk_norm(), norm_of=(x, eps))
         x.addmm_(out.view(len(x), -1), self.o_proj.weight.t())
+
+    def _qk_norm(self) -> QKNorm | None:
+        return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
 
     def _qkv(self, x: torch.Tensor | Quantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)

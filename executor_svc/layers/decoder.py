@@ -160,10 +160,10 @@ class CausalLM(nn.Module):
 def fold_norms(model: CausalLM) -> bool:
     """Folds each layer's two RMSNorm weights into the projections after them (W * diag(weight)),
     where every layer is a plain DecoderLayer of unsharded, unbiased model-dtype projections,
-    without q/k norms, rotating whole heads, on a backend whose kernels scale by the norm
-    (`folds_norms`): each layer then runs without its norm kernels, its projections reading the
-    residual stream, rotary and the activation scaling by its 1 / RMS, and o_proj and down_proj
-    adding into the stream. Returns whether it folded."""
+    rotating whole heads, on a backend whose kernels scale by the norm (`folds_norms`): each
+    layer then runs without its norm kernels, its projections reading the residual stream, rotary
+    and the activation scaling by its 1 / RMS (q/k norms, as Qwen3's, then norm the scaled heads),
+    and o_proj and down_proj adding into the stream. Returns whether it folded."""
     layers = model.model.layers
     if not all(_foldable(layer) for layer in layers):
         return False
@@ -181,7 +181,7 @@ def _foldable(layer: nn.Module) -> bool:
         return False
     attn, mlp = layer.self_attn, layer.mlp
     projections = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-    return (attn.backend.folds_norms and attn.tp is None and mlp.tp is None and not attn.qk_norm
+    return (attn.backend.folds_norms and attn.tp is None and mlp.tp is None
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
             and all(type(p) in (Linear, MergedLinear) and p.bias is None for p in projections))
 

@@ -14,6 +14,14 @@ SHAPES = {
         bos_token_id=128000, eos_token_id=128001,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192)),
+    # Qwen/Qwen3-8B's config.json: q/k norms.
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, torch_dtype="bfloat16", attention_bias=False, hidden_act="silu",
+        bos_token_id=151643, eos_token_id=151645, max_window_layers=36, sliding_window=None,
+        use_sliding_window=False),
     # Qwen/Qwen3-30B-A3B's config.json: 128 experts of width 768, 8 a token, in every layer.
     "qwen3-30b-a3b": dict(
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,

@@ -14,9 +14,9 @@ from tests.executor_svc.harness import paged_prefill_logits
 from tests.kernels.kernel_testing import DEVICE, assert_close
 from tests.tiny_models import ARCHITECTURES, make_tiny_model, mixed_prompts
 
-# Plain Llama layers, with or without a sliding window; the others have q/k biases (Qwen2), q/k
-# norms (Qwen3), partial rotary (Phi-3), experts, or Gemma's norms.
-FOLDING = {"LlamaForCausalLM", "MistralForCausalLM"}
+# Plain Llama layers, with or without a sliding window, or with q/k norms (Qwen3); the others have
+# q/k biases (Qwen2), partial rotary (Phi-3), experts, or Gemma's norms.
+FOLDING = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["stream", "padded_stream"])

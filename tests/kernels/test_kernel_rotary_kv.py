@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.kernels.kernel_testing import DEVICE, assert_close
-from pagedserve.kernels.reference import FP8_DTYPE, dequantize_kv, rotary_ref, write_kv_ref
+from pagedserve.kernels.reference import FP8_DTYPE, dequantize_kv, rms_norm_ref, rotary_ref, write_kv_ref
 from pagedserve.kernels.rotary import rotary_write_kv
 
 
@@ -152,6 +152,37 @@ def test_rotary_write_kv_scales_by_a_folded_norm(dtype: torch.dtype) -> None:
         slots_of = cache.view(-1, num_kv_heads, head_dim)
         assert_close(slots_of[written], ref.view(-1, num_kv_heads, head_dim)[written])
     assert k_cache.view(-1, num_kv_heads, head_dim)[12:].float().isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("folded, head_dim", [(False, 32), (True, 32), (False, 24)],
+                         ids=["qk-norm", "folded-qk-norm", "qk-norm-padded-head"])
+def test_rotary_write_kv_norms_q_and_k_heads(dtype: torch.dtype, folded: bool, head_dim: int) -> None:
+    """qk_norm=(q_weight, k_weight, eps): each q and k head RMS-normed (Qwen3's q_norm, k_norm)
+    before it rotates; after a folded input norm's scale, where norm_of is given too."""
+    num_tokens, num_heads, num_kv_heads, hidden, block_size, eps = 5, 4, 2, 64, 4, 1e-6
+    positions = torch.tensor([3, 4, 5, 0, 0], device=DEVICE)
+    slots = torch.tensor([9, 10, 11, 0, -1], device=DEVICE)
+    x = (torch.randn(num_tokens, hidden, device=DEVICE) * 7).to(dtype)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
+    qkv = (qkv * torch.tensor([[0.01], [1], [20], [3], [1]], device=DEVICE)).to(dtype)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1))
+    q_weight, k_weight = (torch.rand(head_dim, device=DEVICE).to(dtype) + 0.5 for _ in range(2))
+    cos_sin_cache = torch.randn(8, head_dim, device=DEVICE)
+    inv = torch.rsqrt(x.float().pow(2).mean(-1) + eps)[:, None, None] if folded else 1.0
+    ref_q, ref_k = rotary_ref(positions, rms_norm_ref(q.float() * inv, q_weight, eps)[0],
+                              rms_norm_ref(k.float() * inv, k_weight, eps)[0], cos_sin_cache)
+    shape = (3, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.full(shape, float("nan"), device=DEVICE).to(dtype) for _ in range(2))
+
+    rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slots,
+                    norm_of=(x, eps) if folded else None, qk_norm=(q_weight, k_weight, eps))
+
+    assert_close(q, ref_q.to(dtype))
+    assert_close(k, ref_k.to(dtype))
+    written = slots[slots >= 0]
+    assert_close(k_cache.view(-1, num_kv_heads, head_dim)[written], ref_k[:4].to(dtype))
 
 
 def test_a_folded_norm_needs_whole_heads_rotated() -> None:
