@@ -102,9 +102,10 @@ def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, scale, HEADS_PAD: tl.
 
 @triton.jit
 def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                            k_scale_ptr, v_scale_ptr, x, q_norm, k_norm, qk_eps, stride_qt, stride_qh, stride_kt, stride_kh,
-                            stride_vt, stride_vh, stride_x, stride_cache, stride_kcb, stride_kcs,
-                            stride_kch, stride_vcb, stride_vcs, stride_vch, num_heads, num_kv_heads,
+                            k_scale_ptr, v_scale_ptr, x, q_norm, k_norm, qk_eps, stride_qt,
+                            stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_x,
+                            stride_cache, stride_kcb, stride_kcs, stride_kch, stride_vcb,
+                            stride_vcs, stride_vch, num_heads, num_kv_heads,
                             hidden, eps, BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
                             K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
                             HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -201,10 +202,10 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     if num_tokens > 0:
         _rotary_write_kv_kernel[(num_tokens,)](
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, x,
-            q_norm, k_norm, qk_eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            x.stride(0), cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_heads,
-            num_kv_heads, x.shape[-1], eps,
+            q_norm, k_norm, qk_eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), x.stride(0), cos_sin_cache.stride(0), k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), num_heads, num_kv_heads, x.shape[-1], eps,
             BLOCK_SIZE=k_cache.shape[1], Q_HEADS_PAD=triton.next_power_of_2(num_heads),
             K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=half,
             HALF_PAD=triton.next_power_of_2(half), HEAD_DIM=head_dim,
