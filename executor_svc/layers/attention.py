@@ -6,7 +6,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedserve.executor_svc.attention_backend import AttentionMetadata, QKNorm, TorchAttentionBackend
+from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
 from pagedserve.executor_svc.fp8 import Quantized
 from pagedserve.executor_svc.kv_cache import KVCache
 from pagedserve.executor_svc.layers.linear import column_linear, input_rows, row_linear
@@ -51,10 +51,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x)
         rows = input_rows(self.o_proj, len(q))
-        out = self.backend.forward(positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1],
-                                   meta, self.scale, (self.k_scale, self.v_scale),
-                                   sliding_window=self.sliding_window, softcap=self.softcap,
-                                   out_rows=rows, qk_norm=self._qk_norm())
+        out = self._attend(positions, (q, k, v), kv_cache, meta, cos_sin_cache, rows)
         out = self.o_proj(out.view(rows, -1))[:len(q)]
         # NCCL's all-reduce is captured in the decode CUDA graphs like the kernels around it.
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -64,15 +61,19 @@ class Attention(nn.Module):
         """x += this attention's output, where the layer's input RMSNorm (of `eps`) is folded into
         qkv_proj (decoder.fold_norms): x is the residual stream itself, not its norm, its first
         num_tokens rows the tokens' (the rest padding, which o_proj adds into too)."""
-        q, k, v = self._qkv(x[:num_tokens])
-        out = self.backend.forward(positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1],
-                                   meta, self.scale, (self.k_scale, self.v_scale),
-                                   sliding_window=self.sliding_window, softcap=self.softcap,
-                                   out_rows=len(x), qk_norm=self._qk_norm(), norm_of=(x, eps))
+        out = self._attend(positions, self._qkv(x[:num_tokens]), kv_cache, meta, cos_sin_cache,
+                           len(x), norm_of=(x, eps))
         x.addmm_(out.view(len(x), -1), self.o_proj.weight.t())
 
-    def _qk_norm(self) -> QKNorm | None:
-        return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+    def _attend(self, positions: torch.Tensor, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
+                out_rows: int, **folded_norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+        # folded_norm is norm_of, which only the backends that fold norms take.
+        return self.backend.forward(positions, *qkv, cos_sin_cache, kv_cache[0], kv_cache[1], meta,
+                                    self.scale, (self.k_scale, self.v_scale),
+                                    sliding_window=self.sliding_window, softcap=self.softcap,
+                                    out_rows=out_rows, qk_norm=qk_norm, **folded_norm)
 
     def _qkv(self, x: torch.Tensor | Quantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
