@@ -207,12 +207,13 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 kv_scales: tuple[torch.Tensor, torch.Tensor], *,
                 sliding_window: int | None = None, softcap: float | None = None,
                 out_rows: int = 0, qk_norm: QKNorm | None = None,
-                norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-        """norm_of: see kernels/rotary.py's rotary_write_kv."""
+                norm_of: tuple[torch.Tensor, float] | None = None,
+                bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """norm_of, bias: see kernels/rotary.py's rotary_write_kv."""
         # One launch for the q/k norms, rotary and the cache write: a decode step is bound by
         # small launches.
         q = rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                            meta.slot_mapping, kv_scales, norm_of, qk_norm)
+                            meta.slot_mapping, kv_scales, norm_of, qk_norm, bias)
         # A prefill launch reads this step's keys (rotated in place above) and values from k
         # and v rather than from their cache slots; decode steps, the ones CUDA graphs capture,
         # read the cache alone.

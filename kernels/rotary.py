@@ -46,14 +46,18 @@ def _head_tile(base, stride_h, num_heads, HEADS_PAD: tl.constexpr, WIDTH: tl.con
 
 
 @triton.jit
-def _rotate_heads(src, stride_sh, num_heads, cos, sin, norm_weight, norm_eps, scale,
+def _rotate_heads(src, stride_sh, num_heads, cos, sin, bias, norm_weight, norm_eps, scale,
                   HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                  HEAD_NORM: tl.constexpr):
+                  BIASED: tl.constexpr, HEAD_NORM: tl.constexpr):
     """One token's heads read from src, rotated: their rotary dims' low and high halves in fp32;
-    with HEAD_NORM each head first RMS-normed (see _head_normed)."""
+    with BIASED each head first scaled by `scale` and its bias (whole heads at `bias`) added, with
+    HEAD_NORM then RMS-normed (see _head_normed)."""
     src_lo, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, HALF, HALF_PAD)
     x1 = tl.load(src_lo, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_lo + HALF, mask=mask, other=0.0).to(tl.float32)
+    if BIASED:
+        x1, x2 = _biased(x1, x2, bias, mask, scale, num_heads, HEADS_PAD, HALF, HALF_PAD)
+        scale = 1.0
     if HEAD_NORM:
         x1, x2 = _head_normed(x1, x2, norm_weight, norm_eps, scale, src.dtype.element_ty, HALF,
                               HALF_PAD)
@@ -73,6 +77,17 @@ def _head_normed(x1, x2, weight, eps, scale, DTYPE: tl.constexpr, HALF: tl.const
     w1 = tl.load(weight + offs, mask=offs < HALF, other=0.0).to(tl.float32)
     w2 = tl.load(weight + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
     return (x1 * r * w1).to(DTYPE).to(tl.float32), (x2 * r * w2).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _biased(x1, x2, bias, mask, scale, num_heads, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+            HALF_PAD: tl.constexpr):
+    """Heads' halves [heads, HALF_PAD] times scale plus their bias: a projection's bias kept out
+    of its folded GEMM goes on after the folded norm's 1 / RMS, as it went on after the norm."""
+    bias_lo, _ = _head_tile(bias, 2 * HALF, num_heads, HEADS_PAD, HALF, HALF_PAD)
+    b1 = tl.load(bias_lo, mask=mask, other=0.0).to(tl.float32)
+    b2 = tl.load(bias_lo + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * scale + b1, x2 * scale + b2
 
 
 @triton.jit
@@ -102,7 +117,8 @@ def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, scale, HEADS_PAD: tl.
 
 @triton.jit
 def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                            k_scale_ptr, v_scale_ptr, x, q_norm, k_norm, qk_eps, stride_qt,
+                            k_scale_ptr, v_scale_ptr, x, q_bias, k_bias, v_bias, q_norm,
+                            k_norm, qk_eps, stride_qt,
                             stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_x,
                             stride_cache, stride_kcb, stride_kcs, stride_kch, stride_vcb,
                             stride_vcs, stride_vch, num_heads, num_kv_heads,
@@ -111,8 +127,8 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                             HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                             HEAD_PAD: tl.constexpr, TAIL_PAD: tl.constexpr, FP8: tl.constexpr,
                             KV_SCALED: tl.constexpr, NORMED: tl.constexpr,
-                            HIDDEN_PAD: tl.constexpr, HEAD_NORM: tl.constexpr,
-                            PDL: tl.constexpr):
+                            HIDDEN_PAD: tl.constexpr, BIASED: tl.constexpr,
+                            HEAD_NORM: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     # Positions, slots and the cos/sin cache were uploaded before the step's first kernel:
     # read before the wait (see kernels/pdl.py).
@@ -122,27 +138,32 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
     inv = 1.0
     if NORMED:
         inv = inv_rms(x + token * stride_x, hidden, eps, HIDDEN_PAD)
-        if not HEAD_NORM:
+        if not HEAD_NORM and not BIASED:
             # Rotation is linear: scaling the rotated halves is scaling the projection's input.
             cos = cos * inv
             sin = sin * inv
     q_token = q + token * stride_qt
-    q_lo, q_hi = _rotate_heads(q_token, stride_qh, num_heads, cos, sin, q_norm, qk_eps, inv,
-                               Q_HEADS_PAD, HALF, HALF_PAD, HEAD_NORM)
+    q_lo, q_hi = _rotate_heads(q_token, stride_qh, num_heads, cos, sin, q_bias, q_norm, qk_eps,
+                               inv, Q_HEADS_PAD, HALF, HALF_PAD, BIASED, HEAD_NORM)
     _store_halves(q_token, stride_qh, num_heads, q_lo, q_hi, 1.0, Q_HEADS_PAD, HALF, HALF_PAD,
                   False)
     # The rotated k also goes back to k: prefill attention reads the step's keys from there.
     k_token = k + token * stride_kt
-    k_lo, k_hi = _rotate_heads(k_token, stride_kh, num_kv_heads, cos, sin, k_norm, qk_eps, inv,
-                               K_HEADS_PAD, HALF, HALF_PAD, HEAD_NORM)
+    k_lo, k_hi = _rotate_heads(k_token, stride_kh, num_kv_heads, cos, sin, k_bias, k_norm, qk_eps,
+                               inv, K_HEADS_PAD, HALF, HALF_PAD, BIASED, HEAD_NORM)
     _store_halves(k_token, stride_kh, num_kv_heads, k_lo, k_hi, 1.0, K_HEADS_PAD, HALF, HALF_PAD,
                   False)
     v_heads, v_mask = _head_tile(v + token * stride_vt, stride_vh, num_kv_heads, K_HEADS_PAD,
                                  HEAD_DIM, HEAD_PAD)
     v_token = tl.load(v_heads, mask=v_mask)
-    if NORMED:
+    if NORMED or BIASED:
+        v_scaled = v_token.to(tl.float32) * inv
+        if BIASED:
+            v_bias_heads, _ = _head_tile(v_bias, HEAD_DIM, num_kv_heads, K_HEADS_PAD, HEAD_DIM,
+                                         HEAD_PAD)
+            v_scaled += tl.load(v_bias_heads, mask=v_mask).to(tl.float32)
         # Back to v as well, for prefill attention.
-        v_token = (v_token.to(tl.float32) * inv).to(v.dtype.element_ty)
+        v_token = v_scaled.to(v.dtype.element_ty)
         tl.store(v_heads, v_token, mask=v_mask)
     # Slot -1 marks a CUDA-graph padding token: it owns no cache slot.
     if slot < 0:
@@ -169,7 +190,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                     slot_mapping: torch.Tensor,
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                     norm_of: tuple[torch.Tensor, float] | None = None,
-                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`rotary_ref` then `write_kv_ref` in one kernel launch: rotates q [T, num_heads, head_dim]
     and k IN PLACE by positions [T] (cos_sin_cache [max_positions, rotary_dim] holds cos then sin
     halves; only the first rotary_dim dims of each head rotate), and writes the rotated k and v
@@ -183,8 +205,11 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     with that norm's eps (x [T, hidden], rows contiguous), v IN PLACE too; heads must rotate whole.
     qk_norm=(q_weight, k_weight, eps): q's and k's heads are RMS-normed over head_dim (Qwen3's
     q_norm and k_norm) before they rotate, after norm_of's scale; heads must rotate whole.
+    bias=(q_bias, k_bias, v_bias), contiguous [heads * head_dim] each, for a projection whose bias
+    was kept out of its folded GEMM (Qwen2's qkv): added to q, k and v (IN PLACE) after norm_of's
+    scale and before the q/k norms; heads must rotate whole.
 
-    Returns q. Without norm_of v is only read. q, k and v may be strided views (of the fused qkv
+    Returns q. Without norm_of or bias v is only read. q, k and v may be strided views (of the fused qkv
     output) whose last dim is contiguous.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -194,15 +219,16 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     fp8 = is_fp8(k_cache)
     scaled = fp8 and kv_scales is not None
     k_scale, v_scale = kv_scales if scaled else (None, None)
-    if (norm_of is not None or qk_norm is not None) and tail:
-        raise ValueError("rotary_write_kv applies a folded norm or q/k norms only where heads "
-                         "rotate whole")
+    if (norm_of is not None or qk_norm is not None or bias is not None) and tail:
+        raise ValueError("rotary_write_kv applies a folded norm, a bias or q/k norms only where "
+                         "heads rotate whole")
     x, eps = norm_of if norm_of is not None else (q, 0.0)
     q_norm, k_norm, qk_eps = qk_norm if qk_norm is not None else (q, q, 0.0)
+    q_bias, k_bias, v_bias = bias if bias is not None else (q, q, q)
     if num_tokens > 0:
         _rotary_write_kv_kernel[(num_tokens,)](
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, x,
-            q_norm, k_norm, qk_eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_bias, k_bias, v_bias, q_norm, k_norm, qk_eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), x.stride(0), cos_sin_cache.stride(0), k_cache.stride(0),
             k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), num_heads, num_kv_heads, x.shape[-1], eps,
@@ -212,5 +238,5 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             HEAD_PAD=triton.next_power_of_2(head_dim),
             TAIL_PAD=triton.next_power_of_2(tail) if tail else 0, FP8=fp8, KV_SCALED=scaled,
             NORMED=norm_of is not None, HIDDEN_PAD=triton.next_power_of_2(x.shape[-1]),
-            HEAD_NORM=qk_norm is not None, **pdl.launch_args(q.device))
+            BIASED=bias is not None, HEAD_NORM=qk_norm is not None, **pdl.launch_args(q.device))
     return q

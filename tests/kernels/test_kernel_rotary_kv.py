@@ -119,10 +119,13 @@ def run_case(dtype: torch.dtype, cache_dtype: torch.dtype, group: int, block_siz
     assert k_slots[untouched].float().isnan().all() and v_slots[untouched].float().isnan().all()
 
 
+@pytest.mark.parametrize("biased", [False, True], ids=["unbiased", "biased"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_write_kv_scales_by_a_folded_norm(dtype: torch.dtype) -> None:
+def test_rotary_write_kv_scales_by_a_folded_norm(dtype: torch.dtype, biased: bool) -> None:
     """norm_of=(x, eps): q, k and v scaled by each token's 1 / RMS(x) first, v in place too (a
-    prefill launch reads it there), padding tokens' included; the cache gets the scaled k, v."""
+    prefill launch reads it there), padding tokens' included; the cache gets the scaled k, v.
+    With bias (Qwen2's qkv bias kept out of the folded GEMM), each head's bias added after the
+    scale."""
     num_tokens, num_heads, num_kv_heads, head_dim, hidden, block_size = 6, 4, 2, 32, 96, 4
     eps = 1e-5
     positions = torch.tensor([3, 4, 5, 0, 1, 0], device=DEVICE)
@@ -135,14 +138,18 @@ def test_rotary_write_kv_scales_by_a_folded_norm(dtype: torch.dtype) -> None:
     cos_sin_cache = torch.randn(8, head_dim, device=DEVICE)
     xf = x.float()
     inv = torch.rsqrt(xf.pow(2).mean(-1) + eps)[:, None, None]
-    scaled_v = v.float() * inv
-    ref_q, ref_k = rotary_ref(positions, q.float() * inv, k.float() * inv, cos_sin_cache)
+    sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+    bias = tuple((torch.randn(size, device=DEVICE) * 3).to(dtype) for size in sizes) if biased else None
+    q_bias, k_bias, v_bias = (b.float().view(-1, head_dim) for b in bias) if biased else (0.0, 0.0, 0.0)
+    scaled_v = v.float() * inv + v_bias
+    ref_q, ref_k = rotary_ref(positions, q.float() * inv + q_bias, k.float() * inv + k_bias, cos_sin_cache)
     shape = (3, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = (torch.full(shape, float("nan"), device=DEVICE).to(dtype) for _ in range(2))
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     write_kv_ref(ref_k.to(dtype), scaled_v.to(dtype), ref_k_cache, ref_v_cache, slots)
 
-    rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slots, norm_of=(x, eps))
+    rotary_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slots, norm_of=(x, eps),
+                    bias=bias)
 
     assert_close(q, ref_q.to(dtype))
     assert_close(k, ref_k.to(dtype))
