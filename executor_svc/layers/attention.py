@@ -46,6 +46,9 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
         self.backend = backend
         self.tp = tp
+        # Set by decoder.fold_norms where qkv_proj has a bias (Qwen2): q's, k's and v's, which
+        # rotary adds after the folded norm's scale.
+        self.folded_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | Quantized, kv_cache: KVCache,
                 meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -62,14 +65,14 @@ class Attention(nn.Module):
         qkv_proj (decoder.fold_norms): x is the residual stream itself, not its norm, its first
         num_tokens rows the tokens' (the rest padding, which o_proj adds into too)."""
         out = self._attend(positions, self._qkv(x[:num_tokens]), kv_cache, meta, cos_sin_cache,
-                           len(x), norm_of=(x, eps))
+                           len(x), norm_of=(x, eps), bias=self.folded_bias)
         x.addmm_(out.view(len(x), -1), self.o_proj.weight.t())
 
     def _attend(self, positions: torch.Tensor, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
-                out_rows: int, **folded_norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+                out_rows: int, **folded_norm: tuple) -> torch.Tensor:
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
-        # folded_norm is norm_of, which only the backends that fold norms take.
+        # folded_norm is norm_of and bias, which only the backends that fold norms take.
         return self.backend.forward(positions, *qkv, cos_sin_cache, kv_cache[0], kv_cache[1], meta,
                                     self.scale, (self.k_scale, self.v_scale),
                                     sliding_window=self.sliding_window, softcap=self.softcap,

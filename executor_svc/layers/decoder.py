@@ -159,8 +159,8 @@ class CausalLM(nn.Module):
 
 def fold_norms(model: CausalLM) -> bool:
     """Folds each layer's two RMSNorm weights into the projections after them (W * diag(weight)),
-    where every layer is a plain DecoderLayer of unsharded, unbiased model-dtype projections,
-    rotating whole heads, on a backend whose kernels scale by the norm (`folds_norms`): each
+    where every layer is a plain DecoderLayer of unsharded model-dtype projections, without
+    biases but qkv's (Qwen2's, which rotary then adds: Attention.folded_bias), rotating whole heads, on a backend whose kernels scale by the norm (`folds_norms`): each
     layer then runs without its norm kernels, its projections reading the residual stream, rotary
     and the activation scaling by its 1 / RMS (q/k norms, as Qwen3's, then norm the scaled heads),
     and o_proj and down_proj adding into the stream. Returns whether it folded."""
@@ -172,8 +172,17 @@ def fold_norms(model: CausalLM) -> bool:
     for layer in layers:
         _fold(layer.input_layernorm, layer.self_attn.qkv_proj)
         _fold(layer.post_attention_layernorm, layer.mlp.gate_up_proj)
+        _keep_bias_out(layer.self_attn)
         layer.folded = True
     return True
+
+
+def _keep_bias_out(attn: Attention) -> None:
+    # The bias goes on after the norm, which the folded GEMM no longer has applied.
+    bias = attn.qkv_proj.bias
+    if bias is not None:
+        attn.folded_bias = tuple(bias.data.split(attn.sizes))
+        attn.qkv_proj.bias = None
 
 
 def _foldable(layer: nn.Module) -> bool:
@@ -183,7 +192,8 @@ def _foldable(layer: nn.Module) -> bool:
     projections = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
     return (attn.backend.folds_norms and attn.tp is None and mlp.tp is None
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
-            and all(type(p) in (Linear, MergedLinear) and p.bias is None for p in projections))
+            and all(type(p) in (Linear, MergedLinear) for p in projections)
+            and all(p.bias is None for p in projections[1:]))
 
 
 def _fold(norm: RMSNorm, projection: Linear) -> None:

@@ -22,6 +22,13 @@ SHAPES = {
         tie_word_embeddings=False, torch_dtype="bfloat16", attention_bias=False, hidden_act="silu",
         bos_token_id=151643, eos_token_id=151645, max_window_layers=36, sliding_window=None,
         use_sliding_window=False),
+    # Qwen/Qwen2.5-7B-Instruct's config.json: a qkv bias.
+    "qwen2.5-7b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
+        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        torch_dtype="bfloat16", hidden_act="silu", bos_token_id=151643, eos_token_id=151645,
+        max_window_layers=28, sliding_window=131072, use_sliding_window=False),
     # Qwen/Qwen3-30B-A3B's config.json: 128 experts of width 768, 8 a token, in every layer.
     "qwen3-30b-a3b": dict(
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,

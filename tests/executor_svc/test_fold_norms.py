@@ -14,9 +14,9 @@ from tests.executor_svc.harness import paged_prefill_logits
 from tests.kernels.kernel_testing import DEVICE, assert_close
 from tests.tiny_models import ARCHITECTURES, make_tiny_model, mixed_prompts
 
-# Plain Llama layers, with or without a sliding window, or with q/k norms (Qwen3); the others have
-# q/k biases (Qwen2), partial rotary (Phi-3), experts, or Gemma's norms.
-FOLDING = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
+# Plain Llama layers, with or without a sliding window, with q/k norms (Qwen3) or a qkv bias
+# (Qwen2); the others have partial rotary (Phi-3), experts, or Gemma's norms.
+FOLDING = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["stream", "padded_stream"])
@@ -39,9 +39,13 @@ def test_fold_norms_folds_where_every_layer_allows_it(tmp_path, arch: str) -> No
         model = build_model(config, TritonAttentionBackend(), 64)
         unfolding = build_model(config, TorchAttentionBackend(), 64)
     norm = model.model.layers[0].input_layernorm.weight.detach().clone()
-    qkv = model.model.layers[0].self_attn.qkv_proj.weight.detach().clone()
+    attn = model.model.layers[0].self_attn
+    qkv, bias = attn.qkv_proj.weight.detach().clone(), attn.qkv_proj.bias
     assert fold_norms(model) == (arch in FOLDING)
     assert [layer.folded for layer in model.model.layers] == [arch in FOLDING] * len(model.model.layers)
     if arch in FOLDING:
-        assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, qkv * norm)
+        assert torch.equal(attn.qkv_proj.weight, qkv * norm)
+        # A qkv bias leaves the GEMM for rotary, which adds it after the norm's scale.
+        assert attn.qkv_proj.bias is None
+        assert attn.folded_bias is None if bias is None else torch.equal(torch.cat(attn.folded_bias), bias)
     assert not fold_norms(unfolding)
