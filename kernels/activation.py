@@ -24,17 +24,23 @@ def tanh(x):
 
 
 @triton.jit
-def _gated(x, row, stride_x, d, offs, mask, ACT: tl.constexpr, scale):
-    """act(gate) * up of x's row, gate and up first multiplied by `scale` (a folded norm's)."""
-    gate = tl.load(x + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32) * scale
-    up = tl.load(x + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32) * scale
+def _gate_up(x, row, stride_x, d, offs, mask):
+    """x's row's gate and up at offs, in fp32."""
+    gate = tl.load(x + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
+    return gate, up
+
+
+@triton.jit
+def _gated(gate, up, ACT: tl.constexpr, DTYPE: tl.constexpr):
+    """act(gate) * up in DTYPE."""
     if ACT == _SILU:
         h = gate * tl.sigmoid(gate)
     else:
         # PyTorch's gelu(approximate="tanh"); 0.7978845608028654 is sqrt(2 / pi).
         inner = (gate + 0.044715 * gate * gate * gate) * 0.7978845608028654
         h = 0.5 * gate * (1.0 + tanh(inner))
-    return (h * up).to(x.dtype.element_ty)
+    return (h * up).to(DTYPE)
 
 
 @triton.jit
@@ -45,11 +51,13 @@ def _gated_kernel(x, out, stream, stride_x, stride_o, stride_s, d, hidden, eps,
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
-    inv = 1.0
+    gate, up = _gate_up(x, row, stride_x, d, offs, mask)
     if NORMED:
+        # After gate's and up's loads, which the row sum's barrier would hold back.
         inv = inv_rms(stream + row * stride_s, hidden, eps, HIDDEN_PAD)
-    tl.store(out + row * stride_o + offs, _gated(x, row, stride_x, d, offs, mask, ACT, inv),
-             mask=mask)
+        gate *= inv
+        up *= inv
+    tl.store(out + row * stride_o + offs, _gated(gate, up, ACT, x.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -61,7 +69,8 @@ def _gated_quant_kernel(x, out, scale, stride_x, stride_o, d, min_scale, ACT: tl
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < d
-    h = _gated(x, row, stride_x, d, offs, mask, ACT, 1.0).to(tl.float32)
+    gate, up = _gate_up(x, row, stride_x, d, offs, mask)
+    h = _gated(gate, up, ACT, x.dtype.element_ty).to(tl.float32)
     store_quantized_row(h, mask, out + row * stride_o, offs, scale + row, min_scale, FP8_MAX, EXACT)
 
 

@@ -46,21 +46,28 @@ def _head_tile(base, stride_h, num_heads, HEADS_PAD: tl.constexpr, WIDTH: tl.con
 
 
 @triton.jit
-def _rotate_heads(src, stride_sh, num_heads, cos, sin, bias, norm_weight, norm_eps, scale,
-                  HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                  BIASED: tl.constexpr, HEAD_NORM: tl.constexpr):
-    """One token's heads read from src, rotated: their rotary dims' low and high halves in fp32;
-    with BIASED each head first scaled by `scale` and its bias (whole heads at `bias`) added, with
-    HEAD_NORM then RMS-normed (see _head_normed)."""
+def _load_halves(src, stride_sh, num_heads, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                 HALF_PAD: tl.constexpr):
+    """One token's heads at src: their rotary dims' low and high halves in fp32, and the mask of
+    the elements that exist."""
     src_lo, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, HALF, HALF_PAD)
     x1 = tl.load(src_lo, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_lo + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2, mask
+
+
+@triton.jit
+def _rotated(x1, x2, mask, num_heads, cos, sin, bias, norm_weight, norm_eps, scale,
+             DTYPE: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+             HALF_PAD: tl.constexpr, BIASED: tl.constexpr, HEAD_NORM: tl.constexpr):
+    """Heads' halves (see _load_halves) rotated; with BIASED each head first scaled by `scale`
+    and its bias (whole heads at `bias`) added, with HEAD_NORM then RMS-normed (see
+    _head_normed)."""
     if BIASED:
         x1, x2 = _biased(x1, x2, bias, mask, scale, num_heads, HEADS_PAD, HALF, HALF_PAD)
         scale = 1.0
     if HEAD_NORM:
-        x1, x2 = _head_normed(x1, x2, norm_weight, norm_eps, scale, src.dtype.element_ty, HALF,
-                              HALF_PAD)
+        x1, x2 = _head_normed(x1, x2, norm_weight, norm_eps, scale, DTYPE, HALF, HALF_PAD)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
@@ -135,6 +142,14 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
     cos, sin = _load_cos_sin(positions, token, cos_sin_cache, stride_cache, HALF, HALF_PAD)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     pdl.wait_for_previous(PDL)
+    # Every load before the stream row's sum, whose barrier would hold back loads after it.
+    q_token = q + token * stride_qt
+    q1, q2, q_mask = _load_halves(q_token, stride_qh, num_heads, Q_HEADS_PAD, HALF, HALF_PAD)
+    k_token = k + token * stride_kt
+    k1, k2, k_mask = _load_halves(k_token, stride_kh, num_kv_heads, K_HEADS_PAD, HALF, HALF_PAD)
+    v_heads, v_mask = _head_tile(v + token * stride_vt, stride_vh, num_kv_heads, K_HEADS_PAD,
+                                 HEAD_DIM, HEAD_PAD)
+    v_token = tl.load(v_heads, mask=v_mask)
     inv = 1.0
     if NORMED:
         inv = inv_rms(x + token * stride_x, hidden, eps, HIDDEN_PAD)
@@ -142,20 +157,15 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
             # Rotation is linear: scaling the rotated halves is scaling the projection's input.
             cos = cos * inv
             sin = sin * inv
-    q_token = q + token * stride_qt
-    q_lo, q_hi = _rotate_heads(q_token, stride_qh, num_heads, cos, sin, q_bias, q_norm, qk_eps,
-                               inv, Q_HEADS_PAD, HALF, HALF_PAD, BIASED, HEAD_NORM)
+    q_lo, q_hi = _rotated(q1, q2, q_mask, num_heads, cos, sin, q_bias, q_norm, qk_eps, inv,
+                          q.dtype.element_ty, Q_HEADS_PAD, HALF, HALF_PAD, BIASED, HEAD_NORM)
     _store_halves(q_token, stride_qh, num_heads, q_lo, q_hi, 1.0, Q_HEADS_PAD, HALF, HALF_PAD,
                   False)
     # The rotated k also goes back to k: prefill attention reads the step's keys from there.
-    k_token = k + token * stride_kt
-    k_lo, k_hi = _rotate_heads(k_token, stride_kh, num_kv_heads, cos, sin, k_bias, k_norm, qk_eps,
-                               inv, K_HEADS_PAD, HALF, HALF_PAD, BIASED, HEAD_NORM)
+    k_lo, k_hi = _rotated(k1, k2, k_mask, num_kv_heads, cos, sin, k_bias, k_norm, qk_eps, inv,
+                          k.dtype.element_ty, K_HEADS_PAD, HALF, HALF_PAD, BIASED, HEAD_NORM)
     _store_halves(k_token, stride_kh, num_kv_heads, k_lo, k_hi, 1.0, K_HEADS_PAD, HALF, HALF_PAD,
                   False)
-    v_heads, v_mask = _head_tile(v + token * stride_vt, stride_vh, num_kv_heads, K_HEADS_PAD,
-                                 HEAD_DIM, HEAD_PAD)
-    v_token = tl.load(v_heads, mask=v_mask)
     if NORMED or BIASED:
         v_scaled = v_token.to(tl.float32) * inv
         if BIASED:
