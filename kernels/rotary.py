@@ -113,13 +113,16 @@ def _cache_entry(cache, slot, stride_block, stride_slot, BLOCK_SIZE: tl.constexp
 
 
 @triton.jit
-def _copy_heads(src, stride_sh, dst, stride_dh, num_heads, scale, HEADS_PAD: tl.constexpr,
-                WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr, FP8: tl.constexpr):
-    """Copies the first WIDTH elements of one token's heads from src to dst, converted to dst's
-    storage."""
-    src_heads, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, WIDTH, WIDTH_PAD)
-    dst_heads, _ = _head_tile(dst, stride_dh, num_heads, HEADS_PAD, WIDTH, WIDTH_PAD)
-    tl.store(dst_heads, _to_storage(tl.load(src_heads, mask=mask), scale, dst, FP8), mask=mask)
+def _tail(src, stride_sh, num_heads, scale, HEADS_PAD: tl.constexpr, WIDTH: tl.constexpr,
+          WIDTH_PAD: tl.constexpr, NORMED: tl.constexpr):
+    """The first WIDTH elements of one token's heads at src (partial rotary's unrotated dims) and
+    their mask; with NORMED scaled by `scale` (a folded norm's 1 / RMS), in place too."""
+    heads, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, WIDTH, WIDTH_PAD)
+    x = tl.load(heads, mask=mask)
+    if NORMED:
+        x = (x.to(tl.float32) * scale).to(src.dtype.element_ty)
+        tl.store(heads, x, mask=mask)
+    return x, mask
 
 
 @triton.jit
@@ -166,6 +169,13 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                           k.dtype.element_ty, K_HEADS_PAD, HALF, HALF_PAD, BIASED, HEAD_NORM)
     _store_halves(k_token, stride_kh, num_kv_heads, k_lo, k_hi, 1.0, K_HEADS_PAD, HALF, HALF_PAD,
                   False)
+    if TAIL_PAD > 0:
+        # Partial rotary: the dims past the rotary ones pass through, scaled by a folded norm.
+        if NORMED:
+            _tail(q_token + 2 * HALF, stride_qh, num_heads, inv, Q_HEADS_PAD, HEAD_DIM - 2 * HALF,
+                  TAIL_PAD, NORMED)
+        k_tail, k_tail_mask = _tail(k_token + 2 * HALF, stride_kh, num_kv_heads, inv, K_HEADS_PAD,
+                                    HEAD_DIM - 2 * HALF, TAIL_PAD, NORMED)
     if NORMED or BIASED:
         v_scaled = v_token.to(tl.float32) * inv
         if BIASED:
@@ -187,9 +197,9 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
     _store_halves(k_entry, stride_kch, num_kv_heads, k_lo, k_hi, k_scale, K_HEADS_PAD, HALF,
                   HALF_PAD, FP8)
     if TAIL_PAD > 0:
-        # Partial rotary: the dims past the rotary ones are stored as they came.
-        _copy_heads(k_token + 2 * HALF, stride_kh, k_entry + 2 * HALF, stride_kch, num_kv_heads,
-                    k_scale, K_HEADS_PAD, HEAD_DIM - 2 * HALF, TAIL_PAD, FP8)
+        tail_entry, _ = _head_tile(k_entry + 2 * HALF, stride_kch, num_kv_heads, K_HEADS_PAD,
+                                   HEAD_DIM - 2 * HALF, TAIL_PAD)
+        tl.store(tail_entry, _to_storage(k_tail, k_scale, k_cache, FP8), mask=k_tail_mask)
     v_entry, _ = _head_tile(_cache_entry(v_cache, slot, stride_vcb, stride_vcs, BLOCK_SIZE),
                             stride_vch, num_kv_heads, K_HEADS_PAD, HEAD_DIM, HEAD_PAD)
     tl.store(v_entry, _to_storage(v_token, v_scale, v_cache, FP8), mask=v_mask)
@@ -212,7 +222,7 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
     norm_of=(x, eps), for a projection whose input RMSNorm was folded into its weights
     (layers/decoder.py's fold_norms): q, k and v are first scaled per token by 1 / RMS(x[t])
-    with that norm's eps (x [T, hidden], rows contiguous), v IN PLACE too; heads must rotate whole.
+    with that norm's eps (x [T, hidden], rows contiguous), v IN PLACE too.
     qk_norm=(q_weight, k_weight, eps): q's and k's heads are RMS-normed over head_dim (Qwen3's
     q_norm and k_norm) before they rotate, after norm_of's scale; heads must rotate whole.
     bias=(q_bias, k_bias, v_bias), contiguous [heads * head_dim] each, for a projection whose bias
@@ -229,9 +239,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     fp8 = is_fp8(k_cache)
     scaled = fp8 and kv_scales is not None
     k_scale, v_scale = kv_scales if scaled else (None, None)
-    if (norm_of is not None or qk_norm is not None or bias is not None) and tail:
-        raise ValueError("rotary_write_kv applies a folded norm, a bias or q/k norms only where "
-                         "heads rotate whole")
+    if (qk_norm is not None or bias is not None) and tail:
+        raise ValueError("rotary_write_kv applies a bias or q/k norms only where heads rotate whole")
     x, eps = norm_of if norm_of is not None else (q, 0.0)
     q_norm, k_norm, qk_eps = qk_norm if qk_norm is not None else (q, q, 0.0)
     q_bias, k_bias, v_bias = bias if bias is not None else (q, q, q)

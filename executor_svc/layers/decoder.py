@@ -160,14 +160,18 @@ class CausalLM(nn.Module):
 def fold_norms(model: CausalLM) -> bool:
     """Folds each layer's two RMSNorm weights into the projections after them (W * diag(weight)),
     where every layer is a plain DecoderLayer of unsharded model-dtype projections, without
-    biases but qkv's (Qwen2's, which rotary then adds: Attention.folded_bias), rotating whole heads, on a backend whose kernels scale by the norm (`folds_norms`): each
-    layer then runs without its norm kernels, its projections reading the residual stream, rotary
-    and the activation scaling by its 1 / RMS (q/k norms, as Qwen3's, then norm the scaled heads),
-    and o_proj and down_proj adding into the stream. Returns whether it folded."""
+    biases but qkv's (Qwen2's, which rotary then adds: Attention.folded_bias), on a backend whose
+    kernels scale by the norm (`folds_norms`), and heads rotate whole where there are q/k norms
+    or a qkv bias: each layer then runs without its norm kernels, its projections reading the
+    residual stream, rotary and the activation scaling by its 1 / RMS (q/k norms, as Qwen3's,
+    then norm the scaled heads), and o_proj and down_proj adding into the stream. Returns whether
+    it folded."""
     layers = model.model.layers
     if not all(_foldable(layer) for layer in layers):
         return False
-    if model.model.rotary_emb.cos_sin_cache.shape[1] != layers[0].self_attn.head_dim:
+    partial = model.model.rotary_emb.cos_sin_cache.shape[1] != layers[0].self_attn.head_dim
+    if partial and any(layer.self_attn.qk_norm or layer.self_attn.qkv_proj.bias is not None for layer in layers):
+        # Rotary norms and biases whole heads only.
         return False
     for layer in layers:
         _fold(layer.input_layernorm, layer.self_attn.qkv_proj)

@@ -14,9 +14,10 @@ from tests.executor_svc.harness import paged_prefill_logits
 from tests.kernels.kernel_testing import DEVICE, assert_close
 from tests.tiny_models import ARCHITECTURES, make_tiny_model, mixed_prompts
 
-# Plain Llama layers, with or without a sliding window, with q/k norms (Qwen3) or a qkv bias
-# (Qwen2); the others have partial rotary (Phi-3), experts, or Gemma's norms.
-FOLDING = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+# Plain Llama layers, with or without a sliding window, with q/k norms (Qwen3), a qkv bias (Qwen2)
+# or partial rotary (the tiny Phi-3's, as Phi-4-mini's); the others have experts or Gemma's norms.
+FOLDING = {"LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+           "Qwen3ForCausalLM"}
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["stream", "padded_stream"])

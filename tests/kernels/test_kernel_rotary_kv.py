@@ -119,13 +119,14 @@ def run_case(dtype: torch.dtype, cache_dtype: torch.dtype, group: int, block_siz
     assert k_slots[untouched].float().isnan().all() and v_slots[untouched].float().isnan().all()
 
 
-@pytest.mark.parametrize("biased", [False, True], ids=["unbiased", "biased"])
+@pytest.mark.parametrize("biased, rotary_dim", [(False, 32), (True, 32), (False, 24)],
+                         ids=["unbiased", "biased", "partial-rotary"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_write_kv_scales_by_a_folded_norm(dtype: torch.dtype, biased: bool) -> None:
+def test_rotary_write_kv_scales_by_a_folded_norm(dtype: torch.dtype, biased: bool, rotary_dim: int) -> None:
     """norm_of=(x, eps): q, k and v scaled by each token's 1 / RMS(x) first, v in place too (a
     prefill launch reads it there), padding tokens' included; the cache gets the scaled k, v.
     With bias (Qwen2's qkv bias kept out of the folded GEMM), each head's bias added after the
-    scale."""
+    scale. With partial rotary (Phi-4-mini), the unrotated dims scaled as well."""
     num_tokens, num_heads, num_kv_heads, head_dim, hidden, block_size = 6, 4, 2, 32, 96, 4
     eps = 1e-5
     positions = torch.tensor([3, 4, 5, 0, 1, 0], device=DEVICE)
@@ -135,7 +136,7 @@ def test_rotary_write_kv_scales_by_a_folded_norm(dtype: torch.dtype, biased: boo
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
     q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(
         [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1))
-    cos_sin_cache = torch.randn(8, head_dim, device=DEVICE)
+    cos_sin_cache = torch.randn(8, rotary_dim, device=DEVICE)
     xf = x.float()
     inv = torch.rsqrt(xf.pow(2).mean(-1) + eps)[:, None, None]
     sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
@@ -192,9 +193,12 @@ def test_rotary_write_kv_norms_q_and_k_heads(dtype: torch.dtype, folded: bool, h
     assert_close(k_cache.view(-1, num_kv_heads, head_dim)[written], ref_k[:4].to(dtype))
 
 
-def test_a_folded_norm_needs_whole_heads_rotated() -> None:
+@pytest.mark.parametrize("extra", [dict(bias=(torch.zeros(32), torch.zeros(16), torch.zeros(16))),
+                                   dict(qk_norm=(torch.ones(16), torch.ones(16), 1e-6))],
+                         ids=["bias", "qk-norm"])
+def test_a_bias_or_qk_norm_needs_whole_heads_rotated(extra: dict) -> None:
     q, k, v = torch.zeros(1, 2, 16), torch.zeros(1, 1, 16), torch.zeros(1, 1, 16)
     cache = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="rotate whole"):
         rotary_write_kv(torch.zeros(1, dtype=torch.long), q, k, v, torch.zeros(4, 8), cache, cache.clone(),
-                        torch.zeros(1, dtype=torch.long), norm_of=(torch.ones(1, 8), 1e-6))
+                        torch.zeros(1, dtype=torch.long), norm_of=(torch.ones(1, 8), 1e-6), **extra)
