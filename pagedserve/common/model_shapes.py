@@ -47,6 +47,15 @@ SHAPES = {
         rope_scaling=None, sliding_window=2047, rms_norm_eps=1e-5, hidden_act="silu",
         tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=32000,
         pad_token_id=32000),
+    # microsoft/Phi-4-mini-instruct's config.json less its longrope factors, which change no shape:
+    # partial rotary (96 of 128 dims).
+    "phi-4-mini": dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=200064, hidden_size=3072,
+        intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+        partial_rotary_factor=0.75, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, rope_theta=10000.0, rope_scaling=None,
+        sliding_window=262144, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True,
+        torch_dtype="bfloat16", bos_token_id=199999, eos_token_id=199999, pad_token_id=199999),
     # google/gemma-2-9b-it's config.json (tie_word_embeddings is transformers' default there).
     "gemma-2-9b": dict(
         architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=256000, hidden_size=3584,

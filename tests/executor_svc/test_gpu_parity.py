@@ -1,6 +1,6 @@
 """On a CUDA GPU, in bf16: pagedserve's first-step logits and greedy tokens (Triton kernels, with
-and without CUDA graphs) against transformers' on a tiny random Llama, and Qwen2, whose qkv bias
-rotary adds where the engine folds the norms."""
+and without CUDA graphs) against transformers' on a tiny random Llama, Qwen2, whose qkv bias rotary
+adds where the engine folds the norms, and Phi-3 of partial rotary, whose unrotated dims it scales."""
 import random
 
 import pytest
@@ -21,7 +21,7 @@ LOGITS_TOLERANCE = 2e-2
 MIN_AGREEMENT = 0.95
 
 
-@pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen2ForCausalLM"])
+@pytest.fixture(scope="module", params=["LlamaForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM"])
 def model_path(tmp_path_factory, request):
     return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
 
