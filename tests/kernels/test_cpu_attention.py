@@ -13,9 +13,10 @@ NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 3, 64, 16
 
 
 def finite_paged_kv(seq_lens: list[int], dtype: torch.dtype):
-    """random_paged_kv with the slots past each context zeroed and the block-table padding on
-    block 0, as a served cache has them (zeroed at allocation, tables of valid block ids)."""
-    k_cache, v_cache, table = random_paged_kv(seq_lens, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype)
+    """random_paged_kv on the CPU (which it leaves on a GPU where there is one) with the slots past
+    each context zeroed and the block-table padding on block 0, as a served cache has them (zeroed
+    at allocation, tables of valid block ids)."""
+    k_cache, v_cache, table = (t.cpu() for t in random_paged_kv(seq_lens, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype))
     return k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), table.masked_fill(table >= len(k_cache), 0)
 
 
