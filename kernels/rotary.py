@@ -128,12 +128,12 @@ def _tail(src, stride_sh, num_heads, scale, HEADS_PAD: tl.constexpr, WIDTH: tl.c
 @triton.jit
 def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                             k_scale_ptr, v_scale_ptr, x, q_bias, k_bias, v_bias, q_norm,
-                            k_norm, qk_eps, stride_qt,
-                            stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_x,
-                            stride_cache, stride_kcb, stride_kcs, stride_kch, stride_vcb,
-                            stride_vcs, stride_vch, num_heads, num_kv_heads,
-                            hidden, eps, BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
-                            K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                            k_norm, qk_eps, stride_qt, stride_qh, stride_kt, stride_kh,
+                            stride_vt, stride_vh, stride_x, stride_cache, stride_kcb,
+                            stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                            num_heads, num_kv_heads, hidden, eps, BLOCK_SIZE: tl.constexpr,
+                            Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+                            HALF: tl.constexpr,
                             HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                             HEAD_PAD: tl.constexpr, TAIL_PAD: tl.constexpr, FP8: tl.constexpr,
                             KV_SCALED: tl.constexpr, NORMED: tl.constexpr,
@@ -211,7 +211,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                     norm_of: tuple[torch.Tensor, float] | None = None,
                     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                    ) -> torch.Tensor:
     """`rotary_ref` then `write_kv_ref` in one kernel launch: rotates q [T, num_heads, head_dim]
     and k IN PLACE by positions [T] (cos_sin_cache [max_positions, rotary_dim] holds cos then sin
     halves; only the first rotary_dim dims of each head rotate), and writes the rotated k and v
@@ -229,8 +230,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     was kept out of its folded GEMM (Qwen2's qkv): added to q, k and v (IN PLACE) after norm_of's
     scale and before the q/k norms; heads must rotate whole.
 
-    Returns q. Without norm_of or bias v is only read. q, k and v may be strided views (of the fused qkv
-    output) whose last dim is contiguous.
+    Returns q. Without norm_of or bias v is only read. q, k and v may be strided views (of the
+    fused qkv output) whose last dim is contiguous.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -240,17 +241,19 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     scaled = fp8 and kv_scales is not None
     k_scale, v_scale = kv_scales if scaled else (None, None)
     if (qk_norm is not None or bias is not None) and tail:
-        raise ValueError("rotary_write_kv applies a bias or q/k norms only where heads rotate whole")
+        raise ValueError("rotary_write_kv applies a bias or q/k norms only where heads rotate "
+                         "whole")
     x, eps = norm_of if norm_of is not None else (q, 0.0)
     q_norm, k_norm, qk_eps = qk_norm if qk_norm is not None else (q, q, 0.0)
     q_bias, k_bias, v_bias = bias if bias is not None else (q, q, q)
     if num_tokens > 0:
         _rotary_write_kv_kernel[(num_tokens,)](
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, x,
-            q_bias, k_bias, v_bias, q_norm, k_norm, qk_eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), x.stride(0), cos_sin_cache.stride(0), k_cache.stride(0),
-            k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-            v_cache.stride(2), num_heads, num_kv_heads, x.shape[-1], eps,
+            q_bias, k_bias, v_bias, q_norm, k_norm, qk_eps, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), x.stride(0),
+            cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_heads, num_kv_heads,
+            x.shape[-1], eps,
             BLOCK_SIZE=k_cache.shape[1], Q_HEADS_PAD=triton.next_power_of_2(num_heads),
             K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=half,
             HALF_PAD=triton.next_power_of_2(half), HEAD_DIM=head_dim,
