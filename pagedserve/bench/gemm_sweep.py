@@ -21,7 +21,7 @@ import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
-from pagedserve.bench.step_profile import kind
+from pagedserve.bench.step_profile import cuda_kernels, kind
 from pagedserve.bench.timing import graph_ms
 from pagedserve.common.model_shapes import SHAPES
 from pagedserve.executor_svc.model_config import ModelConfig, model_config_from_dict
@@ -82,8 +82,7 @@ def kernel_names(fn: Callable[[], None]) -> list[str]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    cuda = torch.autograd.DeviceType.CUDA
-    return [event.name for event in prof.events() if event.device_type == cuda]
+    return [kernel.name for kernel in cuda_kernels(prof)]
 
 
 def sweep_shape(name: str, rows: list[int]) -> dict:

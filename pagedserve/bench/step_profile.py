@@ -71,14 +71,19 @@ def decode_medians(steps: list[list[Kernel]]) -> dict[str, float]:
 
 def profile_decode(llm, prompts: list[dict], params) -> dict[str, float]:
     """decode_medians of one llm.generate(prompts, params) under torch's profiler."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
-    kernels = [Kernel(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Mem")]
-    return decode_medians(split_steps(kernels))
+    return decode_medians(split_steps(cuda_kernels(prof)))
+
+
+def cuda_kernels(prof) -> list[Kernel]:
+    """The GPU kernels a torch.profiler.profile recorded, less its memory copies and sets."""
+    import torch
+
+    return [Kernel(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Mem")]
 
 
 def table(medians: dict[str, float]) -> str:
