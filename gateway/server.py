@@ -16,7 +16,7 @@ from pagedserve.common import aio, also_serve, arg_types, service
 from pagedserve.common.also_serve import AlsoServe
 from pagedserve.common.config import add_engine_args
 from pagedserve.common.generation_config import max_tokens_cap, sampling_defaults
-from pagedserve.gateway import reasoning, tls, tool_parsers
+from pagedserve.gateway import reasoning, tls, tool_parsers, uds
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.cors import CorsRules
 from pagedserve.gateway.batch_runner import DEFAULT_CONCURRENCY, DEFAULT_MAX_FILE_MB
@@ -80,6 +80,9 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--host", default="127.0.0.1",
                        help="where the REST API listens; 0.0.0.0 for every interface (set --api-key then)")
     group.add_argument("--port", type=arg_types.port, default=8000, help="the REST API's TCP port")
+    group.add_argument("--uds", default=None, metavar="PATH",
+                       help="serve the REST API on this Unix domain socket instead; --host and --port "
+                            "are then ignored")
     group.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every route but /health (and "
                             "/metrics); defaults to $PAGEDSERVE_API_KEY, which, unlike a flag, process "
@@ -317,21 +320,29 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     # the collector's full passes, which a large request's objects would otherwise trigger over
     # the whole heap (tens of milliseconds with the event loop held).
     gc.freeze()
-    sock = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
+    # A socket `pagedserve serve` bound, else the gateway's own --uds one, else --host and --port.
+    bound_here = args.listen_fd is None and args.uds is not None
+    sock = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else (
+        uds.bind_unix(args.uds) if bound_here else None)
     context = tls.server_context(args)
     runner = await start(app, args.host, args.port, sock, args.timeout_keep_alive, context)
-    log.info("gateway_listening", host=args.host, port=args.port, https=context is not None,
+    where = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
+    log.info("gateway_listening", **where, https=context is not None,
              scheduler=args.scheduler_address,
              also_serve=[spec.model for spec in args.also_serve],
              api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins)
-    if not args.api_key and not is_loopback(args.host):
+    if not args.api_key and not args.uds and not is_loopback(args.host):
         # Said on every start: vLLM's images listen on 0.0.0.0 without a key, and so may ours.
         log.warning("unauthenticated_public_bind", host=args.host, port=args.port,
                     message=f"anyone who can reach {args.host}:{args.port} can use this API: set an API key "
                             "with --api-key-file (or --api-key, PAGEDSERVE_API_KEY), or listen on 127.0.0.1")
-    await service.wait_for_signal()
-    await app[GATEWAY].drain.drain(args.shutdown_timeout)
-    await runner.cleanup()
+    try:
+        await service.wait_for_signal()
+        await app[GATEWAY].drain.drain(args.shutdown_timeout)
+        await runner.cleanup()
+    finally:
+        if bound_here:
+            uds.remove(args.uds)
     log.info("gateway_stopped")
 
 

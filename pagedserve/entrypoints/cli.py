@@ -195,7 +195,8 @@ def run_serve(args: argparse.Namespace, listener: socket.socket | None = None) -
     check_memory_shares(config, [config_from_args(extra) for extra in also])
     from pagedserve.gateway import tls
     https = tls.server_context(args) is not None
-    listener = listener or preflight.bind(args.host, args.port)
+    from pagedserve.gateway import uds
+    listener = listener or (uds.bind_unix(args.uds) if args.uds else preflight.bind(args.host, args.port))
     from pagedserve.gateway.server import api_key
     # The gateway gets the key in its environment: in its argv the key would show in process listings.
     key = api_key(args)

@@ -25,6 +25,7 @@ from pagedserve.common import service
 from pagedserve.common.log import get_logger
 from pagedserve.common.process import PARENT_PID_ENV, environment_without_secrets
 from pagedserve.entrypoints.preflight import connect_host
+from pagedserve.gateway import uds
 
 log = get_logger(__name__)
 STOP_TIMEOUT_S = 5.0
@@ -212,7 +213,7 @@ def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, sched
     `scheduler_addresses` when given. The gateway alone receives `api_key`, in its environment.
     Each of `also` (--also-serve) starts after them, one at a time, on engine 0's GPUs. With
     `https` the gateway serves HTTPS (its --ssl-* flags are in its argv)."""
-    host, port = listener.getsockname()[:2]
+    gateway_address, ready, url = gateway_listener(listener, https)
     launcher = Launcher(shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, launcher.request_stop)
@@ -237,15 +238,29 @@ def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, sched
         for child, address in [*zip(schedulers, scheduler_addresses), *extras]:
             launcher.wait_ready(child, grpc_ready(address), startup_timeout)
         routes = [f"--also-serve={engine.gateway_spec(address)}" for engine, (_, address) in zip(also, extras)]
-        launcher.start("gateway", ["gateway", model, "--host", host, "--port", str(port),
-                                   "--listen-fd", str(listener.fileno()),
+        launcher.start("gateway", ["gateway", model, *gateway_address, "--listen-fd", str(listener.fileno()),
                                    "--scheduler-address", ",".join(scheduler_addresses), *routes, *argv["gateway"]],
-                       gateway_ready(connect_host(host), port, https), startup_timeout,
+                       ready, startup_timeout,
                        pass_fds=(listener.fileno(),), env={"PAGEDSERVE_API_KEY": api_key} if api_key else None)
         if not launcher.stopping:
-            log.info("pagedserve_ready", url=f"{'https' if https else 'http'}://{connect_host(host)}:{port}/v1",
-                     data_parallel_size=data_parallel_size, also_serve=[engine.model for engine in also])
+            log.info("pagedserve_ready", url=url, data_parallel_size=data_parallel_size,
+                     also_serve=[engine.model for engine in also])
         return launcher.supervise()
     finally:
         listener.close()
         launcher.stop()
+        if listener.family == socket.AF_UNIX:
+            uds.remove(gateway_address[1])
+
+
+def gateway_listener(listener: socket.socket, https: bool) -> tuple[list[str], Callable[[], bool], str]:
+    """The gateway's flags naming where `listener` is bound, its readiness probe, and the URL
+    clients reach it at (a socket path for --uds)."""
+    scheme = "https" if https else "http"
+    if listener.family == socket.AF_UNIX:
+        path = listener.getsockname()
+        probe = (lambda: uds.answers(path)) if https else (lambda: uds.health_ok(path))
+        return ["--uds", path], probe, f"{scheme} on unix:{path}"
+    host, port = listener.getsockname()[:2]
+    return (["--host", host, "--port", str(port)], gateway_ready(connect_host(host), port, https),
+            f"{scheme}://{connect_host(host)}:{port}/v1")

@@ -32,7 +32,8 @@ def servers():
                          "--trust-request-chat-template"])
         processes.append(gateway)
         wait_http(f"http://127.0.0.1:{reasoning_port}/health", gateway, timeout=120)
-        yield {"tools": f"http://127.0.0.1:{port}", "reasoning": f"http://127.0.0.1:{reasoning_port}"}
+        yield {"tools": f"http://127.0.0.1:{port}", "reasoning": f"http://127.0.0.1:{reasoning_port}",
+               "scheduler": scheduler}
     finally:
         for process in processes[::-1]:
             process.terminate()

@@ -14,6 +14,7 @@ import openai
 import psutil
 import pytest
 
+from pagedserve.gateway import uds
 from tests.pki import make_pki
 from tests.real_model import smollm2_path
 from tests.serving import free_port, wait_http
@@ -124,6 +125,27 @@ def test_python_m_api_server_form(default_model, tmp_path):
     assert " engine_stats " not in log and " http_request " not in log
 
 
+def test_serve_on_a_unix_socket(default_model, tmp_path):
+    """vLLM's --uds: the API on a Unix domain socket, which httpx's transport reaches; the socket
+    file is gone after shutdown."""
+    path = str(tmp_path / "api.sock")
+    command = [sys.executable, "-m", "pagedserve", "serve", str(default_model), "--uds", path,
+               "--max-model-len", "1k"]
+    with (tmp_path / "stderr.log").open("w") as err:
+        process = subprocess.Popen(command, env=dict(os.environ, TMPDIR=str(tmp_path)), stderr=err)
+    deadline = time.monotonic() + 180
+    while not uds.health_ok(path):
+        assert process.poll() is None and time.monotonic() < deadline, "no /health on the socket"
+        time.sleep(0.3)
+    server = dict(process=process, tmp=tmp_path, children=psutil.Process(process.pid).children(recursive=True))
+    try:
+        talk_like_the_guides("http://localhost/v1", str(default_model),
+                             httpx.Client(transport=httpx.HTTPTransport(uds=path)))
+    finally:
+        stop(server)
+    assert not Path(path).exists()
+
+
 def test_https_with_client_certificates(default_model, tmp_path):
     """vLLM's --ssl-* flags: the API over HTTPS, to clients whose certificate the CA signed only."""
     pki = make_pki(tmp_path)
@@ -152,6 +174,11 @@ def write_config(path: Path, architectures: list[str]) -> str:
     return str(path)
 
 
+def write_file(path: Path) -> str:
+    path.write_text("not a socket")
+    return str(path)
+
+
 BAD_STARTS = {
     "missing path": (lambda t, m, s: ["/nonexistent/model"], "/nonexistent/model does not exist"),
     "Hugging Face id": (lambda t, m, s: ["meta-llama/Llama-3.1-8B-Instruct"],
@@ -163,6 +190,8 @@ BAD_STARTS = {
                                 "is in use by another process"),
     "port of another pagedserve": (lambda t, m, s: [str(m), "--port", str(s["pagedserve"])],
                                    "another pagedserve (pagedserve/"),
+    "--uds path of a file": (lambda t, m, s: [str(m), "--uds", write_file(t / "notes.txt")],
+                             "notes.txt exists and is not a socket; pass another path"),
     "context above the model's": (lambda t, m, s: [str(m), "--max-model-len", "1M"],
                                   "exceeds the model's max_position_embeddings"),
     "TLS key without its certificate": (lambda t, m, s: [str(m), "--ssl-keyfile", str(t / "key.pem")],
