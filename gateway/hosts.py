@@ -21,13 +21,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def allowed_hosts(bind_host: str, extra: list[str]) -> frozenset[str] | None:
+def allowed_hosts(bind_host: str | None, extra: list[str]) -> frozenset[str] | None:
     """The Host names to answer, None for any: on a loopback address the loopback names, the
-    address itself and `extra`; elsewhere `extra` only, and any when it is empty or holds "*"."""
+    address itself and `extra`; elsewhere, and on a Unix socket (bind_host None), which no web page
+    can reach, `extra` only, and any when it is empty or holds "*"."""
     names = frozenset(_name(h) for h in extra)
     if "*" in names:
         return None
-    if is_loopback(bind_host):
+    if bind_host is not None and is_loopback(bind_host):
         address = f"[{bind_host}]" if ":" in bind_host else bind_host
         return LOOPBACK_NAMES | names | {_name(address)}
     return names or None

@@ -301,7 +301,7 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     raise_open_files_limit()
     defaults = sampling_defaults(args.model, args.generation_config, args.override_generation_config)
     app = build_app(tokenizer, args.scheduler_address, args.served_model_name, api_key=args.api_key,
-                    allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+                    allowed_hosts=allowed_hosts(None if args.uds else args.host, args.allowed_hosts),
                     protect_metrics=args.protect_metrics, cors=cors_rules(args),
                     stream_interval=args.stream_interval, log_requests=args.enable_log_requests,
                     sampling_defaults=defaults,

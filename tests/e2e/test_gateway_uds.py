@@ -20,7 +20,8 @@ def test_a_gateway_serves_on_its_own_unix_socket(servers, tmp_path):
             assert gateway.poll() is None and time.monotonic() < deadline, "no /health on the socket"
             time.sleep(0.2)
         with httpx.Client(transport=httpx.HTTPTransport(uds=path), timeout=60) as http:
-            models = http.get("http://localhost/v1/models").json()
+            # A proxy in front passes its clients' Host on; a Unix socket answers any.
+            models = http.get("http://api.example.com/v1/models").json()
             reply = http.post("http://localhost/v1/completions",
                               json={"model": DEFAULT_MODEL_NAME, "prompt": "Hi", "max_tokens": 3}).json()
         assert [m["id"] for m in models["data"]] == [DEFAULT_MODEL_NAME]

@@ -34,5 +34,7 @@ def test_which_hosts_each_address_answers():
     assert allowed_hosts("127.0.0.1", ["*"]) is None
     assert allowed_hosts("127.0.0.2", []) == {"localhost", "127.0.0.1", "[::1]", "127.0.0.2"}
     assert "[::1]" in allowed_hosts("::1", [])
+    # A Unix socket (--uds): no web page can reach it, so DNS rebinding cannot either.
+    assert allowed_hosts(None, []) is None and allowed_hosts(None, ["a.example"]) == {"a.example"}
     assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "10.0.0.1", "example.com")] == \
         [True, True, True, False, False, False]
