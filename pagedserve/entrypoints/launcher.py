@@ -214,6 +214,7 @@ def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, sched
     Each of `also` (--also-serve) starts after them, one at a time, on engine 0's GPUs. With
     `https` the gateway serves HTTPS (its --ssl-* flags are in its argv)."""
     gateway_address, ready, url = gateway_listener(listener, https)
+    socket_file = listener.getsockname() if listener.family == socket.AF_UNIX else None
     launcher = Launcher(shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, launcher.request_stop)
@@ -249,18 +250,17 @@ def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, sched
     finally:
         listener.close()
         launcher.stop()
-        if listener.family == socket.AF_UNIX:
-            uds.remove(gateway_address[1])
+        if socket_file is not None:
+            uds.remove(socket_file)
 
 
 def gateway_listener(listener: socket.socket, https: bool) -> tuple[list[str], Callable[[], bool], str]:
-    """The gateway's flags naming where `listener` is bound, its readiness probe, and the URL
-    clients reach it at (a socket path for --uds)."""
-    scheme = "https" if https else "http"
+    """The gateway's flags naming where `listener` is bound, its readiness probe, and where clients
+    reach it: a URL, or unix:PATH for --uds."""
     if listener.family == socket.AF_UNIX:
         path = listener.getsockname()
         probe = (lambda: uds.answers(path)) if https else (lambda: uds.health_ok(path))
-        return ["--uds", path], probe, f"{scheme} on unix:{path}"
+        return ["--uds", path], probe, f"unix:{path}"
     host, port = listener.getsockname()[:2]
     return (["--host", host, "--port", str(port)], gateway_ready(connect_host(host), port, https),
-            f"{scheme}://{connect_host(host)}:{port}/v1")
+            f"{'https' if https else 'http'}://{connect_host(host)}:{port}/v1")
