@@ -159,15 +159,17 @@ def _decode_metadata(buffers: StepBuffers, size: int, max_model_len: int, num_he
                              max_seq_len=max_model_len, num_splits=num_splits)
 
 
-@contextlib.contextmanager
-def blas_library(num_tokens: int) -> Iterator[None]:
+def blas_library(num_tokens: int) -> contextlib.AbstractContextManager:
     """Prefers cuBLASLt for the GEMMs of a step of num_tokens tokens in LT_TOKENS (cuBLAS's
     default choice otherwise) while it lasts."""
-    if num_tokens not in LT_TOKENS:
-        yield
-        return
+    return preferred_blas("cublaslt") if num_tokens in LT_TOKENS else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def preferred_blas(library: str) -> Iterator[None]:
+    """Prefers `library` ("cublas" or "cublaslt") for the GEMMs torch runs while it lasts."""
     before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch.backends.cuda.preferred_blas_library(library)
     try:
         yield
     finally:

@@ -120,9 +120,21 @@ def _tail(src, stride_sh, num_heads, scale, HEADS_PAD: tl.constexpr, WIDTH: tl.c
     heads, mask = _head_tile(src, stride_sh, num_heads, HEADS_PAD, WIDTH, WIDTH_PAD)
     x = tl.load(heads, mask=mask)
     if NORMED:
-        x = (x.to(tl.float32) * scale).to(src.dtype.element_ty)
-        tl.store(heads, x, mask=mask)
+        x = _scaled_in_place(x, heads, mask, scale, heads, False)
     return x, mask
+
+
+@triton.jit
+def _scaled_in_place(x, heads, mask, scale, bias, BIASED: tl.constexpr):
+    """x, loaded from the tile `heads`, times `scale` plus (BIASED) the same tile of `bias`, in
+    heads' dtype, stored back there too: prefill attention reads the step's keys and values from
+    k and v."""
+    y = x.to(tl.float32) * scale
+    if BIASED:
+        y += tl.load(bias, mask=mask).to(tl.float32)
+    y = y.to(heads.dtype.element_ty)
+    tl.store(heads, y, mask=mask)
+    return y
 
 
 @triton.jit
@@ -177,14 +189,9 @@ def _rotary_write_kv_kernel(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
         k_tail, k_tail_mask = _tail(k_token + 2 * HALF, stride_kh, num_kv_heads, inv, K_HEADS_PAD,
                                     HEAD_DIM - 2 * HALF, TAIL_PAD, NORMED)
     if NORMED or BIASED:
-        v_scaled = v_token.to(tl.float32) * inv
-        if BIASED:
-            v_bias_heads, _ = _head_tile(v_bias, HEAD_DIM, num_kv_heads, K_HEADS_PAD, HEAD_DIM,
-                                         HEAD_PAD)
-            v_scaled += tl.load(v_bias_heads, mask=v_mask).to(tl.float32)
-        # Back to v as well, for prefill attention.
-        v_token = v_scaled.to(v.dtype.element_ty)
-        tl.store(v_heads, v_token, mask=v_mask)
+        v_bias_heads, _ = _head_tile(v_bias, HEAD_DIM, num_kv_heads, K_HEADS_PAD, HEAD_DIM,
+                                     HEAD_PAD)
+        v_token = _scaled_in_place(v_token, v_heads, v_mask, inv, v_bias_heads, BIASED)
     # Slot -1 marks a CUDA-graph padding token: it owns no cache slot.
     if slot < 0:
         return

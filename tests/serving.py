@@ -47,6 +47,16 @@ def wait_http(url: str, process: subprocess.Popen, timeout: float, context: ssl.
     raise TimeoutError(f"{url} not ready in {timeout} s")
 
 
+def wait_uds(path: str, process: subprocess.Popen, timeout: float) -> None:
+    """Returns once the gateway on the Unix socket at `path` answers /health with 200."""
+    from pagedserve.gateway import uds
+    deadline = time.monotonic() + timeout
+    while not uds.health_ok(path):
+        assert process.poll() is None, f"pagedserve exited with {process.returncode}"
+        assert time.monotonic() < deadline, f"no /health on {path} in {timeout} s"
+        time.sleep(0.2)
+
+
 def run_cli(argv: list[str]) -> None:
     # Not cli.main: its logging setup would bind structlog to this test's captured stderr, which
     # pytest closes afterwards, failing every later test that logs.

@@ -13,8 +13,7 @@ the kernels are those of one eager call, named by torch's profiler.
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from pagedserve.bench.step_profile import cuda_kernels, kind
 from pagedserve.bench.timing import graph_ms
 from pagedserve.common.model_shapes import SHAPES
+from pagedserve.executor_svc.cuda_graphs import preferred_blas
 from pagedserve.executor_svc.model_config import ModelConfig, model_config_from_dict
 
 LAYERS = 8
@@ -50,16 +50,6 @@ def projections(config: ModelConfig) -> list[Projection]:
             Projection("o_proj", q, hidden, True),
             Projection("gate_up_proj", hidden, 2 * inner, False),
             Projection("down_proj", inner, hidden, True)]
-
-
-@contextmanager
-def preferred(library: str) -> Iterator[None]:
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(library)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
 
 
 def gemms(projection: Projection, rows: int, layers: int) -> Callable[[], None]:
@@ -91,7 +81,7 @@ def sweep_shape(name: str, rows: list[int]) -> dict:
     for projection in projections(model_config_from_dict(SHAPES[name])):
         for count in rows:
             for library in LIBRARIES:
-                with preferred(library):
+                with preferred_blas(library):
                     names = kernel_names(gemms(projection, count, 1))
                     us = graph_ms(gemms(projection, count, LAYERS)) * 1e3 / LAYERS
                 torch.cuda.empty_cache()

@@ -1,13 +1,11 @@
 """A gateway of its own on a Unix domain socket (--uds) beside the session's server: it binds the
 socket itself, answers on it, and removes the socket file when it stops."""
-import time
 from pathlib import Path
 
 import httpx
 
-from pagedserve.gateway import uds
 from tests.e2e.conftest import start
-from tests.serving import DEFAULT_MODEL_NAME
+from tests.serving import DEFAULT_MODEL_NAME, wait_uds
 
 
 def test_a_gateway_serves_on_its_own_unix_socket(servers, tmp_path):
@@ -15,10 +13,7 @@ def test_a_gateway_serves_on_its_own_unix_socket(servers, tmp_path):
     gateway = start(["gateway", "--uds", path, "--scheduler-address", servers["scheduler"],
                      "--served-model-name", DEFAULT_MODEL_NAME])
     try:
-        deadline = time.monotonic() + 120
-        while not uds.health_ok(path):
-            assert gateway.poll() is None and time.monotonic() < deadline, "no /health on the socket"
-            time.sleep(0.2)
+        wait_uds(path, gateway, timeout=120)
         with httpx.Client(transport=httpx.HTTPTransport(uds=path), timeout=60) as http:
             # A proxy in front passes its clients' Host on; a Unix socket answers any.
             models = http.get("http://api.example.com/v1/models").json()

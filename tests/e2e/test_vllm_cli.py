@@ -14,10 +14,9 @@ import openai
 import psutil
 import pytest
 
-from pagedserve.gateway import uds
 from tests.pki import make_pki
 from tests.real_model import smollm2_path
-from tests.serving import free_port, wait_http
+from tests.serving import free_port, wait_http, wait_uds
 
 GUIDE_MAX_MODEL_LEN = 8192
 
@@ -133,10 +132,7 @@ def test_serve_on_a_unix_socket(default_model, tmp_path):
                "--max-model-len", "1k"]
     with (tmp_path / "stderr.log").open("w") as err:
         process = subprocess.Popen(command, env=dict(os.environ, TMPDIR=str(tmp_path)), stderr=err)
-    deadline = time.monotonic() + 180
-    while not uds.health_ok(path):
-        assert process.poll() is None and time.monotonic() < deadline, "no /health on the socket"
-        time.sleep(0.3)
+    wait_uds(path, process, timeout=180)
     server = dict(process=process, tmp=tmp_path, children=psutil.Process(process.pid).children(recursive=True))
     try:
         talk_like_the_guides("http://localhost/v1", str(default_model),
