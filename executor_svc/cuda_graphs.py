@@ -57,7 +57,7 @@ MIXED_SPLITS = 4
 # steps are mostly mixed graphs of 32-64 tokens, `bench batch` gave the interactive TPOT 6.07 ms
 # against 6.21 with cuBLAS alone, in one device call; `bench serve --concurrency 10,30,50` moved by
 # under 0.4% (its mixed steps are mostly 256-token ones). Smaller graphs are too: their o_proj and
-# down_proj read 32-row buffers (layers/linear.py's PROJECTION_ROWS), and their qkv and gate_up
+# down_proj read buffers of 32 rows or more (layers/linear.py's input_rows), and their qkv and gate_up
 # took the same time under either library (15.64 / 15.61 and 55.89 / 55.87 us at 16 rows).
 LT_TOKENS = range(1, 97)
 

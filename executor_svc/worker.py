@@ -28,6 +28,7 @@ from pagedserve.executor_svc.parallel import init_group, rank_device, shard_conf
 from pagedserve.executor_svc.pooler_config import load_pooler_config
 from pagedserve.executor_svc.pooling_model import build_pooler, pooling_info, resolve_runner
 from pagedserve.executor_svc.pooling_runner import PoolingRunner
+from pagedserve.executor_svc.projection_rows import choose as choose_projection_rows
 from pagedserve.executor_svc.tp_workers import start_workers
 from pagedserve.executor_svc.weight_loader import load_weights
 from pagedserve.kernels.attention import MEDIUM_STEP_TOKENS
@@ -95,6 +96,8 @@ class Worker:
         self._load_weights(backend.per_token_quant_fp8 if self.quantization else None)
         if isinstance(self.model, CausalLM) and fold_norms(self.model):
             log.info("norms_folded", layers=len(self.model.model.layers))
+        if isinstance(self.model, CausalLM) and self.device.type == "cuda":
+            choose_projection_rows(self.model, self.tp)
         self.pooling = PoolingInfo()
         if self.runner_kind == "pooling":
             self._build_pooling(config)

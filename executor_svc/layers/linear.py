@@ -14,8 +14,31 @@ from torch import nn
 from pagedserve.executor_svc.parallel import TensorParallel
 
 
+# cuBLASLt runs o_proj and down_proj faster on 32 rows than on fewer. On an H200 (Llama-3.1-8B
+# shape, 32 distinct weights in one CUDA graph, 2026-12-04), us a GEMM for 16 rows under cuBLAS /
+# on 32 rows of the same buffer under cuBLASLt: o_proj 12.72 / 11.85, down_proj 31.16 / 30.49; for
+# 24 rows 12.95 / 11.86 and 31.60 / 30.45; for 1 row 12.56 / 11.83 and 30.26 / 30.47. Copying the
+# rows into a 32-row buffer first lost (13.39 and 32.90 for 16 rows), so the kernels before these
+# projections write into such buffers themselves. qkv and gate_up, which read a norm's output,
+# lost on 32 rows (16.02 against 15.64, 56.84 against 55.89 for 16) and take their rows as they are.
+# A decode step (`bench latency`, 700-token prompts) took 4.502 ms against 4.535 at batch 1, 5.178
+# against 5.215 at 16, 5.405 against 5.472 at 24; FP8 models, whose projections are no `Linear`,
+# are left as they were. Some shapes run faster still on 64 rows: the worker measures which, per
+# model (executor_svc/projection_rows.py), and sets their `min_rows`.
+PROJECTION_ROWS = 32
+# gate_up, though, ran faster on 64 rows than on 33-63 under cuBLASLt (same setup): 59.84 against
+# 61.47 us for 40 rows, 59.80 against 62.00 for 48, 59.91 against 62.08 for 56; o_proj and down_proj
+# lost on 64 rows (32.01 against 31.69 for down_proj at 48), and a fused projection of 32 rows on 64
+# too (59.76 against 58.42). The norm before gate_up writes such a buffer, and the activation and
+# down_proj then run on its rows too: a decode step took 5.650 ms against 5.662 at batch 40, 5.785
+# against 5.824 at 48, 5.981 against 6.062 at 56 (unchanged at 16 and 32).
+FUSED_ROWS = 64
+
+
 class Linear(nn.Linear):
     """A decoder projection: what narrow_linears may store narrower than the activations."""
+    # The rows a row-parallel one runs steps of up to PROJECTION_ROWS tokens on, on a GPU.
+    min_rows = PROJECTION_ROWS
 
 
 class MergedLinear(Linear):
@@ -75,36 +98,18 @@ def column_linear(in_features: int, shard_sizes: dict[str, int], bias: bool,
     return shard(MergedLinear(in_features, shard_sizes, bias), tp, 0)
 
 
-# cuBLASLt runs o_proj and down_proj faster on 32 rows than on fewer. On an H200 (Llama-3.1-8B
-# shape, 32 distinct weights in one CUDA graph, 2026-12-04), us a GEMM for 16 rows under cuBLAS /
-# on 32 rows of the same buffer under cuBLASLt: o_proj 12.72 / 11.85, down_proj 31.16 / 30.49; for
-# 24 rows 12.95 / 11.86 and 31.60 / 30.45; for 1 row 12.56 / 11.83 and 30.26 / 30.47. Copying the
-# rows into a 32-row buffer first lost (13.39 and 32.90 for 16 rows), so the kernels before these
-# projections write into such buffers themselves. qkv and gate_up, which read a norm's output,
-# lost on 32 rows (16.02 against 15.64, 56.84 against 55.89 for 16) and take their rows as they are.
-# A decode step (`bench latency`, 700-token prompts) took 4.502 ms against 4.535 at batch 1, 5.178
-# against 5.215 at 16, 5.405 against 5.472 at 24; FP8 models, whose projections are no `Linear`,
-# are left as they were.
-PROJECTION_ROWS = 32
-# gate_up, though, ran faster on 64 rows than on 33-63 under cuBLASLt (same setup): 59.84 against
-# 61.47 us for 40 rows, 59.80 against 62.00 for 48, 59.91 against 62.08 for 56; o_proj and down_proj
-# lost on 64 rows (32.01 against 31.69 for down_proj at 48), and a fused projection of 32 rows on 64
-# too (59.76 against 58.42). The norm before gate_up writes such a buffer, and the activation and
-# down_proj then run on its rows too: a decode step took 5.650 ms against 5.662 at batch 40, 5.785
-# against 5.824 at 48, 5.981 against 6.062 at 56 (unchanged at 16 and 32).
-FUSED_ROWS = 64
-
 
 def input_rows(projection: nn.Module, num_tokens: int) -> int:
     """Rows of the buffer that the kernel before `projection` writes its num_tokens rows of input
-    into, for a model-dtype projection on a GPU: at least PROJECTION_ROWS for a row-parallel one
-    (o_proj, down_proj), FUSED_ROWS for a fused one (gate_up) of more than PROJECTION_ROWS. The
-    rows past num_tokens are padding whose products the caller drops."""
+    into, for a model-dtype projection on a GPU: a row-parallel one's (o_proj, down_proj) min_rows
+    up to PROJECTION_ROWS tokens, a fused one's (gate_up) FUSED_ROWS between PROJECTION_ROWS and
+    FUSED_ROWS, else num_tokens. The rows past num_tokens are padding whose products the caller
+    drops."""
     if not (isinstance(projection, Linear) and projection.weight.is_cuda):
         return num_tokens
     if isinstance(projection, MergedLinear):
         return FUSED_ROWS if PROJECTION_ROWS < num_tokens < FUSED_ROWS else num_tokens
-    return max(num_tokens, PROJECTION_ROWS)
+    return projection.min_rows if num_tokens <= PROJECTION_ROWS else num_tokens
 
 
 def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> Linear:
