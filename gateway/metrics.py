@@ -45,7 +45,7 @@ ENGINE_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."))
 ENGINE_LABELS = ["model_name", "engine"]
-CACHE_CONFIG = ["block_size", "num_gpu_blocks", "gpu_memory_utilization", "enable_prefix_caching"]
+CACHE_CONFIG = ["block_size", "num_gpu_blocks", "gpu_memory_utilization", "enable_prefix_caching", "cache_dtype"]
 # The series vLLM has too, by pagedserve name: their vllm: names (kv_cache_usage_perc also under the
 # name vLLM had before, which vLLM production-stack's router still reads).
 VLLM_TWINS = {name: (name,) for name in (
@@ -230,7 +230,7 @@ class _ModelSeries:
 
 def _cache_config(info: pb.ModelInfo) -> list[str]:
     return [str(info.block_size), str(info.num_blocks), str(round(info.gpu_memory_utilization, 4)),
-            str(info.enable_prefix_caching)]
+            str(info.enable_prefix_caching), info.cache_dtype]
 
 
 def _histogram(name: str, doc: str, engines: list[tuple[str, str, pb.ModelInfo]], field: str) -> Metric:

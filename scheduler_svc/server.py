@@ -136,6 +136,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             enable_prefix_caching=self.config.enable_prefix_caching,
             gpu_memory_utilization=self.info.gpu_memory_utilization, max_logprobs=self.info.max_logprobs,
+            cache_dtype=self.config.kv_cache_dtype,
             step_schedule=histogram_to_proto(stats.scheduler),
             step_forward=histogram_to_proto(stats.forward), step_idle=histogram_to_proto(stats.idle),
             **_pooling_fields(self.info))

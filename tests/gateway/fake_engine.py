@@ -36,7 +36,7 @@ LEAK = re.compile(r"Traceback|File \"|\.py\b|/(home|work|tmp|usr|opt|root|srv|va
 ENGINE_STATS = dict(block_size=16, num_blocks=100, num_free_blocks=75, num_running=2, num_waiting=1,
                     num_background_running=1, num_background_waiting=1, num_preemptions=4, kv_cache_usage=0.25,
                     prefix_cache_queries=90, prefix_cache_hits=30, enable_prefix_caching=True,
-                    gpu_memory_utilization=0.9)
+                    gpu_memory_utilization=0.9, cache_dtype="fp8")
 # Its step histograms: per-bucket counts, the last bucket being +Inf.
 ENGINE_STEPS = dict(
     step_schedule=pb.StepHistogram(bucket_upper_bounds_s=[1e-4, 1e-3], bucket_counts=[3, 2, 0], count=5,

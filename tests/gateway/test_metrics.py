@@ -71,7 +71,7 @@ async def test_engine_series_come_from_the_scheduler(http, base_url):
     assert value(m, "prefix_cache_queries_total", engine="0") == ENGINE_STATS["prefix_cache_queries"]
     assert value(m, "prefix_cache_hits_total", engine="0") == ENGINE_STATS["prefix_cache_hits"]
     assert value(m, "cache_config_info", engine="0", block_size="16", num_gpu_blocks="100",
-                 gpu_memory_utilization="0.9", enable_prefix_caching="True") == 1
+                 gpu_memory_utilization="0.9", enable_prefix_caching="True", cache_dtype="fp8") == 1
     assert not any(name.endswith("_created") for name, _ in m)
 
 

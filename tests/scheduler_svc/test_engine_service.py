@@ -68,6 +68,8 @@ async def test_model_info_carries_the_step_histograms(tmp_path):
         await server.stop()
     await executor.stop()
     assert len(tokens) == 4
+    # vLLM's cache_config_info label: the flag as given.
+    assert reply.cache_dtype == config.kv_cache_dtype == "auto"
     stats = scheduler.stats
     # A prefill, three decodes and the step that drops the request; all but the first back to back.
     assert (stats.scheduler.count, stats.idle.count) == (5, 4)
