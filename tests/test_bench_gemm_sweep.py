@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from pagedserve.bench.gemm_sweep import DENSE, projections
+from pagedserve.bench.gemm_sweep import DENSE, layer_us, projections
 from pagedserve.common.model_shapes import SHAPES
 from pagedserve.executor_svc.model_config import model_config_from_dict
 
@@ -31,3 +31,14 @@ def test_an_unknown_shape_is_refused_with_the_choices():
     run = subprocess.run([sys.executable, "-m", "pagedserve.bench.gemm_sweep", "bge-m3"],
                          capture_output=True, text=True)
     assert run.returncode == 1 and "not a dense decoder: bge-m3" in run.stderr and "qwen2.5-7b" in run.stderr
+
+
+def test_layer_us_sums_a_layers_projections_by_rows_and_library():
+    def result(us: float) -> dict:
+        return {"us": us, "kernels": [], "split_k": False}
+    sweep = {"qkv_proj": {16: {"cublas": result(22.0), "cublaslt": result(22.5)},
+                          128: {"cublas": result(22.0), "cublaslt": result(22.0)}},
+             "down_proj": {16: {"cublas": result(46.75), "cublaslt": result(46.5)},
+                           128: {"cublas": result(52.25), "cublaslt": result(45.0)}}}
+    assert layer_us(sweep) == {16: {"cublas": 68.75, "cublaslt": 69.0},
+                               128: {"cublas": 74.25, "cublaslt": 67.0}}

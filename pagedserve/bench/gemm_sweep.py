@@ -4,7 +4,8 @@ reduction kernel of their own (a decode profile's "gemm split-k sum").
 
 Run as `python -m pagedserve.bench.gemm_sweep [SHAPE ...] [--rows 16,32,64]` (the dense shapes of
 `pagedserve make-shape-model`; default llama-3.1-8b); prints a line a shape, projection, row count
-and library, then one JSON line with every number. Each projection runs as a folded decoder layer
+and library, then a layer's projections summed by row count and library, then one JSON line with
+every number. Each projection runs as a folded decoder layer
 runs it (layers/decoder.py's fold_norms): qkv and gate_up as x @ W.T, o_proj and down_proj added
 into the residual stream (addmm_). LAYERS distinct weights replay in one CUDA graph, so that they
 are read from memory rather than L2, timed as the median replay (bench/timing.py), in us a GEMM;
@@ -94,6 +95,18 @@ def sweep_shape(name: str, rows: list[int]) -> dict:
     return out
 
 
+def layer_us(sweep: dict) -> dict[int, dict[str, float]]:
+    """A decoder layer's projections summed, us by row count and library, from sweep_shape's result:
+    what picks a library or a padded row count for a whole step."""
+    out: dict[int, dict[str, float]] = {}
+    for by_rows in sweep.values():
+        for rows, by_library in by_rows.items():
+            sums = out.setdefault(rows, {})
+            for library, result in by_library.items():
+                sums[library] = sums.get(library, 0.0) + result["us"]
+    return {rows: {library: round(us, 2) for library, us in sums.items()} for rows, sums in out.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m pagedserve.bench.gemm_sweep")
     parser.add_argument("shapes", nargs="*", metavar="SHAPE",
@@ -110,9 +123,14 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     results = {name: sweep_shape(name, rows) for name in names}
+    layers = {name: layer_us(sweep) for name, sweep in results.items()}
+    for name, by_rows in layers.items():
+        for count, by_library in by_rows.items():
+            print(f"{name:12s} a layer      {count:4d} rows " + "  ".join(
+                f"{library} {us:8.2f} us" for library, us in by_library.items()))
     print(json.dumps({"torch": torch.__version__, "triton": triton.__version__,
                       "gpu": torch.cuda.get_device_name(), "layers": LAYERS,
-                      "gemm_sweep": results}))
+                      "gemm_sweep": results, "layer_us": layers}))
 
 
 if __name__ == "__main__":
