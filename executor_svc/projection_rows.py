@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedserve.executor_svc.cuda_graphs import blas_library
 from pagedserve.executor_svc.layers.decoder import CausalLM
-from pagedserve.executor_svc.layers.linear import PROJECTION_ROWS, Linear, MergedLinear
+from pagedserve.executor_svc.layers.linear import PROJECTION_ROWS, Linear, MergedLinear, add_projection
 from pagedserve.executor_svc.parallel import TensorParallel
 from pagedserve.common.log import get_logger
 
@@ -79,7 +79,7 @@ def _pass(projections: list[Linear], rows: int, adds: bool) -> Callable[[], None
         with blas_library(rows):
             for p in projections:
                 if adds:
-                    outputs[p.out_features].addmm_(inputs[p.in_features], p.weight.t())
+                    add_projection(outputs[p.out_features], inputs[p.in_features], p)
                 else:
                     p(inputs[p.in_features])
     run()

@@ -9,7 +9,7 @@ from torch import nn
 from pagedserve.executor_svc.attention_backend import AttentionMetadata, TorchAttentionBackend
 from pagedserve.executor_svc.fp8 import Quantized
 from pagedserve.executor_svc.kv_cache import KVCache
-from pagedserve.executor_svc.layers.linear import column_linear, input_rows, row_linear
+from pagedserve.executor_svc.layers.linear import add_projection, column_linear, input_rows, row_linear
 from pagedserve.executor_svc.layers.norm import Norm
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         num_tokens rows the tokens' (the rest padding, which o_proj adds into too)."""
         out = self._attend(positions, self._qkv(x[:num_tokens]), kv_cache, meta, cos_sin_cache,
                            len(x), norm_of=(x, eps), bias=self.folded_bias)
-        x.addmm_(out.view(len(x), -1), self.o_proj.weight.t())
+        add_projection(x, out.view(len(x), -1), self.o_proj)
 
     def _attend(self, positions: torch.Tensor, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,

@@ -112,6 +112,12 @@ def input_rows(projection: nn.Module, num_tokens: int) -> int:
     return projection.min_rows if num_tokens <= PROJECTION_ROWS else num_tokens
 
 
+def add_projection(stream: torch.Tensor, x: torch.Tensor, projection: Linear) -> None:
+    """stream += x @ projection's weight.T, in place: how a folded layer's o_proj and down_proj run
+    (decoder.fold_norms), their products added into the residual stream."""
+    stream.addmm_(x, projection.weight.t())
+
+
 def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> Linear:
     if tp is None:
         return Linear(in_features, out_features, bias=bias)

@@ -6,7 +6,7 @@ from torch import nn
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
 from pagedserve.executor_svc.fp8 import Quantized
 from pagedserve.executor_svc.layers.activation import ACTIVATIONS
-from pagedserve.executor_svc.layers.linear import column_linear, input_rows, row_linear
+from pagedserve.executor_svc.layers.linear import add_projection, column_linear, input_rows, row_linear
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
 
@@ -52,4 +52,4 @@ class GatedMLP(nn.Module):
         gate_up_proj (decoder.fold_norms): x is the residual stream itself, not its norm, its
         first num_tokens rows the tokens' (the rest padding, which down_proj adds into too)."""
         h = self.act_and_mul(self.gate_up_proj(x[:num_tokens]), len(x), norm_of=(x, eps))
-        x.addmm_(h, self.down_proj.weight.t())
+        add_projection(x, h, self.down_proj)

@@ -5,11 +5,11 @@ reduction kernel of their own (a decode profile's "gemm split-k sum").
 Run as `python -m pagedserve.bench.gemm_sweep [SHAPE ...] [--rows 16,32,64]` (the dense shapes of
 `pagedserve make-shape-model`; default llama-3.1-8b); prints a line a shape, projection, row count
 and library, then a layer's projections summed by row count and library, then one JSON line with
-every number. Each projection runs as a folded decoder layer
-runs it (layers/decoder.py's fold_norms): qkv and gate_up as x @ W.T, o_proj and down_proj added
-into the residual stream (addmm_). LAYERS distinct weights replay in one CUDA graph, so that they
-are read from memory rather than L2, timed as the median replay (bench/timing.py), in us a GEMM;
-the kernels are those of one eager call, named by torch's profiler.
+every number. Each projection runs as a folded decoder layer runs it (layers/decoder.py's
+fold_norms): qkv and gate_up as x @ W.T, o_proj and down_proj added into the residual stream
+(layers/linear.py's add_projection). LAYERS distinct weights replay in one CUDA graph, so that
+they are read from memory rather than L2, timed as the median replay (bench/timing.py), in us a
+GEMM; the kernels are those of one eager call, named by torch's profiler.
 """
 import argparse
 import json
