@@ -161,8 +161,9 @@ def _decode_metadata(buffers: StepBuffers, size: int, max_model_len: int, num_he
 
 def blas_library(num_tokens: int) -> contextlib.AbstractContextManager:
     """Prefers cuBLASLt for the GEMMs of a step of num_tokens tokens in LT_TOKENS (cuBLAS's
-    default choice otherwise) while it lasts."""
-    return preferred_blas("cublaslt") if num_tokens in LT_TOKENS else contextlib.nullcontext()
+    default choice otherwise) while it lasts; nothing where torch has no CUDA."""
+    lt = num_tokens in LT_TOKENS and torch.backends.cuda.is_built()
+    return preferred_blas("cublaslt") if lt else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

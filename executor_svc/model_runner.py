@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from pagedserve.executor_svc.attention_backend import AttentionMetadata
-from pagedserve.executor_svc.cuda_graphs import (CudaGraphs, GraphShape, GraphShapes, capture_sizes,
-                                                graph_metadata, mixed_capture_sizes,
+from pagedserve.executor_svc.cuda_graphs import (CudaGraphs, GraphShape, GraphShapes, blas_library,
+                                                capture_sizes, graph_metadata, mixed_capture_sizes,
                                                 pads_mixed_steps)
 from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
@@ -367,8 +367,11 @@ class ModelRunner:
         if step.graph is not None and step.graph in self.graphs.graphs:
             return self.graphs.replay(step.graph)
         buf = self.buffers
-        return self.model(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
-                          kv_caches, step.meta)
+        # As the graphs of its size run it (and as projection_rows timed o_proj and down_proj), so
+        # that --enforce-eager runs the same GEMMs.
+        with blas_library(step.num_tokens):
+            return self.model(buf.input_ids[:step.num_tokens], buf.positions[:step.num_tokens],
+                              kv_caches, step.meta)
 
     def _sample(self, step: Step, hidden: torch.Tensor, sampling: SamplingBatch,
                 sample_rows: np.ndarray) -> tuple[torch.Tensor, SampledLogprobs | None]:

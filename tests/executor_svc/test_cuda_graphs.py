@@ -63,6 +63,7 @@ def test_blas_library_prefers_cublaslt_up_to_96_tokens(monkeypatch):
         return chosen[-1]
 
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     seen = {}
     for num_tokens in (1, 16, 24, 32, 64, 96, 104, 128):
         with blas_library(num_tokens):
@@ -70,6 +71,16 @@ def test_blas_library_prefers_cublaslt_up_to_96_tokens(monkeypatch):
     assert seen == {1: "cublaslt", 16: "cublaslt", 24: "cublaslt", 32: "cublaslt", 64: "cublaslt",
                     96: "cublaslt", 104: "cublas", 128: "cublas"}
     assert chosen[-1] == "cublas"
+
+
+def test_blas_library_leaves_a_torch_without_cuda_alone(monkeypatch):
+    def preferred(backend=None):
+        raise AssertionError("a torch without CUDA has no BLAS library to prefer")
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    with blas_library(16):
+        pass
 
 
 def test_capture_fills_the_buffers_with_an_all_padding_step_of_each_shape():
