@@ -1,6 +1,7 @@
 """Chat and completions on the wire: their chunks and bodies, written from the output events."""
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from msgspec import UNSET, Struct
@@ -34,7 +35,8 @@ class ResponseBuilder(ABC):
     chunk_type: type[ChatCompletionChunk] | type[Completion]
 
     def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
-                 logprobs: bool, prompt: PromptLogprobs | None = None) -> None:
+                 logprobs: bool, prompt: PromptLogprobs | None = None,
+                 running_usage: Callable[[int], Usage] | None = None) -> None:
         self.id = self.id_prefix + request_id
         self.prompt = prompt
         self.created = int(time.time())
@@ -45,10 +47,20 @@ class ResponseBuilder(ABC):
         self.logprobs = logprobs
         # include_usage puts "usage": null on every chunk; without it the key is absent.
         self._chunk_usage = None if include_usage else UNSET
+        # A choice's usage so far by its index, on each of its chunks (continuous_usage_stats).
+        self._running_usage = running_usage
 
     def _chunk(self, choices: list, usage: Usage | None = UNSET) -> Struct:
-        return self.chunk_type(self.id, self.created, self.model, choices,
-                               self._chunk_usage if usage is UNSET else usage)
+        if usage is UNSET:
+            usage = self._running_usage(choices[0].index) if self._running_usage else self._chunk_usage
+        return self.chunk_type(self.id, self.created, self.model, choices, usage)
+
+    def _opening_usage(self, index: int) -> Usage | None:
+        """The usage on a choice's opening chunk: none generated yet (vLLM's, with continuous usage)."""
+        if self._running_usage is None:
+            return self._chunk_usage
+        prompt = self._running_usage(index).prompt_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
 
     def closing(self, usage: Usage) -> list[Struct]:
         """Chunks sent after every choice has finished: the usage, when asked for."""
@@ -77,12 +89,12 @@ class ChatResponses(ResponseBuilder):
 
     def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
                  logprobs: bool, options: ChatOutputOptions | None = None,
-                 prompt: PromptLogprobs | None = None) -> None:
-        super().__init__(request_id, model, num_choices, include_usage, logprobs, prompt)
+                 prompt: PromptLogprobs | None = None, running_usage: Callable[[int], Usage] | None = None) -> None:
+        super().__init__(request_id, model, num_choices, include_usage, logprobs, prompt, running_usage)
         self._options = options or ChatOutputOptions()
 
     def openings(self) -> list[Struct]:
-        return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))])
+        return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))], self._opening_usage(i))
                 for i in range(self.num_choices)]
 
     def step(self, step: Step) -> list[Struct]:
@@ -122,15 +134,17 @@ class CompletionResponses(ResponseBuilder):
     chunk_type = Completion
 
     def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
-                 logprobs: bool, echo: list[str], prompt: PromptLogprobs | None = None) -> None:
-        super().__init__(request_id, model, num_choices, include_usage, logprobs, prompt)
+                 logprobs: bool, echo: list[str], prompt: PromptLogprobs | None = None,
+                 running_usage: Callable[[int], Usage] | None = None) -> None:
+        super().__init__(request_id, model, num_choices, include_usage, logprobs, prompt, running_usage)
         # echo[i] is the prompt text that choice i starts with ("" without echo).
         self._echo = echo
         # Where choice i's next streamed token starts in its text, for logprobs' text_offset.
         self._offsets = [len(text) for text in echo]
 
     def openings(self) -> list[Struct]:
-        return [self._chunk([CompletionChoice(i, text)]) for i, text in enumerate(self._echo) if text]
+        return [self._chunk([CompletionChoice(i, text)], self._opening_usage(i)) for i, text in enumerate(self._echo)
+                if text]
 
     def step(self, step: Step) -> list[Struct]:
         i, logprobs = step.choice, None

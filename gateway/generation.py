@@ -139,6 +139,15 @@ class Generation:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=details)
 
+    def choice_usage(self, index: int) -> Usage:
+        """One choice's usage so far (vLLM's continuous_usage_stats): its prompt as tokenized here,
+        which a choice's chunks need before its first response carries the scheduler's count, and
+        the tokens it has generated."""
+        choice = self.choices[index]
+        prompt = len(choice.prompt_token_ids)
+        return Usage(prompt_tokens=prompt, completion_tokens=choice.completion_tokens,
+                     total_tokens=prompt + choice.completion_tokens)
+
     def interrupt(self, error: Exception) -> None:
         """Makes events() raise `error` after the events already produced (a shutdown)."""
         self._queue.put_nowait(error)

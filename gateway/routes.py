@@ -1,4 +1,6 @@
 """HTTP handlers of the OpenAI routes: /v1/models, /v1/completions and /v1/chat/completions."""
+from collections.abc import Callable
+
 from aiohttp import web
 
 from pagedserve.gateway import params
@@ -6,7 +8,7 @@ from pagedserve.gateway.chat_responses import ChatResponses, CompletionResponses
 from pagedserve.gateway.admission import engine_route, served_for
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.request_plan import TOP_LOGPROBS_NAMES, NeutralRequest, Plan, plan
-from pagedserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields
+from pagedserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields, Usage
 from pagedserve.gateway.serving import json_response, read_json, run
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
 from pagedserve.gateway.structured import request_constraint
@@ -52,7 +54,7 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
                               "remove one of them.", param="prompt_logprobs")
         prompt_lp = PromptLogprobs(vllm=True, echo=False)
     wire = ChatResponses(p.id, p.model, len(p.choices), p.include_usage, neutral.logprobs is not None, p.options,
-                         prompt_lp)
+                         prompt_lp, _running_usage(req, p))
     return p, wire
 
 
@@ -84,7 +86,7 @@ async def completion_plan(gateway: Gateway, served: ServedModel, req: Completion
         prompt_lp = PromptLogprobs(vllm=req.prompt_logprobs is not None,
                                    echo=bool(req.echo and req.logprobs is not None))
     wire = CompletionResponses(p.id, p.model, len(p.choices), p.include_usage, req.logprobs is not None,
-                               echo, prompt_lp)
+                               echo, prompt_lp, _running_usage(req, p))
     return p, wire
 
 
@@ -96,3 +98,9 @@ async def _echo_text(gateway: Gateway, p: Plan, prompt: str | list[int]) -> str:
 
 def _include_usage(req: SamplingFields) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _running_usage(req: SamplingFields, p: Plan) -> Callable[[int], Usage] | None:
+    """Each choice's usage so far, for its chunks, where the stream asked for continuous usage."""
+    continuous = _include_usage(req) and req.stream_options.continuous_usage_stats
+    return p.generation.choice_usage if continuous else None

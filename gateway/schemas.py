@@ -29,6 +29,8 @@ COMPLETION_RANGES = SAMPLING_RANGES | {"logprobs": RANGES["logprobs"]}
 
 class StreamOptions(Struct):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far.
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(Struct, kw_only=True):

@@ -107,6 +107,29 @@ async def test_raw_sse_framing_and_include_usage(http, base_url):
     assert all("usage" in c for c in chunks)
 
 
+async def test_continuous_usage_stats_put_each_choices_usage_so_far_on_its_chunks(http, base_url, engine):
+    cases = (("chat/completions", {"messages": CHAT}), ("completions", {"prompt": ["Once upon", "A"]}))
+    for route, prompt in cases:
+        body = {"model": MODEL, **prompt, "max_tokens": 4, "n": 2, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        async with http.post(f"{base_url}/v1/{route}", json=body) as r:
+            raw = (await r.read()).decode()
+        *chunks, last = [json.loads(e[6:]) for e in raw.split("\n\n")[:-2]]
+        prompts = [len(q.prompt_token_ids) for q in engine.requests[-4 if route == "completions" else -2:]]
+        seen = {}
+        for chunk in chunks:
+            usage, (choice,) = chunk["usage"], chunk["choices"]
+            done = seen.get(choice["index"], 0)
+            assert usage["prompt_tokens"] == prompts[choice["index"]] and done <= usage["completion_tokens"] <= 4
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+            seen[choice["index"]] = usage["completion_tokens"]
+        assert seen == {i: 4 for i in range(len(prompts))}
+        openings = [c for c in chunks if c["choices"][0].get("delta", {}).get("role")]
+        assert len(openings) == (2 if route == "chat/completions" else 0)
+        assert all(c["usage"]["completion_tokens"] == 0 for c in openings)
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4 * len(prompts)
+
+
 async def test_no_usage_key_without_include_usage(http, base_url):
     body = {"messages": CHAT, "max_tokens": 3, "stream": True, "stream_options": {}}
     async with http.post(f"{base_url}/v1/chat/completions", json=body) as r:
