@@ -107,10 +107,12 @@ class ChatInput:
     template_kwargs: dict[str, Any] | None
     template: str | None
     size: int
+    # Whether the prompt ends inside the final message, for the model to continue it.
+    continue_final: bool = False
 
 
 def chat_input(messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: dict[str, Any] | None,
-               template: str | None, trust_template: bool) -> ChatInput:
+               template: str | None, trust_template: bool, continue_final: bool = False) -> ChatInput:
     """A chat's template input; a 400 for a request template the server does not trust or that is
     too long, for kwargs that would replace the template's own variables, and past MAX_PROMPT_CHARS
     in all (the number of messages was checked when the request was decoded)."""
@@ -126,7 +128,7 @@ def chat_input(messages: list[ChatMessage], tools: list[Tool] | None, template_k
     if size > MAX_PROMPT_CHARS:
         raise bad_request(f"The chat (its messages, tools, chat_template_kwargs and chat_template) holds {size} "
                           f"characters; the limit is {MAX_PROMPT_CHARS} per request.", param="messages")
-    return ChatInput(rendered, tool_dicts, template_kwargs, template, size)
+    return ChatInput(rendered, tool_dicts, template_kwargs, template, size, continue_final)
 
 
 def check_request_template(template: str | None, trusted: bool) -> None:

@@ -55,6 +55,7 @@ class NeutralRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # Batch work (a Batch API line), which the scheduler runs on the capacity interactive requests leave.
     background: bool = False
     # The protocol's names of the fields errors name (e.g. {"max_tokens": "max_output_tokens"}).
@@ -121,7 +122,7 @@ async def _chat_prompt(gateway: Gateway, tokenizer: Tokenizer, req: NeutralReque
                        constraint: StructuredOutputsParams | None) -> list[int]:
     """The rendered chat's token ids; turns the reasoning split off where the prompt closed the thinking."""
     chat = params.chat_input(req.messages, req.tools, req.chat_template_kwargs, req.chat_template,
-                             gateway.trust_request_chat_template)
+                             gateway.trust_request_chat_template, req.continue_final_message)
     prompt = await chat_prompt(gateway, tokenizer, chat, req.add_generation_prompt)
     if options.reasoning and reasoning.ended_in_prompt(tokenizer.decode(prompt, False)):
         options.reasoning = False

@@ -45,6 +45,7 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
                              logprobs=params.chat_logprobs(req), prompt_logprobs=req.prompt_logprobs,
                              include_usage=_include_usage(req), chat_template_kwargs=req.chat_template_kwargs,
                              chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message,
                              background=background, field_names=TOP_LOGPROBS_NAMES)
     p = await plan(gateway, served, neutral)
     prompt_lp = None

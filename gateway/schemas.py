@@ -171,6 +171,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the prompt ends inside the final message (set add_generation_prompt false), which the
+    # model continues: an assistant's reply begun by the client.
+    continue_final_message: bool = False
     # Extra variables for the chat template (e.g. enable_thinking), and a template of the
     # request's own in place of the model's.
     chat_template_kwargs: dict[str, Any] | None = None
@@ -194,6 +197,7 @@ class TokenizeRequest(Struct, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # Unset means vLLM's defaults: true for a prompt, false for messages (the template adds them).
     add_special_tokens: bool | None = None
 

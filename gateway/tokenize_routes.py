@@ -18,7 +18,7 @@ async def tokenize(request: web.Request) -> web.Response:
         raise bad_request("Send exactly one of `prompt` (text) or `messages` (a chat).", param="prompt")
     if req.messages is not None:
         chat = params.chat_input(req.messages, req.tools, req.chat_template_kwargs, req.chat_template,
-                                 gateway.trust_request_chat_template)
+                                 gateway.trust_request_chat_template, req.continue_final_message)
         tokens = await chat_prompt(gateway, served.tokenizer, chat, req.add_generation_prompt, bool(req.add_special_tokens))
     else:
         params.check_prompt_chars(len(req.prompt), "prompt")

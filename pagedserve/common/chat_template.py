@@ -103,6 +103,21 @@ def render(template: jinja2.Template, variables: dict) -> str:
     return "".join(parts)
 
 
+def continue_final(text: str, final: str | None) -> str:
+    """`text`, a chat rendered without a generation prompt, cut where its final message's content
+    `final` ends, so that generation continues that message (transformers' continue_final_message):
+    the template's end-of-turn after it goes. Raises ChatTemplateError where the template does not
+    write that content as given."""
+    stripped = (final or "").strip()
+    at = text.rfind(stripped) if stripped else -1
+    if at < 0:
+        raise ChatTemplateError("the final message cannot be continued: it holds no text, or the chat template "
+                                "does not write its text as given")
+    # A template may trim the message's trailing spaces; where it kept them, so does the prompt.
+    kept = final.lstrip()
+    return text[:at + (len(kept) if text.startswith(kept, at) else len(stripped))]
+
+
 def _reason(e: Exception) -> str:
     # One line, short: the message reaches the client, and a template's error may quote the template.
     text = (str(e).strip().splitlines() or [""])[0]

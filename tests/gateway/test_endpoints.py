@@ -37,6 +37,24 @@ async def test_tokenize_messages_matches_what_chat_sends(http, base_url, engine,
     assert not tokenizer.decode(bare["tokens"], False).endswith("<|assistant|>")
 
 
+async def test_continue_final_message_ends_the_prompt_inside_the_last_message(http, base_url, engine, tokenizer):
+    begun = [*CHAT, {"role": "assistant", "content": "Hallo, ich bin "}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    _, reply = await _post(http, f"{base_url}/tokenize", {"messages": begun, **flags})
+    assert tokenizer.decode(reply["tokens"], False) == "<s><|user|>Grüße 😀\n<|assistant|>Hallo, ich bin "
+    status, _ = await _post(http, f"{base_url}/v1/chat/completions", {"messages": begun, "max_tokens": 1, **flags})
+    assert status == 200 and list(engine.requests[-1].prompt_token_ids) == reply["tokens"]
+    _, whole = await _post(http, f"{base_url}/tokenize", {"messages": begun, "add_generation_prompt": False})
+    assert tokenizer.decode(whole["tokens"], False).endswith("ich bin \n")
+    for route in ("/tokenize", "/v1/chat/completions"):
+        status, error = await _post(http, base_url + route, {"messages": begun, "continue_final_message": True})
+        assert (status, error["error"]["param"]) == (400, "continue_final_message")
+        assert "add_generation_prompt" in error["error"]["message"]
+        empty = [*CHAT, {"role": "assistant", "content": " "}]
+        status, error = await _post(http, base_url + route, {"messages": empty, **flags})
+        assert (status, error["error"]["param"]) == (400, "messages") and "continued" in error["error"]["message"]
+
+
 async def test_detokenize_round_trip(http, base_url, tokenizer):
     _, tokens = await _post(http, f"{base_url}/tokenize", {"prompt": "Party 🎉 time"})
     status, reply = await _post(http, f"{base_url}/detokenize", {"model": MODEL, "tokens": tokens["tokens"]})
