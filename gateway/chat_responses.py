@@ -4,7 +4,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from msgspec import UNSET, Struct
+from msgspec import UNSET, Struct, UnsetType
 
 from pagedserve.gateway.chat_output import ChatOutputOptions
 from pagedserve.gateway.errors import APIError, ErrorBody
@@ -36,7 +36,8 @@ class ResponseBuilder(ABC):
 
     def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
                  logprobs: bool, prompt: PromptLogprobs | None = None,
-                 running_usage: Callable[[int], Usage] | None = None) -> None:
+                 running_usage: Callable[[int], Usage] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None) -> None:
         self.id = self.id_prefix + request_id
         self.prompt = prompt
         self.created = int(time.time())
@@ -49,6 +50,8 @@ class ResponseBuilder(ABC):
         self._chunk_usage = None if include_usage else UNSET
         # A choice's usage so far by its index, on each of its chunks (continuous_usage_stats).
         self._running_usage = running_usage
+        # Each choice's prompt ids where the request asked for token ids (return_token_ids), else None.
+        self.prompt_token_ids = prompt_token_ids
 
     def _chunk(self, choices: list, usage: Usage | None = UNSET) -> Struct:
         if usage is UNSET:
@@ -61,6 +64,12 @@ class ResponseBuilder(ABC):
             return self._chunk_usage
         prompt = self._running_usage(index).prompt_tokens
         return Usage(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
+
+    def _ids(self, ids: list[int]) -> list[int] | UnsetType:
+        return UNSET if self.prompt_token_ids is None else ids
+
+    def _prompt_ids(self, index: int) -> list[int] | UnsetType:
+        return UNSET if self.prompt_token_ids is None else self.prompt_token_ids[index]
 
     def closing(self, usage: Usage) -> list[Struct]:
         """Chunks sent after every choice has finished: the usage, when asked for."""
@@ -89,13 +98,18 @@ class ChatResponses(ResponseBuilder):
 
     def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
                  logprobs: bool, options: ChatOutputOptions | None = None,
-                 prompt: PromptLogprobs | None = None, running_usage: Callable[[int], Usage] | None = None) -> None:
-        super().__init__(request_id, model, num_choices, include_usage, logprobs, prompt, running_usage)
+                 prompt: PromptLogprobs | None = None, running_usage: Callable[[int], Usage] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None) -> None:
+        super().__init__(request_id, model, num_choices, include_usage, logprobs, prompt, running_usage,
+                         prompt_token_ids)
         self._options = options or ChatOutputOptions()
 
     def openings(self) -> list[Struct]:
-        return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))], self._opening_usage(i))
-                for i in range(self.num_choices)]
+        chunks = [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))], self._opening_usage(i))
+                  for i in range(self.num_choices)]
+        for i, chunk in enumerate(chunks):
+            chunk.prompt_token_ids = self._prompt_ids(i)
+        return chunks
 
     def step(self, step: Step) -> list[Struct]:
         delta, calls = Delta(), []
@@ -108,12 +122,15 @@ class ChatResponses(ResponseBuilder):
                 case ToolCallDelta():
                     calls.append(_delta_call(event))
         delta.tool_calls = calls or None
-        return [self._chunk([ChatChunkChoice(step.choice, delta, *_ending(step), self._logprobs(step.logprobs))])]
+        return [self._chunk([ChatChunkChoice(step.choice, delta, *_ending(step), self._logprobs(step.logprobs),
+                                             self._ids(step.token_ids))])]
 
     def body(self, collected: Collected) -> Struct:
         choices = [ChatChoice(o.choice, self._message(o.content, o.tool_calls, o.reasoning), o.finish.reason,
-                              o.finish.stop_reason, self._logprobs(o.logprobs)) for o in collected.outcomes]
+                              o.finish.stop_reason, self._logprobs(o.logprobs), self._ids(o.token_ids))
+                   for o in collected.outcomes]
         body = ChatCompletion(self.id, self.created, self.model, choices, collected.usage)
+        body.prompt_token_ids = self._prompt_ids(0)
         if self.prompt is not None:
             # One prompt for every choice of a chat.
             body.prompt_logprobs = self.prompt.vllm_form(collected.outcomes[0].prompt_logprobs)
@@ -135,12 +152,16 @@ class CompletionResponses(ResponseBuilder):
 
     def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
                  logprobs: bool, echo: list[str], prompt: PromptLogprobs | None = None,
-                 running_usage: Callable[[int], Usage] | None = None) -> None:
-        super().__init__(request_id, model, num_choices, include_usage, logprobs, prompt, running_usage)
+                 running_usage: Callable[[int], Usage] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None) -> None:
+        super().__init__(request_id, model, num_choices, include_usage, logprobs, prompt, running_usage,
+                         prompt_token_ids)
         # echo[i] is the prompt text that choice i starts with ("" without echo).
         self._echo = echo
         # Where choice i's next streamed token starts in its text, for logprobs' text_offset.
         self._offsets = [len(text) for text in echo]
+        # The choices whose prompt ids have gone out (return_token_ids: on each one's first chunk).
+        self._ids_sent: set[int] = set()
 
     def openings(self) -> list[Struct]:
         return [self._chunk([CompletionChoice(i, text)], self._opening_usage(i)) for i, text in enumerate(self._echo)
@@ -155,14 +176,18 @@ class CompletionResponses(ResponseBuilder):
             if prompt:
                 logprobs = _joined(completion_logprobs(prompt, 0)[0], logprobs)
         text = "".join(e.text for e in step.events if isinstance(e, TextDelta))
-        choice = CompletionChoice(i, text, *_ending(step), logprobs=logprobs)
+        choice = CompletionChoice(i, text, *_ending(step), logprobs=logprobs, token_ids=self._ids(step.token_ids))
         if self.prompt is not None and step.prompt_logprobs is not None:
             choice.prompt_logprobs = self.prompt.vllm_form(step.prompt_logprobs)
+        if i not in self._ids_sent:
+            self._ids_sent.add(i)
+            choice.prompt_token_ids = self._prompt_ids(i)
         return [self._chunk([choice])]
 
     def body(self, collected: Collected) -> Struct:
         choices = [CompletionChoice(o.choice, self._echo[o.choice] + o.text, o.finish.reason, o.finish.stop_reason,
-                                    self._logprobs(o.logprobs, o.choice, o.prompt_logprobs))
+                                    self._logprobs(o.logprobs, o.choice, o.prompt_logprobs),
+                                    prompt_token_ids=self._prompt_ids(o.choice), token_ids=self._ids(o.token_ids))
                    for o in collected.outcomes]
         if self.prompt is not None:
             for c, o in zip(choices, collected.outcomes):

@@ -33,6 +33,8 @@ class ChoiceEvent:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # With prompt_logprobs, on the choice's first event: every prompt token (the first without a logprob).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # The tokens received since the previous event.
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -45,10 +47,13 @@ class _Progress:
     pending_tokens: int = 0
     sent: bool = False
     prompt: list[TokenLogprob] | None = None
+    token_ids: list[int] = field(default_factory=list)
 
     def event(self, index: int) -> ChoiceEvent:
-        event = ChoiceEvent(index, self.text, logprobs=self.logprobs, prompt_logprobs=self.prompt)
+        event = ChoiceEvent(index, self.text, logprobs=self.logprobs, prompt_logprobs=self.prompt,
+                            token_ids=self.token_ids)
         self.text, self.logprobs, self.pending_tokens, self.sent, self.prompt = "", [], 0, True, None
+        self.token_ids = []
         return event
 
 
@@ -231,6 +236,7 @@ class Generation:
         detok = progress.detok
         progress.text += detok.add(response.token_ids)
         progress.pending_tokens += len(response.token_ids)
+        progress.token_ids += response.token_ids
         if detok.stopped:
             event = progress.event(choice.index)
             event.finish_reason, event.stop_reason = "stop", detok.stop_reason

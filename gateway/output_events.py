@@ -61,11 +61,12 @@ Event = TextDelta | ReasoningDelta | ToolCallDelta | Finish | UsageEvent
 @dataclass(slots=True)
 class Step:
     """What one engine output added to one choice: its events in order (a Finish last, when it
-    ended), the logprobs of its tokens, and (on a choice's first step) its prompt logprobs."""
+    ended), the logprobs and ids of its tokens, and (on a choice's first step) its prompt logprobs."""
     choice: int
     events: list[Event]
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -79,6 +80,7 @@ class Outcome:
     finish: Finish
     logprobs: list[TokenLogprob]
     prompt_logprobs: list[TokenLogprob] | None
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -96,7 +98,7 @@ async def steps(plan: Plan) -> AsyncIterator[Step]:
             events = reader.read(event.text, final, event.index)
             if final:
                 events.append(Finish(reader.finish_reason(event.finish_reason), event.stop_reason, event.index))
-            yield Step(event.index, events, event.logprobs, event.prompt_logprobs)
+            yield Step(event.index, events, event.logprobs, event.prompt_logprobs, event.token_ids)
 
 
 async def events(plan: Plan) -> AsyncIterator[Event]:
@@ -112,12 +114,14 @@ async def collect(plan: Plan) -> Collected:
     """Every choice's whole output (ordered by choice) and the usage."""
     texts: list[list[str]] = [[] for _ in plan.choices]
     logprobs: list[list[TokenLogprob]] = [[] for _ in plan.choices]
+    token_ids: list[list[int]] = [[] for _ in plan.choices]
     prompts: list[list[TokenLogprob] | None] = [None] * len(plan.choices)
     finals = []
     async with aclosing(plan.generation.events()) as generated:
         async for event in generated:
             texts[event.index].append(event.text)
             logprobs[event.index] += event.logprobs
+            token_ids[event.index] += event.token_ids
             if event.prompt_logprobs is not None:
                 prompts[event.index] = event.prompt_logprobs
             if event.finish_reason is not None:
@@ -129,5 +133,5 @@ async def collect(plan: Plan) -> Collected:
         message = reader.message(text)
         finish = Finish(reader.finish_reason(final.finish_reason), final.stop_reason, i)
         outcomes.append(Outcome(i, text, message.content, message.reasoning, message.tool_calls, finish,
-                                logprobs[i], prompts[i]))
+                                logprobs[i], prompts[i], token_ids[i]))
     return Collected(outcomes, plan.generation.usage())

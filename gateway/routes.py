@@ -55,7 +55,7 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
                               "remove one of them.", param="prompt_logprobs")
         prompt_lp = PromptLogprobs(vllm=True, echo=False)
     wire = ChatResponses(p.id, p.model, len(p.choices), p.include_usage, neutral.logprobs is not None, p.options,
-                         prompt_lp, _running_usage(req, p))
+                         prompt_lp, _running_usage(req, p), _prompt_token_ids(req, p))
     return p, wire
 
 
@@ -87,7 +87,7 @@ async def completion_plan(gateway: Gateway, served: ServedModel, req: Completion
         prompt_lp = PromptLogprobs(vllm=req.prompt_logprobs is not None,
                                    echo=bool(req.echo and req.logprobs is not None))
     wire = CompletionResponses(p.id, p.model, len(p.choices), p.include_usage, req.logprobs is not None,
-                               echo, prompt_lp, _running_usage(req, p))
+                               echo, prompt_lp, _running_usage(req, p), _prompt_token_ids(req, p))
     return p, wire
 
 
@@ -99,6 +99,11 @@ async def _echo_text(gateway: Gateway, p: Plan, prompt: str | list[int]) -> str:
 
 def _include_usage(req: SamplingFields) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _prompt_token_ids(req: SamplingFields, p: Plan) -> list[list[int]] | None:
+    """Each choice's prompt ids where the request asked for token ids."""
+    return [c.prompt_token_ids for c in p.choices] if req.return_token_ids else None
 
 
 def _running_usage(req: SamplingFields, p: Plan) -> Callable[[int], Usage] | None:

@@ -149,6 +149,8 @@ class SamplingFields(Struct, kw_only=True):
     priority: int = 0
     # vLLM's: logprobs name tokens as "token_id:N" (unset: --return-tokens-as-token-ids).
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the prompt's and each choice's token ids beside the text.
+    return_token_ids: bool | None = None
 
     def __post_init__(self) -> None:
         if self.n is None:
@@ -304,6 +306,8 @@ class ChatChoice(Struct):
     finish_reason: str
     stop_reason: str | int | None = None
     logprobs: ChatLogprobs | None = None
+    # Only with vLLM's return_token_ids, as are the prompt_token_ids below.
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class ChatCompletion(Struct):
@@ -315,6 +319,7 @@ class ChatCompletion(Struct):
     object: str = "chat.completion"
     # Only with vLLM's prompt_logprobs.
     prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
 
 
 class DeltaFunction(Struct, omit_defaults=True):
@@ -344,6 +349,8 @@ class ChatChunkChoice(Struct):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: ChatLogprobs | None = None
+    # The tokens this chunk's text came from (vLLM's return_token_ids).
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class ChatCompletionChunk(Struct):
@@ -354,6 +361,8 @@ class ChatCompletionChunk(Struct):
     # Absent unless include_usage; then null on every chunk but the last.
     usage: Usage | None | UnsetType = UNSET
     object: str = "chat.completion.chunk"
+    # With return_token_ids, on each choice's opening chunk.
+    prompt_token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionChoice(Struct):
@@ -364,6 +373,10 @@ class CompletionChoice(Struct):
     logprobs: CompletionLogprobs | None = None
     # Only with vLLM's prompt_logprobs (on the first chunk of a stream).
     prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
+    # Only with vLLM's return_token_ids: the prompt's (on a stream's first chunk of the choice) and the
+    # output's (a chunk's own).
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class Completion(Struct):

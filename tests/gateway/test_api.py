@@ -130,6 +130,39 @@ async def test_continuous_usage_stats_put_each_choices_usage_so_far_on_its_chunk
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4 * len(prompts)
 
 
+async def test_return_token_ids_puts_the_prompts_and_outputs_ids_beside_the_text(http, base_url, engine, tokenizer):
+    async def post(route: str, body: dict) -> list[dict] | dict:
+        async with http.post(f"{base_url}/v1/{route}", json={"model": MODEL, "max_tokens": 6, **body}) as r:
+            if not body.get("stream"):
+                return await r.json()
+            return [json.loads(e[6:]) for e in (await r.read()).decode().split("\n\n")[:-2]]
+
+    chat = await post("chat/completions", {"messages": CHAT, "return_token_ids": True})
+    assert chat["prompt_token_ids"] == list(engine.requests[-1].prompt_token_ids)
+    ids = chat["choices"][0]["token_ids"]
+    # The sixth token ends inside a character, which the text holds back at a length stop.
+    assert len(ids) == 6 and tokenizer.decode(ids).rstrip("\ufffd") == chat["choices"][0]["message"]["content"]
+    chunks = await post("chat/completions", {"messages": CHAT, "return_token_ids": True, "stream": True})
+    assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == ids
+
+    whole = await post("completions", {"prompt": ["Once upon", "A"], "return_token_ids": True})
+    prompts = [list(r.prompt_token_ids) for r in engine.requests[-2:]]
+    assert [c["prompt_token_ids"] for c in whole["choices"]] == prompts
+    assert all(tokenizer.decode(c["token_ids"]).rstrip("\ufffd") == c["text"] for c in whole["choices"])
+    chunks = await post("completions", {"prompt": ["Once upon", "A"], "return_token_ids": True, "stream": True})
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["prompt_token_ids"] == prompts[i] and all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == whole["choices"][i]["token_ids"]
+
+    plain = await post("completions", {"prompt": "Once upon"})
+    assert not {"prompt_token_ids", "token_ids"} & plain["choices"][0].keys()
+    plain = await post("chat/completions", {"messages": CHAT})
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
 async def test_no_usage_key_without_include_usage(http, base_url):
     body = {"messages": CHAT, "max_tokens": 3, "stream": True, "stream_options": {}}
     async with http.post(f"{base_url}/v1/chat/completions", json=body) as r:
