@@ -112,10 +112,13 @@ class ChatResponses(ResponseBuilder):
         return chunks
 
     def step(self, step: Step) -> list[Struct]:
+        if not self._options.reasoning and step.events and all(isinstance(e, ReasoningDelta) for e in step.events):
+            # Thinking the request left out (include_reasoning false): no chunk to carry.
+            return []
         delta, calls = Delta(), []
         for event in step.events:
             match event:
-                case ReasoningDelta(text=text):
+                case ReasoningDelta(text=text) if self._options.reasoning:
                     delta.reasoning = delta.reasoning_content = text
                 case TextDelta(text=text):
                     delta.content = text

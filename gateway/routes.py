@@ -1,5 +1,6 @@
 """HTTP handlers of the OpenAI routes: /v1/models, /v1/completions and /v1/chat/completions."""
 from collections.abc import Callable
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -54,7 +55,8 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
             raise bad_request("`prompt_logprobs` on chat completions is returned without `stream` only; "
                               "remove one of them.", param="prompt_logprobs")
         prompt_lp = PromptLogprobs(vllm=True, echo=False)
-    wire = ChatResponses(p.id, p.model, len(p.choices), p.include_usage, neutral.logprobs is not None, p.options,
+    shown = replace(p.options, reasoning=p.options.reasoning and req.include_reasoning)
+    wire = ChatResponses(p.id, p.model, len(p.choices), p.include_usage, neutral.logprobs is not None, shown,
                          prompt_lp, _running_usage(req, p), _prompt_token_ids(req, p))
     return p, wire
 

@@ -176,6 +176,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # vLLM's: the prompt ends inside the final message (set add_generation_prompt false), which the
     # model continues: an assistant's reply begun by the client.
     continue_final_message: bool = False
+    # vLLM's: false leaves the thinking a --reasoning-parser splits off out of the reply.
+    include_reasoning: bool = True
     # Extra variables for the chat template (e.g. enable_thinking), and a template of the
     # request's own in place of the model's.
     chat_template_kwargs: dict[str, Any] | None = None

@@ -163,6 +163,23 @@ async def test_return_token_ids_puts_the_prompts_and_outputs_ids_beside_the_text
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
 
 
+async def test_include_reasoning_false_leaves_the_thinking_out(serve, engine, tokenizer):
+    url = await serve(reasoning_parser="qwen3")
+    engine.reply = tokenizer.encode("<think>Plan it.</think>The answer.", add_special_tokens=False)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    args = dict(model=MODEL, messages=CHAT, max_tokens=len(engine.reply))
+    for shown in (True, False):
+        whole = await client.chat.completions.create(**args, extra_body={"include_reasoning": shown})
+        chunks = [c async for c in await client.chat.completions.create(
+            **args, stream=True, extra_body={"include_reasoning": shown})]
+        deltas = [c.choices[0].delta for c in chunks]
+        assert whole.choices[0].message.content == "".join(d.content or "" for d in deltas) == "The answer."
+        thinking = "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas)
+        assert (whole.choices[0].message.model_extra.get("reasoning"), thinking) == (
+            ("Plan it.", "Plan it.") if shown else (None, ""))
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
 async def test_no_usage_key_without_include_usage(http, base_url):
     body = {"messages": CHAT, "max_tokens": 3, "stream": True, "stream_options": {}}
     async with http.post(f"{base_url}/v1/chat/completions", json=body) as r:
