@@ -34,10 +34,10 @@ def staging_bytes(max_tokens: int, max_seqs: int, max_blocks: int) -> int:
     """The most one step uploads through its staging area, every value counted as 8 bytes (some
     are int32 or float32). Per token: input ids, positions and slot mapping, and one spare. Per
     block-table entry (one step may set every entry): its row, column and block id. Per sequence,
-    21: batch rows, sequence lengths, query start locations, logits indices and sample rows (5);
+    23: batch rows, sequence lengths, query start locations, logits indices and sample rows (5);
     the late-token index, a pair per row whose next input is a token a step in flight samples
     (2); the sampling table's 5 columns; the logprob rows (1); the grammar rows (1); the
-    penalties' row index, 3 columns and prompt lengths (5); and the logit_bias rows' index and
-    batch row (2)."""
-    words = 4 * max_tokens + 3 * max_seqs * max_blocks + 21 * max_seqs
+    penalties' row index, 3 columns and prompt lengths (5); and the logit_bias and allowed_token_ids
+    rows' index and batch row (2 each)."""
+    words = 4 * max_tokens + 3 * max_seqs * max_blocks + 23 * max_seqs
     return 8 * words + ALIGNMENT_SLACK

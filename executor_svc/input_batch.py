@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from pagedserve.common.plan import NewRequest
-from pagedserve.executor_svc.logits import LogitBiasTable
+from pagedserve.executor_svc.logits import AllowedTokensTable, LogitBiasTable
 
 FREE_ROW = np.iinfo(np.int64).min
 
@@ -54,6 +54,7 @@ class InputBatch:
         self.logprob_rows: set[int] = set()
         self.prompt_logprob_rows: set[int] = set()
         self.logit_bias = LogitBiasTable(max_num_seqs, vocab_size, device)
+        self.allowed = AllowedTokensTable(max_num_seqs, vocab_size, device)
         self._update_rows: list[int] = []
         self._update_cols: list[int] = []
         self._update_ids: list[int] = []
@@ -113,6 +114,8 @@ class InputBatch:
             self.prompt_logprob_rows.add(row)
         if s.logit_bias:
             self.logit_bias.set(row, s.logit_bias)
+        if s.allowed_token_ids:
+            self.allowed.set(row, s.allowed_token_ids)
         self.min_tokens[row] = 0
         if s.min_tokens and request.min_tokens_mask_ids:
             self.min_tokens[row] = s.min_tokens
@@ -130,6 +133,7 @@ class InputBatch:
         self.logprob_rows.discard(row)
         self.prompt_logprob_rows.discard(row)
         self.logit_bias.clear(row)
+        self.allowed.clear(row)
         self.free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:

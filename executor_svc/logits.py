@@ -1,5 +1,6 @@
 """Logits processing around sampling: raw logprobs first, then stop tokens masked until
-min_tokens, the structured-output grammar's token bitmask, logit_bias, and repetition, frequency
+min_tokens, the structured-output grammar's token bitmask, allowed_token_ids' (the same form),
+logit_bias, and repetition, frequency
 and presence penalties (vLLM's order; a masked token stays at -inf whatever its bias). Batched
 tensor functions with no host sync; rows that use none of this cost nothing. Also the prompt
 logprobs, computed a chunk of positions at a time."""
@@ -105,6 +106,42 @@ class LogitBiasTable:
         width = int(self.lengths[biased].max())
         table = upload(np.stack((index, biased)))
         return LogitBias(table[0], self.token_ids[table[1], :width], self.values[table[1], :width])
+
+
+class AllowedTokensTable:
+    """Every row's allowed_token_ids as a packed bitmask on the device (GrammarMask's form), set once
+    when its request arrives: a step gathers the rows it samples. ceil(vocab / 32) words a row:
+    19 KiB at a 152k vocabulary, allocated for every row at the first request that sets one."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, device
+        self.bitmask: torch.Tensor | None = None
+        self.active = np.zeros(max_rows, dtype=bool)
+
+    def __bool__(self) -> bool:
+        return bool(self.active.any())
+
+    def set(self, row: int, token_ids: list[int]) -> None:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        # Behind the scheduler's check: an id past the vocabulary would set another word's bit.
+        ids = ids[(ids >= 0) & (ids < self.vocab_size)]
+        words = np.zeros(-(-self.vocab_size // 32), dtype=np.int64)
+        np.bitwise_or.at(words, ids >> 5, np.left_shift(1, ids & 31))
+        if self.bitmask is None:
+            self.bitmask = torch.zeros(self.max_rows, len(words), dtype=torch.int32, device=self.device)
+        self.bitmask[row] = upload_pinned(words.astype(np.uint32).view(np.int32), self.device)
+        self.active[row] = True
+
+    def clear(self, row: int) -> None:
+        self.active[row] = False
+
+    def select(self, rows: np.ndarray, upload: Callable[[np.ndarray], torch.Tensor]) -> GrammarMask | None:
+        """The masks of the batch `rows` that have one; None if none has."""
+        index = np.flatnonzero(self.active[rows])
+        if not len(index):
+            return None
+        table = upload(np.stack((index, rows[index])))
+        return GrammarMask(table[0], self.bitmask[table[1]])
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, no host sync;
-before it min_tokens stop masking, the grammar mask, logit_bias and penalties, around it logprobs
-(executor_svc/logits.py)."""
+before it min_tokens stop masking, the grammar mask, allowed_token_ids, logit_bias and penalties,
+around it logprobs (executor_svc/logits.py)."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +30,8 @@ class SamplingBatch:
     # [2, n] (row, token id): stop tokens of rows with fewer than min_tokens outputs.
     stop_mask: torch.Tensor | None = None
     grammar: GrammarMask | None = None
+    # The rows that set allowed_token_ids, and their masks.
+    allowed: GrammarMask | None = None
     logit_bias: LogitBias | None = None
     penalties: Penalties | None = None
     logprobs: LogprobRows | None = None
@@ -79,6 +81,8 @@ class Sampler:
             mask_tokens(logits, batch.stop_mask[0], batch.stop_mask[1])
         if batch.grammar is not None:
             batch.grammar.apply(logits)
+        if batch.allowed is not None:
+            batch.allowed.apply(logits)
         if batch.logit_bias is not None:
             batch.logit_bias.apply(logits)
         if batch.penalties is not None:

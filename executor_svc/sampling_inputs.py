@@ -1,5 +1,6 @@
 """A step's sampling inputs, read off the persistent batch for the rows that sample: the
-SamplingBatch's device columns, the stop-token mask, the grammar bitmask, logit_bias, penalties,
+SamplingBatch's device columns, the stop-token mask, the grammar and allowed-token bitmasks,
+logit_bias, penalties,
 the logprob rows, and the prompt logprobs that the step's prompt positions give."""
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ class SamplingInputs:
             sampling.grammar = self._grammar(rows, staging)
         if b.logit_bias:
             sampling.logit_bias = b.logit_bias.select(rows, staging.upload)
+        if b.allowed:
+            sampling.allowed = b.allowed.select(rows, staging.upload)
         if b.penalised:
             sampling.penalties = self._penalties(rows, staging)
         if b.logprob_rows:

@@ -212,6 +212,15 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
                           f"[0, {vocab_size}).", param=param)
 
 
+def check_allowed_token_ids(ids: list[int] | None, vocab_size: int) -> None:
+    if ids is None:
+        return
+    if not ids:
+        raise bad_request("`allowed_token_ids` is empty, which allows no token; name at least one or leave it out.",
+                          param="allowed_token_ids")
+    check_token_ids(ids, vocab_size, "allowed_token_ids")
+
+
 def logit_bias(raw: msgspec.Raw, vocab_size: int) -> dict[int, float] | None:
     """A request's logit_bias (raw JSON) as token id -> bias; a 400 past MAX_LOGIT_BIAS_TOKENS, which
     are counted before decoding (keys and values hold no colon), or for a key that is not a token id."""
@@ -290,5 +299,5 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         stop=[] if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or [],
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        structured_outputs=structured,
+        structured_outputs=structured, allowed_token_ids=req.allowed_token_ids,
         logit_bias=bias, **given)

@@ -173,6 +173,7 @@ def _choices(rid: str, req: NeutralRequest, prompts: list[list[int]], served: Se
     params.check_context(prompts, max_tokens, spec.max_model_len)
     params.check_prompts(prompts, spec.vocab_size)
     params.check_token_ids(sampling.stop_token_ids or [], spec.vocab_size, "stop_token_ids")
+    params.check_allowed_token_ids(sampling.allowed_token_ids, spec.vocab_size)
     bias = params.logit_bias(sampling.logit_bias, spec.vocab_size)
     params.check_stop(sampling.stop)
     wanted = params.sampling_params(sampling, max_tokens, req.logprobs, served.sampling_defaults, constraint,

@@ -123,6 +123,8 @@ class SamplingFields(Struct, kw_only=True):
     stop: Stop | None = None
     seed: int | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's: the only tokens the output may hold.
+    allowed_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True

@@ -78,6 +78,17 @@ def test_logit_bias_moves_the_greedy_choice(llm):
     assert forced.token_ids == [1234] * 3
 
 
+def test_allowed_token_ids_hold_the_output_to_them_in_their_rows_only(llm):
+    allowed = llm.tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    prompts = ["Is the sky green?", "The capital of France is"]
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=5, allowed_token_ids=allowed),
+              SamplingParams(max_tokens=6, temperature=0.0)]
+    [[held], [free]] = run(llm, prompts, params)
+    assert len(held.token_ids) == 6 and set(held.token_ids) <= set(allowed)
+    [[alone]] = run(llm, prompts[1:], params[1:])
+    assert free.token_ids == alone.token_ids and not set(free.token_ids) <= set(allowed)
+
+
 def test_prompt_logprobs_are_transformers_log_softmax(llm):
     prompt = llm.tokenizer.encode("The capital of France is Paris, and the capital of Germany is Berlin.")
     # The chunk budget of 64 tokens splits a long prompt; the second request finds the first's

@@ -15,7 +15,7 @@ GATEWAY_FIELDS = {"n", "stop", "include_stop_str_in_output", "skip_special_token
 EVERY_FIELD_SET = SamplingParams(temperature=0.5, top_p=0.75, top_k=4, min_p=0.125, seed=-7, max_tokens=9,
                                  min_tokens=3, stop_token_ids=[2, 9], ignore_eos=True, presence_penalty=0.5,
                                  frequency_penalty=-1.5, repetition_penalty=1.25, logprobs=0,
-                                 prompt_logprobs=2, logit_bias={3: 1.5, 7: -100.0},
+                                 prompt_logprobs=2, logit_bias={3: 1.5, 7: -100.0}, allowed_token_ids=[4, 8],
                                  structured_outputs=StructuredOutputsParams(json='{"type": "object"}'))
 
 

@@ -167,6 +167,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Token id -> what to add to its logit, clamped to [-100, 100].
     logit_bias: dict[int, float] | None = None
+    # vLLM's: the only tokens the output may hold (None: any).
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -196,8 +198,8 @@ def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
 def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
                   max_logprobs: int) -> None:
     """Raises ValueError (OutOfRange for an id) naming the first field that holds a token id outside
-    [0, vocab_size) or is longer than its bound: the prompt, stop_token_ids, logit_bias keys and
-    reasoning_end_ids, and the constraint's size; or logprobs past `max_logprobs`. An id past the
+    [0, vocab_size) or is longer than its bound: the prompt, stop_token_ids, logit_bias keys,
+    allowed_token_ids (and an empty one) and reasoning_end_ids, and the constraint's size; or logprobs past `max_logprobs`. An id past the
     vocabulary would index past the embedding or, in the executor's flat [rows x vocab] logits, into
     another request's row."""
     check_logprobs(params, max_logprobs)
@@ -205,6 +207,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
     _check_ids("stop_token_ids", params.stop_token_ids, vocab_size, MAX_STOP_TOKEN_IDS)
     if params.logit_bias:
         _check_ids("logit_bias", list(params.logit_bias), vocab_size, MAX_LOGIT_BIAS_TOKENS)
+    if params.allowed_token_ids is not None:
+        if not params.allowed_token_ids:
+            raise ValueError("allowed_token_ids is empty, which allows no token; name at least one or leave it out")
+        _check_ids("allowed_token_ids", params.allowed_token_ids, vocab_size)
     structured = params.structured_outputs
     if structured is not None:
         _check_ids("reasoning_end_ids", structured.reasoning_end_ids or [], vocab_size, MAX_REASONING_END_IDS)
@@ -244,6 +250,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
         logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, logit_bias=p.logit_bias,
+        allowed_token_ids=p.allowed_token_ids,
         structured_outputs=None if p.structured_outputs is None else _structured_to_proto(p.structured_outputs))
 
 
@@ -270,6 +277,6 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         max_tokens=m.max_tokens if m.HasField("max_tokens") else None, min_tokens=m.min_tokens,
         stop_token_ids=m.stop_token_ids[:], ignore_eos=m.ignore_eos,
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
-        logit_bias=dict(m.logit_bias) or None,
+        logit_bias=dict(m.logit_bias) or None, allowed_token_ids=m.allowed_token_ids[:] or None,
         structured_outputs=(_structured_from_proto(m.structured_outputs)
                             if m.HasField("structured_outputs") else None), **present)

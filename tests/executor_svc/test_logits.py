@@ -4,7 +4,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
-from pagedserve.executor_svc.logits import (GrammarMask, LogitBiasTable, apply_penalties, chunked_logprobs,
+from pagedserve.executor_svc.logits import (AllowedTokensTable, GrammarMask, LogitBiasTable, apply_penalties, chunked_logprobs,
                                             gather_logprobs, mask_tokens, step_logprobs)
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.models import build_model
@@ -169,6 +169,25 @@ def test_grammar_mask_refuses_what_the_bitmask_does_not_allow_in_its_rows_only()
         assert set(torch.isfinite(logits[row]).nonzero().flatten().tolist()) == tokens
         assert torch.equal(logits[row, sorted(tokens)], before[row, sorted(tokens)])
     assert torch.equal(logits[[0, 2]], before[[0, 2]])
+
+
+def test_allowed_token_ids_leave_only_those_tokens_to_the_rows_that_set_them():
+    table = AllowedTokensTable(max_rows=4, vocab_size=70, device=torch.device("cpu"))
+    assert not table and table.select(np.array([0, 1]), torch.from_numpy) is None
+    table.set(3, [69, 0, 32, 32, 31])
+    table.set(1, [5, 70, -1])  # the ids past the vocabulary are dropped
+    logits = torch.randn(3, 70)
+    before = logits.clone()
+    # The batch samples rows 3, 0 and 1 of the table, in that order.
+    table.select(np.array([3, 0, 1]), torch.from_numpy).apply(logits)
+    assert set(torch.isfinite(logits[0]).nonzero().flatten().tolist()) == {0, 31, 32, 69}
+    assert set(torch.isfinite(logits[2]).nonzero().flatten().tolist()) == {5}
+    assert torch.equal(logits[1], before[1]) and torch.equal(logits[0, [0, 31, 32, 69]], before[0, [0, 31, 32, 69]])
+    table.clear(3)
+    table.set(3, [1])
+    logits = torch.zeros(1, 70)
+    table.select(np.array([3]), torch.from_numpy).apply(logits)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1]
 
 
 def test_logit_bias_adds_to_the_named_tokens_of_the_rows_that_sample():

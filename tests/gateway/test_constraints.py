@@ -61,6 +61,15 @@ async def test_logit_bias_and_prompt_logprobs_reach_the_engine(http, base_url, e
     assert params.prompt_logprobs == 1
 
 
+async def test_allowed_token_ids_reach_the_engine_and_an_empty_or_foreign_one_is_a_400(http, base_url, engine):
+    params = await sent(http, base_url, engine, CHAT, {"messages": MSG, "allowed_token_ids": [5, 9]})
+    assert params.allowed_token_ids == [5, 9]
+    assert (await sent(http, base_url, engine, COMPLETIONS, {"prompt": "x"})).allowed_token_ids is None
+    for ids in ([], [-1], [5, 10**6]):
+        async with http.post(base_url + COMPLETIONS, json={"prompt": "x", "allowed_token_ids": ids}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "allowed_token_ids"
+
+
 async def test_a_constraint_leaves_a_reasoning_models_thinking_free(http, engine, tokenizer_dir, tmp_path):
     # A vocabulary where </think> is one token, as a reasoning model's is; the tiny one's is not.
     shutil.copy(tokenizer_dir / "tokenizer_config.json", tmp_path)

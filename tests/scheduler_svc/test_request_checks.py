@@ -34,6 +34,7 @@ V = VOCAB
     ([V], {}, "prompt_token_ids"),
     ([1], {"stop_token_ids": [V]}, "stop_token_ids"),
     ([1], {"logit_bias": {V + 1: 100}}, "logit_bias"),
+    ([1], {"allowed_token_ids": [3, V]}, "allowed_token_ids"),
     ([1], {"structured_outputs": StructuredOutputsParams(regex="a+", reasoning_end_ids=[V])}, "reasoning_end_ids"),
 ])
 def test_an_id_outside_the_vocabulary_names_its_field(prompt, params, field):
@@ -53,6 +54,11 @@ def test_an_id_outside_the_vocabulary_names_its_field(prompt, params, field):
 def test_a_list_past_its_bound_is_refused(params, field):
     with pytest.raises(ValueError, match=f"^{field} holds"):
         check_request([1], SamplingParams(**params), V, MAX_LOGPROBS)
+
+
+def test_an_empty_allowed_token_ids_allows_nothing_and_is_refused():
+    with pytest.raises(ValueError, match="^allowed_token_ids is empty"):
+        check_request([1], SamplingParams(allowed_token_ids=[]), V, MAX_LOGPROBS)
 
 
 def test_the_scheduler_core_refuses_them_before_queueing():
