@@ -29,6 +29,7 @@ def check_chat_options(req: ChatCompletionRequest) -> None:
         raise bad_request("`top_logprobs` needs `logprobs: true`; set it or remove `top_logprobs`.",
                           param="top_logprobs")
     check_stream_options(req)
+    check_not_implemented(req)
 
 
 def check_completion_options(req: CompletionRequest) -> None:
@@ -37,11 +38,23 @@ def check_completion_options(req: CompletionRequest) -> None:
     if req.suffix is not None:
         raise unsupported("`suffix` (fill-in-the-middle)", "suffix")
     check_stream_options(req)
+    check_not_implemented(req)
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     """The engine's logprobs count: top_logprobs (default 0) when logprobs is true, else None."""
     return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def check_not_implemented(req: SamplingFields) -> None:
+    """A 400 for vLLM's options this server lacks: ignored, they would return output the client did
+    not ask for."""
+    if req.use_beam_search:
+        raise unsupported("Beam search", "use_beam_search")
+    if req.bad_words:
+        raise unsupported("`bad_words` (a single token can be banned with `logit_bias` -100)", "bad_words")
+    if req.logits_processors:
+        raise unsupported("Custom logits processors", "logits_processors")
 
 
 def check_stream_options(req: SamplingFields) -> None:

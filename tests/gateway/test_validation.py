@@ -53,6 +53,9 @@ CASES = {
     "stream_options without stream": (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}},
                                       "stream_options"),
     "top_logprobs without logprobs": (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    "beam search": (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    "bad_words": (CHAT, {"messages": MSG, "bad_words": ["no"]}, "bad_words"),
+    "logits_processors": (COMPLETIONS, {"prompt": "x", "logits_processors": ["my.Proc"]}, "logits_processors"),
     "top_logprobs above 20": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     "negative top_logprobs": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     "completion logprobs above 20": (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
@@ -129,7 +132,9 @@ async def test_null_means_default(http, base_url, engine):
 async def test_accepted_extras(http, base_url):
     body = {"messages": MSG, "max_tokens": 2, "user": "u", "store": False, "metadata": {"a": 1},
             "parallel_tool_calls": False, "response_format": {"type": "text", "strict": True},
-            "logprobs": False, "tool_choice": "none", "top_k": -1, "functions": []}
+            "logprobs": False, "tool_choice": "none", "top_k": -1, "functions": [],
+            # vLLM's options this server lacks, at their defaults.
+            "use_beam_search": False, "bad_words": [], "logits_processors": None}
     async with http.post(base_url + CHAT, json=body) as r:
         assert r.status == 200, await r.text()
 
