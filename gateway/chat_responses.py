@@ -29,17 +29,25 @@ class PromptLogprobs:
         return (tokens or []) if self.echo else []
 
 
+@dataclass(slots=True, frozen=True)
+class Extensions:
+    """vLLM's additions to OpenAI's shapes that a request asked for: prompt logprobs, each choice's
+    usage so far by its index on its chunks (continuous_usage_stats), and each choice's prompt ids
+    with the output's (return_token_ids)."""
+    prompt: PromptLogprobs | None = None
+    running_usage: Callable[[int], Usage] | None = None
+    prompt_token_ids: list[list[int]] | None = None
+
+
 class ResponseBuilder(ABC):
     """What chat and completions share: one id, creation time and model name on every chunk."""
     id_prefix: str
     chunk_type: type[ChatCompletionChunk] | type[Completion]
 
     def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
-                 logprobs: bool, prompt: PromptLogprobs | None = None,
-                 running_usage: Callable[[int], Usage] | None = None,
-                 prompt_token_ids: list[list[int]] | None = None) -> None:
+                 logprobs: bool, extensions: Extensions = Extensions()) -> None:
         self.id = self.id_prefix + request_id
-        self.prompt = prompt
+        self.prompt = extensions.prompt
         self.created = int(time.time())
         self.model = model
         self.num_choices = num_choices
@@ -48,10 +56,8 @@ class ResponseBuilder(ABC):
         self.logprobs = logprobs
         # include_usage puts "usage": null on every chunk; without it the key is absent.
         self._chunk_usage = None if include_usage else UNSET
-        # A choice's usage so far by its index, on each of its chunks (continuous_usage_stats).
-        self._running_usage = running_usage
-        # Each choice's prompt ids where the request asked for token ids (return_token_ids), else None.
-        self.prompt_token_ids = prompt_token_ids
+        self._running_usage = extensions.running_usage
+        self.prompt_token_ids = extensions.prompt_token_ids
 
     def _chunk(self, choices: list, usage: Usage | None = UNSET) -> Struct:
         if usage is UNSET:
@@ -98,10 +104,8 @@ class ChatResponses(ResponseBuilder):
 
     def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
                  logprobs: bool, options: ChatOutputOptions | None = None,
-                 prompt: PromptLogprobs | None = None, running_usage: Callable[[int], Usage] | None = None,
-                 prompt_token_ids: list[list[int]] | None = None) -> None:
-        super().__init__(request_id, model, num_choices, include_usage, logprobs, prompt, running_usage,
-                         prompt_token_ids)
+                 extensions: Extensions = Extensions()) -> None:
+        super().__init__(request_id, model, num_choices, include_usage, logprobs, extensions)
         self._options = options or ChatOutputOptions()
 
     def openings(self) -> list[Struct]:
@@ -154,11 +158,8 @@ class CompletionResponses(ResponseBuilder):
     chunk_type = Completion
 
     def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
-                 logprobs: bool, echo: list[str], prompt: PromptLogprobs | None = None,
-                 running_usage: Callable[[int], Usage] | None = None,
-                 prompt_token_ids: list[list[int]] | None = None) -> None:
-        super().__init__(request_id, model, num_choices, include_usage, logprobs, prompt, running_usage,
-                         prompt_token_ids)
+                 logprobs: bool, echo: list[str], extensions: Extensions = Extensions()) -> None:
+        super().__init__(request_id, model, num_choices, include_usage, logprobs, extensions)
         # echo[i] is the prompt text that choice i starts with ("" without echo).
         self._echo = echo
         # Where choice i's next streamed token starts in its text, for logprobs' text_offset.

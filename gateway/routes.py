@@ -1,15 +1,14 @@
 """HTTP handlers of the OpenAI routes: /v1/models, /v1/completions and /v1/chat/completions."""
-from collections.abc import Callable
 from dataclasses import replace
 
 from aiohttp import web
 
 from pagedserve.gateway import params
-from pagedserve.gateway.chat_responses import ChatResponses, CompletionResponses, PromptLogprobs
+from pagedserve.gateway.chat_responses import ChatResponses, CompletionResponses, Extensions, PromptLogprobs
 from pagedserve.gateway.admission import engine_route, served_for
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.request_plan import TOP_LOGPROBS_NAMES, NeutralRequest, Plan, plan
-from pagedserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields, Usage
+from pagedserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields
 from pagedserve.gateway.serving import json_response, read_json, run
 from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
 from pagedserve.gateway.structured import request_constraint
@@ -57,7 +56,7 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
         prompt_lp = PromptLogprobs(vllm=True, echo=False)
     shown = replace(p.options, reasoning=p.options.reasoning and req.include_reasoning)
     wire = ChatResponses(p.id, p.model, len(p.choices), p.include_usage, neutral.logprobs is not None, shown,
-                         prompt_lp, _running_usage(req, p), _prompt_token_ids(req, p))
+                         _extensions(req, p, prompt_lp))
     return p, wire
 
 
@@ -89,7 +88,7 @@ async def completion_plan(gateway: Gateway, served: ServedModel, req: Completion
         prompt_lp = PromptLogprobs(vllm=req.prompt_logprobs is not None,
                                    echo=bool(req.echo and req.logprobs is not None))
     wire = CompletionResponses(p.id, p.model, len(p.choices), p.include_usage, req.logprobs is not None,
-                               echo, prompt_lp, _running_usage(req, p), _prompt_token_ids(req, p))
+                               echo, _extensions(req, p, prompt_lp))
     return p, wire
 
 
@@ -103,12 +102,7 @@ def _include_usage(req: SamplingFields) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-def _prompt_token_ids(req: SamplingFields, p: Plan) -> list[list[int]] | None:
-    """Each choice's prompt ids where the request asked for token ids."""
-    return [c.prompt_token_ids for c in p.choices] if req.return_token_ids else None
-
-
-def _running_usage(req: SamplingFields, p: Plan) -> Callable[[int], Usage] | None:
-    """Each choice's usage so far, for its chunks, where the stream asked for continuous usage."""
+def _extensions(req: SamplingFields, p: Plan, prompt: PromptLogprobs | None) -> Extensions:
     continuous = _include_usage(req) and req.stream_options.continuous_usage_stats
-    return p.generation.choice_usage if continuous else None
+    return Extensions(prompt, p.generation.choice_usage if continuous else None,
+                      [c.prompt_token_ids for c in p.choices] if req.return_token_ids else None)
