@@ -46,6 +46,8 @@ class Scheduler:
         self.max_num_seqs = info.max_num_seqs
         self.max_num_queued_reqs = config.max_num_queued_reqs
         self.policy = config.scheduling_policy
+        # A request's prompt tokens a step (--long-prefill-token-threshold); the budget bounds it anyway.
+        self.prefill_cap = config.long_prefill_token_threshold or info.max_num_batched_tokens
         self.max_num_batched_tokens = info.max_num_batched_tokens
         self.mixed_graph_tokens = info.mixed_graph_tokens
         self.max_model_len = info.max_model_len
@@ -215,7 +217,7 @@ class Scheduler:
             elif chunk:
                 if not prompts:
                     continue
-                n = min(n, prompts)
+                n = min(n, prompts, self.prefill_cap)
             if n > budget:
                 n = budget
             num_new = (computed + n + block_size - 1) // block_size - len(request.block_ids)
@@ -259,7 +261,7 @@ class Scheduler:
             else:
                 # Prompt logprobs need every prompt position computed, cached or not.
                 cached, num_cached = [], 0
-            n = min(num_tokens - num_cached, budget)
+            n = min(num_tokens - num_cached, budget, self.prefill_cap if request.pooling is None else budget)
             if request.pooling is not None and n < num_tokens:
                 break  # a pooling prompt runs whole (scheduler_svc/pooling.py): it waits for a step
             num_new = (num_cached + n + block_size - 1) // block_size - len(cached)

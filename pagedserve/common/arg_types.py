@@ -21,6 +21,13 @@ def positive_int(value: str | int) -> int:
     return number
 
 
+def non_negative_int(value: str | int) -> int:
+    number = _integer(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value!r}")
+    return number
+
+
 def max_logprobs(value: str | int) -> int:
     """0 or more, or -1 for the whole vocabulary, as vLLM's --max-logprobs takes."""
     number = _integer(value)

@@ -25,6 +25,8 @@ class EngineConfig:
     max_num_queued_reqs: int | None = None
     # vLLM's: fcfs (arrival order) or priority (lower `priority` first, ties by arrival).
     scheduling_policy: str = "fcfs"
+    # vLLM's: the most prompt tokens one request computes in a step (0: the step's budget).
+    long_prefill_token_threshold: int = 0
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -57,7 +59,7 @@ class EngineConfig:
 
 
 SCHEDULER_FLAGS = ("served_model_name", "max_num_queued_reqs", "scheduling_policy", "enable_prefix_caching",
-                   "async_scheduling", "disable_log_stats")
+                   "async_scheduling", "disable_log_stats", "long_prefill_token_threshold")
 EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes", "dtype",
                   "kv_cache_dtype", "seed", "load_format", "quantization", "device", "enforce_eager",
@@ -106,6 +108,10 @@ def _flag_specs() -> dict[str, dict]:
                                     help="requests that may wait for a running slot; past it new ones "
                                          "get 503 server_overloaded with Retry-After (default: 4 x "
                                          "--max-num-seqs; the offline LLM queues without limit)"),
+        "long_prefill_token_threshold": dict(type=arg_types.non_negative_int, default=d.long_prefill_token_threshold,
+                                             help="the most prompt tokens one request computes in a step, so "
+                                                  "that a long prompt shares steps with others (vLLM's; a "
+                                                  "pooling prompt runs whole); 0: up to the step's budget"),
         "scheduling_policy": dict(default=d.scheduling_policy, choices=SCHEDULING_POLICIES,
                                   help="fcfs: requests run in arrival order, and a request with a "
                                        "nonzero priority is refused; priority: lower `priority` runs "

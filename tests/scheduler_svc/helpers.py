@@ -12,9 +12,10 @@ def make_scheduler(num_blocks: int = 64, max_model_len: int = 256, block_size: i
                    max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                    enable_prefix_caching: bool = True, max_num_queued_reqs: int | None = None,
                    scheduling_policy: str = "fcfs", mixed_graph_tokens: int = 0,
-                   kv_cache_dtype: str = "bfloat16", max_logprobs: int = MAX_LOGPROBS) -> Scheduler:
+                   kv_cache_dtype: str = "bfloat16", max_logprobs: int = MAX_LOGPROBS,
+                   long_prefill_token_threshold: int = 0) -> Scheduler:
     config = EngineConfig(enable_prefix_caching=enable_prefix_caching, max_num_queued_reqs=max_num_queued_reqs,
-                          scheduling_policy=scheduling_policy)
+                          scheduling_policy=scheduling_policy, long_prefill_token_threshold=long_prefill_token_threshold)
     info = ExecutorInfo(num_blocks=num_blocks, block_size=block_size, dtype="none", device="none",
                         vocab_size=1000, max_model_len=max_model_len, eos_token_ids=[EOS],
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -9,12 +9,12 @@ from pagedserve.scheduler_svc.scheduler import Scheduler
 
 
 def pooling_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_batched_tokens: int = 16,
-                      max_num_seqs: int = 8, runner: str = "pooling") -> Scheduler:
+                      max_num_seqs: int = 8, runner: str = "pooling", **config) -> Scheduler:
     info = ExecutorInfo(num_blocks=num_blocks, block_size=block_size, dtype="none", device="none",
                         vocab_size=1000, max_model_len=16, eos_token_ids=[0], max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, runner=runner,
                         pooling=PoolingInfo(["embed"], 8, [4, 2], True))
-    return Scheduler(EngineConfig(), info)
+    return Scheduler(EngineConfig(**config), info)
 
 
 def add_pooling(s: Scheduler, seq_id: int, n: int, **kwargs) -> Request:
@@ -50,6 +50,13 @@ def test_a_pooling_prompt_is_scheduled_whole_then_ends_with_its_data_and_frees_i
     assert s.num_free_blocks == s.block_manager.num_usable_blocks
     assert not s.has_work() or s.schedule().new_requests == []
     assert s.num_prompt_tokens == 18
+
+
+def test_a_pooling_prompt_runs_whole_past_the_long_prefill_threshold():
+    s = pooling_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=4)
+    add_pooling(s, 1, 10)
+    plan = s.schedule()
+    assert [(r.seq_id, r.num_scheduled_tokens) for r in plan.new_requests] == [(1, 10)]
 
 
 def test_pooling_requests_skip_the_prefix_cache():

@@ -68,6 +68,20 @@ def test_chunked_prefill_splits_a_long_prompt():
     assert s.requests[1].output_token_ids == [7]
 
 
+def test_long_prefill_token_threshold_caps_each_prompts_tokens_a_step_so_prompts_share_steps():
+    s = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=12)
+    add(s, 1, 30)
+    add(s, 2, 20, first_token=100)
+    add(s, 3, 5, first_token=200)
+    plan, _ = step(s)
+    assert scheduled(plan) == {1: 12, 2: 12, 3: 5}
+    plan, _ = step(s)
+    # Request 3 decodes; 1 and 2 go on in chunks of at most 12.
+    assert scheduled(plan) == {1: 12, 2: 8, 3: 1}
+    plan, _ = step(s)
+    assert scheduled(plan) == {1: 6, 2: 1, 3: 1}
+
+
 def test_beside_decode_rows_prompts_fill_each_step_to_the_mixed_graph_size_and_no_row_waits():
     # Mixed steps of up to 16 tokens replay as graphs here (scheduler_svc/policy.py, STEP_TOKENS).
     s = make_scheduler(max_num_batched_tokens=64, mixed_graph_tokens=16, max_num_seqs=8)
