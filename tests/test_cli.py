@@ -58,7 +58,8 @@ def test_accepted_vllm_flags(argv):
 def test_a_deployment_guides_compat_flags_reach_no_process():
     """Flags for what pagedserve does anyway change no child's command line."""
     guide = parse("--enable-chunked-prefill", "--swap-space", "16", "--disable-custom-all-reduce", "-pp", "1",
-                  "--distributed-executor-backend", "mp", "--tokenizer-mode", "auto", "--trust-remote-code")
+                  "--distributed-executor-backend", "mp", "--tokenizer-mode", "auto", "--trust-remote-code",
+                  "--max-log-len", "100", "--disable-cascade-attn", "--max-seq-len-to-capture", "8192")
     config = config_from_args(guide)
     assert config == config_from_args(parse())
     assert config_to_argv(config, EXECUTOR_FLAGS) == config_to_argv(config, SCHEDULER_FLAGS) == []

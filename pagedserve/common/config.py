@@ -71,7 +71,8 @@ GEOMETRY_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "bl
 # built. Checked where they are given, carried to no process. Deployment guides put them in their
 # commands, so refusing them would fail a command whose every request pagedserve serves the same.
 COMPAT_FLAGS = ("trust_remote_code", "enable_chunked_prefill", "swap_space", "disable_custom_all_reduce",
-                "pipeline_parallel_size", "distributed_executor_backend", "tokenizer_mode")
+                "pipeline_parallel_size", "distributed_executor_backend", "tokenizer_mode", "max_log_len",
+                "disable_cascade_attn", "max_seq_len_to_capture")
 ENGINE_FLAGS = SCHEDULER_FLAGS + EXECUTOR_FLAGS + COMPAT_FLAGS
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 RUNNERS = ("auto", "generate", "pooling")
@@ -197,6 +198,15 @@ def _flag_specs() -> dict[str, dict]:
                                                                  "ranks run as processes of this machine"),
                                              help="mp only: tensor-parallel ranks are processes the executor "
                                                   "starts on this machine"),
+        "max_log_len": dict(type=arg_types.non_negative_int, default=None, metavar="N",
+                            help="accepted for vLLM's commands: the request log (--enable-log-requests) holds "
+                                 "no prompt text or ids to cut, and cuts each logged value to 256 characters"),
+        "disable_cascade_attn": dict(action="store_true",
+                                     help="accepted for vLLM's commands: attention runs no cascade (shared-"
+                                          "prefix) kernel to disable"),
+        "max_seq_len_to_capture": dict(type=arg_types.size, default=None, metavar="N",
+                                       help="accepted for vLLM's commands: decode steps replay CUDA graphs at "
+                                            "every context length, so none falls back to eager past N"),
         "tokenizer_mode": dict(default=None,
                                type=arg_types.only("auto", "a tokenizer mode other than auto",
                                                    "the model's tokenizer.json or GGUF vocabulary runs"),
