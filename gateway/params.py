@@ -77,6 +77,15 @@ def _message_text(m: ChatMessage, index: int) -> str | None:
     return "\n".join(part.text for part in content)
 
 
+def chat_echo(req: ChatCompletionRequest) -> str:
+    """The text a chat reply starts with under vLLM's `echo`: the final message's, where it is the
+    assistant's (a reply the client began, as continue_final_message continues it)."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant":
+        return ""
+    return _message_text(last, len(req.messages) - 1) or ""
+
+
 def _tool_calls(m: ChatMessage, index: int) -> list[dict]:
     """The assistant's calls as templates expect them: arguments as an object (vLLM does this),
     so that a template's `tojson` does not encode a string twice."""

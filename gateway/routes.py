@@ -56,7 +56,7 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
         prompt_lp = PromptLogprobs(vllm=True, echo=False)
     shown = replace(p.options, reasoning=p.options.reasoning and req.include_reasoning)
     wire = ChatResponses(p.id, p.model, len(p.choices), p.include_usage, neutral.logprobs is not None, shown,
-                         _extensions(req, p, prompt_lp))
+                         _extensions(req, p, prompt_lp), params.chat_echo(req))
     return p, wire
 
 

@@ -184,6 +184,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False
     # vLLM's: false leaves the thinking a --reasoning-parser splits off out of the reply.
     include_reasoning: bool = True
+    # vLLM's: the reply starts with the final message's text where that message is the assistant's.
+    echo: bool = False
     # Extra variables for the chat template (e.g. enable_thinking), and a template of the
     # request's own in place of the model's.
     chat_template_kwargs: dict[str, Any] | None = None

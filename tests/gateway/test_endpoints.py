@@ -1,5 +1,6 @@
 """vLLM's /tokenize and /detokenize, /version, and /health across a scheduler that starts late."""
 import asyncio
+import json
 import time
 from importlib.metadata import version
 
@@ -53,6 +54,22 @@ async def test_continue_final_message_ends_the_prompt_inside_the_last_message(ht
         empty = [*CHAT, {"role": "assistant", "content": " "}]
         status, error = await _post(http, base_url + route, {"messages": empty, **flags})
         assert (status, error["error"]["param"]) == (400, "messages") and "continued" in error["error"]["message"]
+
+
+async def test_echo_starts_the_reply_with_the_assistants_begun_message(http, base_url, engine):
+    begun = [*CHAT, {"role": "assistant", "content": "Hallo, "}]
+    body = {"messages": begun, "max_tokens": 3, "continue_final_message": True, "add_generation_prompt": False}
+    _, plain = await _post(http, f"{base_url}/v1/chat/completions", body)
+    _, echoed = await _post(http, f"{base_url}/v1/chat/completions", {**body, "echo": True})
+    assert echoed["choices"][0]["message"]["content"] == "Hallo, " + plain["choices"][0]["message"]["content"]
+    async with http.post(f"{base_url}/v1/chat/completions", json={**body, "echo": True, "stream": True}) as r:
+        chunks = [json.loads(e[6:]) for e in (await r.read()).decode().split("\n\n")[:-2]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant" and deltas[1]["content"] == "Hallo, "
+    assert "".join(d.get("content") or "" for d in deltas) == echoed["choices"][0]["message"]["content"]
+    # Only an assistant's final message is echoed.
+    _, user_last = await _post(http, f"{base_url}/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "echo": True})
+    assert user_last["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
 
 
 async def test_detokenize_round_trip(http, base_url, tokenizer):
