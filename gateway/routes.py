@@ -43,7 +43,7 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
                              parallel_tool_calls=req.parallel_tool_calls, constraint=request_constraint(req),
                              max_tokens=req.max_completion_tokens or req.max_tokens,
                              logprobs=params.chat_logprobs(req), prompt_logprobs=req.prompt_logprobs,
-                             include_usage=_include_usage(req), chat_template_kwargs=req.chat_template_kwargs,
+                             include_usage=_include_usage(req, gateway), chat_template_kwargs=req.chat_template_kwargs,
                              chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
                              background=background, field_names=TOP_LOGPROBS_NAMES)
@@ -78,7 +78,7 @@ async def completion_plan(gateway: Gateway, served: ServedModel, req: Completion
     given = params.split_prompts(req.prompt)
     neutral = NeutralRequest(req, prompts=given, constraint=request_constraint(req), max_tokens=req.max_tokens,
                              logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
-                             include_usage=_include_usage(req), background=background)
+                             include_usage=_include_usage(req, gateway), background=background)
     p = await plan(gateway, served, neutral)
     echo = [""] * len(p.choices)
     if req.echo:
@@ -98,11 +98,11 @@ async def _echo_text(gateway: Gateway, p: Plan, prompt: str | list[int]) -> str:
     return await gateway.offload(len(prompt), p.tokenizer.decode, prompt)
 
 
-def _include_usage(req: SamplingFields) -> bool:
-    return req.stream_options is not None and req.stream_options.include_usage
+def _include_usage(req: SamplingFields, gateway: Gateway) -> bool:
+    return gateway.force_include_usage or (req.stream_options is not None and req.stream_options.include_usage)
 
 
 def _extensions(req: SamplingFields, p: Plan, prompt: PromptLogprobs | None) -> Extensions:
-    continuous = _include_usage(req) and req.stream_options.continuous_usage_stats
+    continuous = p.include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats
     return Extensions(prompt, p.generation.choice_usage if continuous else None,
                       [c.prompt_token_ids for c in p.choices] if req.return_token_ids else None)

@@ -123,6 +123,9 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="report usage.prompt_tokens_details.cached_tokens, which tells a client whether "
                             "anyone sent the same prompt prefix lately")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="end every chat and completions stream with a usage chunk, as "
+                            "stream_options.include_usage does (vLLM's flag)")
     group.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name each token \"token_id:N\", as a request's "
                             "return_tokens_as_token_ids does (one that sets it false gets texts)")
@@ -311,6 +314,7 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     trust_request_chat_template=args.trust_request_chat_template,
                     max_concurrent_requests=args.max_concurrent_requests,
                     prompt_tokens_details=args.enable_prompt_tokens_details,
+                    force_include_usage=args.enable_force_include_usage,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                     responses_store_mb=args.responses_store_mb, responses_store_ttl=args.responses_store_ttl,
                     also_serve=[also_served(spec) for spec in args.also_serve],

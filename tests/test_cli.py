@@ -128,6 +128,14 @@ def test_the_gateway_gets_the_generation_config_override():
     assert "--override-generation-config" not in _gateway_argv(parse(), config_from_args(parse()))
 
 
+def test_the_gateway_gets_the_usage_flags_given():
+    from pagedserve.entrypoints.cli import _gateway_argv
+    args = parse("--enable-force-include-usage", "--enable-prompt-tokens-details")
+    argv = _gateway_argv(args, config_from_args(args))
+    assert {"--enable-force-include-usage", "--enable-prompt-tokens-details"} <= set(argv)
+    assert "--enable-force-include-usage" not in _gateway_argv(parse(), config_from_args(parse()))
+
+
 def test_the_gateway_gets_the_cors_flags_given():
     from pagedserve.entrypoints.cli import _gateway_argv
     args = parse("--allowed-origins", "https://a.example", "--allowed-headers", "authorization", "--allow-credentials")

@@ -330,6 +330,8 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv.append("--trust-request-chat-template")
     if args.enable_prompt_tokens_details:
         argv.append("--enable-prompt-tokens-details")
+    if args.enable_force_include_usage:
+        argv.append("--enable-force-include-usage")
     if args.return_tokens_as_token_ids:
         argv.append("--return-tokens-as-token-ids")
     if tool_parser(args):

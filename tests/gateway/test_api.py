@@ -180,6 +180,18 @@ async def test_include_reasoning_false_leaves_the_thinking_out(serve, engine, to
         assert chunks[-1].choices[0].finish_reason == "length"
 
 
+async def test_force_include_usage_ends_every_stream_with_its_usage(http, serve):
+    url = await serve(force_include_usage=True)
+    for route, prompt in (("chat/completions", {"messages": CHAT}), ("completions", {"prompt": "Once"})):
+        # As vLLM's: forced usage is included usage, so continuous_usage_stats applies.
+        for continuous in (False, True):
+            options = {"stream_options": {"include_usage": False, "continuous_usage_stats": True}} if continuous else {}
+            async with http.post(f"{url}/v1/{route}", json={**prompt, "max_tokens": 3, "stream": True, **options}) as r:
+                *chunks, last = [json.loads(e[6:]) for e in (await r.read()).decode().split("\n\n")[:-2]]
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+            assert all((c["usage"] is not None) == continuous for c in chunks)
+
+
 async def test_no_usage_key_without_include_usage(http, base_url):
     body = {"messages": CHAT, "max_tokens": 3, "stream": True, "stream_options": {}}
     async with http.post(f"{base_url}/v1/chat/completions", json=body) as r:
