@@ -50,7 +50,8 @@ def test_model_positional_or_flag_and_several_served_names():
                                   ["--data-parallel-size", "3"], ["--enable-chunked-prefill"],
                                   ["--swap-space", "16"], ["--disable-custom-all-reduce"], ["-pp", "1"],
                                   ["--pipeline-parallel-size", "1"], ["--distributed-executor-backend", "mp"],
-                                  ["--tokenizer-mode", "auto"], ["--max-logprobs", "-1"], ["--max-logprobs", "0"]])
+                                  ["--tokenizer-mode", "auto"], ["--max-logprobs", "-1"], ["--max-logprobs", "0"],
+                                  ["--enable-request-id-headers"]])
 def test_accepted_vllm_flags(argv):
     parse(*argv)
 
