@@ -50,6 +50,9 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         # The rows that use each feature, so that a batch where none does skips it without a look.
         self.stop_ids: dict[int, np.ndarray] = {}
+        # A row's bad words (token id sequences): the last id of one is masked where the outputs end
+        # with its others.
+        self.bad_words: dict[int, list[list[int]]] = {}
         self.penalised: set[int] = set()
         self.logprob_rows: set[int] = set()
         self.prompt_logprob_rows: set[int] = set()
@@ -116,6 +119,10 @@ class InputBatch:
             self.logit_bias.set(row, s.logit_bias)
         if s.allowed_token_ids:
             self.allowed.set(row, s.allowed_token_ids)
+        if s.bad_words_token_ids:
+            # Masked in the flat logits too: a word with an id past the vocabulary is dropped.
+            vocab = self.vocab_size
+            self.bad_words[row] = [w for w in s.bad_words_token_ids if all(0 <= t < vocab for t in w)]
         self.min_tokens[row] = 0
         if s.min_tokens and request.min_tokens_mask_ids:
             self.min_tokens[row] = s.min_tokens
@@ -129,6 +136,7 @@ class InputBatch:
         self.seq_ids[row] = FREE_ROW
         self.generators.pop(row, None)
         self.stop_ids.pop(row, None)
+        self.bad_words.pop(row, None)
         self.penalised.discard(row)
         self.logprob_rows.discard(row)
         self.prompt_logprob_rows.discard(row)
@@ -159,6 +167,28 @@ class InputBatch:
         self._update_cols.clear()
         self._update_ids.clear()
         return updates
+
+    def token_mask(self, rows: np.ndarray) -> np.ndarray | None:
+        """[2, n] (index into rows, token id): the tokens the rows may not sample this step, their
+        stop ids before min_tokens and their bad words' last ids; None if there are none."""
+        masks = [self.stop_mask(rows) if self.stop_ids else None, self.banned(rows) if self.bad_words else None]
+        masks = [m for m in masks if m is not None]
+        return np.concatenate(masks, axis=1) if masks else None
+
+    def banned(self, rows: np.ndarray) -> np.ndarray | None:
+        """[2, n] (index into rows, token id): the last id of each bad word whose other ids end the
+        row's outputs (all of a one-token word); None if none does."""
+        pairs = []
+        for i, row in enumerate(rows.tolist()):
+            words = self.bad_words.get(row)
+            if not words:
+                continue
+            outputs = self.token_ids[row, self.num_prompt[row]:self.num_tokens[row]].tolist()
+            for word in words:
+                k = len(word) - 1
+                if k <= len(outputs) and outputs[len(outputs) - k:] == word[:-1]:
+                    pairs.append((i, word[-1]))
+        return np.array(pairs, dtype=np.int64).T if pairs else None
 
     def stop_mask(self, rows: np.ndarray) -> np.ndarray | None:
         """[2, n] (index into rows, token id): the stop ids of the rows that have fewer than

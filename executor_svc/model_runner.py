@@ -160,9 +160,9 @@ class ModelRunner:
             prompt = None
             if batch.prompt_logprob_rows:
                 prompt = self.inputs.prompt_logprobs(rows, query_lens, seq_ids, hidden, self.model.compute_logits)
-            if batch.stop_ids or batch.penalised or self.structured:
-                # Stop masks, penalties and grammars read each request's outputs on the host: wait
-                # for the step in flight, whose forward ran before the one just queued.
+            if batch.stop_ids or batch.bad_words or batch.penalised or self.structured:
+                # Stop masks, bad words, penalties and grammars read each request's outputs on the
+                # host: wait for the step in flight, whose forward ran before the one just queued.
                 self._settle()
             sample_rows = rows[step.sample_rows]
             # Built while the device runs the forward.

@@ -1,6 +1,6 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, no host sync;
-before it min_tokens stop masking, the grammar mask, allowed_token_ids, logit_bias and penalties,
-around it logprobs (executor_svc/logits.py)."""
+before it the token mask (min_tokens' stop ids, bad words), the grammar mask, allowed_token_ids,
+logit_bias and penalties, around it logprobs (executor_svc/logits.py)."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,8 +27,9 @@ class SamplingBatch:
     max_top_k: int = 0
     # Row -> the request's own generator, for seeded rows that sample (the rest use the global RNG).
     generators: dict[int, torch.Generator] = field(default_factory=dict)
-    # [2, n] (row, token id): stop tokens of rows with fewer than min_tokens outputs.
-    stop_mask: torch.Tensor | None = None
+    # [2, n] (row, token id): tokens a row may not sample, its stop tokens before min_tokens and its
+    # bad words' last tokens.
+    token_mask: torch.Tensor | None = None
     grammar: GrammarMask | None = None
     # The rows that set allowed_token_ids, and their masks.
     allowed: GrammarMask | None = None
@@ -77,8 +78,8 @@ class Sampler:
         raw = None
         if batch.logprobs is not None:
             raw = logits[batch.logprobs.device_index].log_softmax(dim=-1)
-        if batch.stop_mask is not None:
-            mask_tokens(logits, batch.stop_mask[0], batch.stop_mask[1])
+        if batch.token_mask is not None:
+            mask_tokens(logits, batch.token_mask[0], batch.token_mask[1])
         if batch.grammar is not None:
             batch.grammar.apply(logits)
         if batch.allowed is not None:

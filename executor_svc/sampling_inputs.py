@@ -1,7 +1,7 @@
 """A step's sampling inputs, read off the persistent batch for the rows that sample: the
-SamplingBatch's device columns, the stop-token mask, the grammar and allowed-token bitmasks,
-logit_bias, penalties,
-the logprob rows, and the prompt logprobs that the step's prompt positions give."""
+SamplingBatch's device columns, the token mask (stop ids, bad words), the grammar and allowed-token
+bitmasks, logit_bias, penalties, the logprob rows, and the prompt logprobs that the step's prompt
+positions give."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,10 +50,10 @@ class SamplingInputs:
                           if row in b.generators}
         sampling = make_sampling_batch(b.temperature[rows], b.top_p[rows], b.top_k[rows],
                                        b.min_p[rows], generators, staging.upload)
-        if b.stop_ids:
-            mask = b.stop_mask(rows)
+        if b.stop_ids or b.bad_words:
+            mask = b.token_mask(rows)
             # Unbounded (a request may name many stop ids), so not through the staging buffer.
-            sampling.stop_mask = None if mask is None else upload_pinned(mask, staging.device)
+            sampling.token_mask = None if mask is None else upload_pinned(mask, staging.device)
         if self.structured:
             sampling.grammar = self._grammar(rows, staging)
         if b.logit_bias:

@@ -9,9 +9,12 @@ from pagedserve.gateway.errors import bad_request, unsupported
 from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, Tool
 from pagedserve.common.tokenizer import RESERVED_VARIABLES, Tokenizer
 from pagedserve.common import sampling_params as engine_params
-from pagedserve.common.sampling_params import (MAX_LOGIT_BIAS_TOKENS, OutOfRange, SamplingParams,
-                                               StructuredOutputsParams)
+from pagedserve.common.bad_words import bad_words_token_ids
+from pagedserve.common.sampling_params import (MAX_BAD_WORDS_TOKENS, MAX_LOGIT_BIAS_TOKENS, OutOfRange,
+                                               SamplingParams, StructuredOutputsParams)
 
+# bad_words a request may name: each is tokenized twice (as text starts it and inside text).
+MAX_BAD_WORDS = 1024
 # Text of one request (its prompts, or everything its chat template renders); past a million
 # characters no context window of a served model is near, and tokenizing it alone takes seconds of CPU.
 MAX_PROMPT_CHARS = 1_000_000
@@ -51,8 +54,6 @@ def check_not_implemented(req: SamplingFields) -> None:
     not ask for."""
     if req.use_beam_search:
         raise unsupported("Beam search", "use_beam_search")
-    if req.bad_words:
-        raise unsupported("`bad_words` (a single token can be banned with `logit_bias` -100)", "bad_words")
     if req.logits_processors:
         raise unsupported("Custom logits processors", "logits_processors")
 
@@ -234,6 +235,23 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
                           f"[0, {vocab_size}).", param=param)
 
 
+def bad_words_ids(words: list[str] | None, tokenizer: Tokenizer) -> list[list[int]] | None:
+    """`bad_words` as token id sequences (common/bad_words.py); a 400 past MAX_BAD_WORDS words or
+    MAX_BAD_WORDS_TOKENS ids, counted before and after tokenizing (on the event loop: a bounded list
+    of words takes about a millisecond)."""
+    if not words:
+        return None
+    if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > MAX_BAD_WORDS_TOKENS:
+        raise bad_request(f"`bad_words` holds {len(words)} words of {sum(map(len, words))} characters; the limits "
+                          f"are {MAX_BAD_WORDS} words and {MAX_BAD_WORDS_TOKENS} characters.", param="bad_words")
+    ids = bad_words_token_ids(words, tokenizer)
+    count = sum(map(len, ids))
+    if count > MAX_BAD_WORDS_TOKENS:
+        raise bad_request(f"`bad_words` make {count} token ids; the limit is {MAX_BAD_WORDS_TOKENS}.",
+                          param="bad_words")
+    return ids or None
+
+
 def check_allowed_token_ids(ids: list[int] | None, vocab_size: int) -> None:
     if ids is None:
         return
@@ -303,7 +321,8 @@ _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "fre
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     defaults: dict, structured: StructuredOutputsParams | None = None,
-                    prompt_logprobs: int | None = None, bias: dict[int, float] | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, bias: dict[int, float] | None = None,
+                    bad_words: list[list[int]] | None = None) -> SamplingParams:
     """max_tokens None lets the scheduler fill the remaining context of each prompt; logprobs is the
     number of top logprobs per token (None: none); `defaults` stand in for omitted options;
     `structured` is the output's constraint; `bias` the logit_bias() of `req`. The ranges were
@@ -322,4 +341,4 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         structured_outputs=structured, allowed_token_ids=req.allowed_token_ids,
-        logit_bias=bias, **given)
+        bad_words=req.bad_words or [], bad_words_token_ids=bad_words, logit_bias=bias, **given)

@@ -176,8 +176,9 @@ def _choices(rid: str, req: NeutralRequest, prompts: list[list[int]], served: Se
     params.check_allowed_token_ids(sampling.allowed_token_ids, spec.vocab_size)
     bias = params.logit_bias(sampling.logit_bias, spec.vocab_size)
     params.check_stop(sampling.stop)
+    bad_words = params.bad_words_ids(sampling.bad_words, served.tokenizer)
     wanted = params.sampling_params(sampling, max_tokens, req.logprobs, served.sampling_defaults, constraint,
-                                    req.prompt_logprobs, bias)
+                                    req.prompt_logprobs, bias, bad_words)
     params.check_logprobs(wanted, spec.max_logprobs)
     choices = fan_out(rid, prompts, wanted, Routing(sampling.cache_salt, sampling.priority, req.background))
     served.metrics.request_params_n.observe(sampling.n)

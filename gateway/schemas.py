@@ -125,9 +125,10 @@ class SamplingFields(Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     # vLLM's: the only tokens the output may hold.
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output may not hold (common/bad_words.py).
+    bad_words: list[str] | None = None
     # vLLM's, not implemented: refused when set (params.check_not_implemented).
     use_beam_search: bool = False
-    bad_words: list[str] | None = None
     logits_processors: list[Any] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0

@@ -89,6 +89,15 @@ def test_allowed_token_ids_hold_the_output_to_them_in_their_rows_only(llm):
     assert free.token_ids == alone.token_ids and not set(free.token_ids) <= set(allowed)
 
 
+def test_bad_words_keep_a_word_out_of_the_output(llm):
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    [[first]] = run(llm, ["The capital of France is"], [greedy])
+    assert " Paris" in first.text
+    params = SamplingParams(max_tokens=8, temperature=0.0, bad_words=["Paris"])
+    [[kept_out]] = run(llm, ["The capital of France is"], [params])
+    assert "Paris" not in kept_out.text and kept_out.token_ids[0] != first.token_ids[0]
+
+
 def test_prompt_logprobs_are_transformers_log_softmax(llm):
     prompt = llm.tokenizer.encode("The capital of France is Paris, and the capital of Germany is Berlin.")
     # The chunk budget of 64 tokens splits a long prompt; the second request finds the first's

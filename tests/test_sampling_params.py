@@ -10,12 +10,13 @@ from pagedserve.v1 import sampling_pb2 as pb
 
 WIRE_FIELDS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields]
 # What the gateway applies itself (choices, stop strings, detokenizing) and so never sends.
-GATEWAY_FIELDS = {"n", "stop", "include_stop_str_in_output", "skip_special_tokens"}
+GATEWAY_FIELDS = {"n", "stop", "include_stop_str_in_output", "skip_special_tokens", "bad_words"}
 # Every wire field away from its default; the floats are exact in float32, as on the wire.
 EVERY_FIELD_SET = SamplingParams(temperature=0.5, top_p=0.75, top_k=4, min_p=0.125, seed=-7, max_tokens=9,
                                  min_tokens=3, stop_token_ids=[2, 9], ignore_eos=True, presence_penalty=0.5,
                                  frequency_penalty=-1.5, repetition_penalty=1.25, logprobs=0,
                                  prompt_logprobs=2, logit_bias={3: 1.5, 7: -100.0}, allowed_token_ids=[4, 8],
+                                 bad_words_token_ids=[[5], [6, 7]],
                                  structured_outputs=StructuredOutputsParams(json='{"type": "object"}'))
 
 

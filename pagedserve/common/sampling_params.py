@@ -82,6 +82,9 @@ MAX_LOGIT_BIAS = 100.0
 # (tests/scheduler_svc/test_request_checks.py bounds it), and the gateway fans 64 prompts x n=16 at
 # the bound out in about 2 ms. vLLM sets none; a 4 MiB body holds 150k entries.
 MAX_LOGIT_BIAS_TOKENS = 1024
+# bad_words' token ids in all: a few hundred words, which the executor compares with a row's last
+# outputs each step.
+MAX_BAD_WORDS_TOKENS = 4096
 # A model has a handful of end-of-turn tokens; the executor uploads a request's stop ids every step
 # while it masks them for min_tokens.
 MAX_STOP_TOKEN_IDS = 1024
@@ -169,6 +172,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: the only tokens the output may hold (None: any).
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output may not hold, as text (tokenized where the tokenizer is, the gateway or
+    # the offline LLM, into bad_words_token_ids; common/bad_words.py).
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -198,15 +205,18 @@ def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
 def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
                   max_logprobs: int) -> None:
     """Raises ValueError (OutOfRange for an id) naming the first field that holds a token id outside
-    [0, vocab_size) or is longer than its bound: the prompt, stop_token_ids, logit_bias keys,
-    allowed_token_ids (and an empty one) and reasoning_end_ids, and the constraint's size; or logprobs past `max_logprobs`. An id past the
-    vocabulary would index past the embedding or, in the executor's flat [rows x vocab] logits, into
-    another request's row."""
+    [0, vocab_size) or is longer than its bound: the prompt, stop_token_ids, logit_bias keys, bad
+    words, allowed_token_ids (and an empty one) and reasoning_end_ids, and the constraint's size; or
+    logprobs past `max_logprobs`. An id past the vocabulary would index past the embedding or, in the
+    executor's flat [rows x vocab] logits, into another request's row."""
     check_logprobs(params, max_logprobs)
     _check_ids("prompt_token_ids", prompt_token_ids, vocab_size)
     _check_ids("stop_token_ids", params.stop_token_ids, vocab_size, MAX_STOP_TOKEN_IDS)
     if params.logit_bias:
         _check_ids("logit_bias", list(params.logit_bias), vocab_size, MAX_LOGIT_BIAS_TOKENS)
+    if params.bad_words_token_ids:
+        _check_ids("bad_words", [t for word in params.bad_words_token_ids for t in word], vocab_size,
+                   MAX_BAD_WORDS_TOKENS)
     if params.allowed_token_ids is not None:
         if not params.allowed_token_ids:
             raise ValueError("allowed_token_ids is empty, which allows no token; name at least one or leave it out")
@@ -251,6 +261,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
         logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, logit_bias=p.logit_bias,
         allowed_token_ids=p.allowed_token_ids,
+        bad_words_token_ids=[pb.TokenIds(ids=word) for word in p.bad_words_token_ids or ()],
         structured_outputs=None if p.structured_outputs is None else _structured_to_proto(p.structured_outputs))
 
 
@@ -278,5 +289,6 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=m.stop_token_ids[:], ignore_eos=m.ignore_eos,
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         logit_bias=dict(m.logit_bias) or None, allowed_token_ids=m.allowed_token_ids[:] or None,
+        bad_words_token_ids=[word.ids[:] for word in m.bad_words_token_ids if word.ids] or None,
         structured_outputs=(_structured_from_proto(m.structured_outputs)
                             if m.HasField("structured_outputs") else None), **present)

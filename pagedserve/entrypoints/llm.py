@@ -1,4 +1,5 @@
 """Offline batch inference: the scheduler and executor cores in one process, no gRPC."""
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from functools import partial
@@ -7,6 +8,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from pagedserve.executor_svc.worker import Worker
+from pagedserve.common.bad_words import bad_words_token_ids
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.common.tokenizer import Tokenizer
@@ -102,6 +104,7 @@ class LLM(Pooling):
     def _start(self, prompt: Prompt, params: SamplingParams, children: dict[int, _Child],
                priority: int) -> RequestOutput:
         text, token_ids = self._tokenize(prompt)
+        params = self._with_bad_words(params)
         request_id = str(next(self._request_ids))
         output = RequestOutput(request_id, text, token_ids)
         for index, child_params in enumerate(choice_params(params)):
@@ -120,6 +123,13 @@ class LLM(Pooling):
             raise ValueError(f"{self.config.model} has no tokenizer: pass "
                              "{'prompt_token_ids': [...]} prompts instead of text")
         return prompt, self.tokenizer.encode(prompt)
+
+    def _with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; pass bad_words_token_ids instead")
+        return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer))
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:

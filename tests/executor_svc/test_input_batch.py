@@ -28,6 +28,22 @@ def test_rows_mask_their_mask_ids_until_min_tokens_outputs():
     assert batch.stop_mask(rows) is None
 
 
+def test_a_bad_words_last_id_is_masked_where_the_outputs_end_with_its_others():
+    batch = InputBatch(max_num_seqs=4, max_model_len=64, block_size=8, vocab_size=32, device=torch.device("cpu"))
+    words = SamplingParams(bad_words_token_ids=[[3], [4, 5], [6, 7, 8], [9, 40]])
+    rows = np.array([
+        batch.add(NewRequest(1, [4, 6, 7], 0, 3, [0], words, num_prompt_tokens=1)),  # outputs 6, 7
+        batch.add(NewRequest(2, [1, 4], 0, 2, [1], words, num_prompt_tokens=2)),     # no output yet
+        batch.add(NewRequest(3, [4], 0, 1, [2], SamplingParams(min_tokens=1), min_tokens_mask_ids=[0])),
+    ])
+    # The prompt's 4 does not start a bad word; the one-id word is always masked; [9, 40] was dropped.
+    assert batch.token_mask(rows).tolist() == [[2, 0, 0, 1], [0, 3, 8, 3]]
+    batch.append_sampled(rows, np.array([1, 2, 3]), np.array([4, 4, 4]))
+    assert batch.banned(rows).tolist() == [[0, 0, 1, 1], [3, 5, 3, 5]]
+    batch.remove(1)
+    assert batch.banned(rows[1:]).tolist() == [[0, 0], [3, 5]]
+
+
 def test_ids_outside_the_vocabulary_are_clamped_or_dropped():
     batch = InputBatch(max_num_seqs=2, max_model_len=64, block_size=8, vocab_size=32, device=torch.device("cpu"))
     params = SamplingParams(min_tokens=2, logit_bias={40: 5.0, 3: 1.0})

@@ -175,7 +175,7 @@ def test_stop_mask_and_penalties_steer_the_sample_but_logprobs_stay_raw():
         all_greedy=True,
         # Row 0 may not end yet (token 0 is its stop); row 1 has prompt [0] and output [1]
         # (then padding), whose logits a repetition penalty of 4 shrinks.
-        stop_mask=torch.tensor([[0], [0]]),
+        token_mask=torch.tensor([[0], [0]]),
         penalties=Penalties(torch.tensor([1]), torch.tensor([[0, 1, 4]]), torch.tensor([1]),
                             torch.tensor([4.0]), None, None),
         logprobs=LogprobRows(np.array([0, 1]), torch.tensor([0, 1]), np.array([2, 1])))

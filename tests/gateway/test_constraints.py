@@ -70,6 +70,20 @@ async def test_allowed_token_ids_reach_the_engine_and_an_empty_or_foreign_one_is
             assert r.status == 400 and (await r.json())["error"]["param"] == "allowed_token_ids"
 
 
+async def test_bad_words_reach_the_engine_as_token_ids_as_text_starts_them_and_inside_it(http, base_url, engine,
+                                                                                         tokenizer):
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    # In the tiny vocabulary " brown" is another first token and as many tokens as "brown"; " fox" is a
+    # space token and "fox"'s, and " the" one token where "the" is two: only the first also goes.
+    assert len(encode(" brown")) == len(encode("brown")) and encode(" brown")[0] != encode("brown")[0]
+    assert encode(" fox")[1:] == encode("fox") and len(encode(" the")) != len(encode("the"))
+    params = await sent(http, base_url, engine, CHAT, {"messages": MSG, "bad_words": ["brown", "fox", " the"]})
+    assert params.bad_words_token_ids == [encode("brown"), encode(" brown"), encode("fox"), encode("the")]
+    assert (await sent(http, base_url, engine, COMPLETIONS, {"prompt": "x"})).bad_words_token_ids is None
+
+
 async def test_a_constraint_leaves_a_reasoning_models_thinking_free(http, engine, tokenizer_dir, tmp_path):
     # A vocabulary where </think> is one token, as a reasoning model's is; the tiny one's is not.
     shutil.copy(tokenizer_dir / "tokenizer_config.json", tmp_path)

@@ -54,7 +54,7 @@ CASES = {
                                       "stream_options"),
     "top_logprobs without logprobs": (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
     "beam search": (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
-    "bad_words": (CHAT, {"messages": MSG, "bad_words": ["no"]}, "bad_words"),
+    "too many bad_words": (CHAT, {"messages": MSG, "bad_words": ["no"] * 1025}, "bad_words"),
     "logits_processors": (COMPLETIONS, {"prompt": "x", "logits_processors": ["my.Proc"]}, "logits_processors"),
     "top_logprobs above 20": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     "negative top_logprobs": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),

@@ -12,10 +12,10 @@ import pytest
 from pagedserve.common import service
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.plan import NewRequest, StepPlan, plan_from_proto, plan_to_proto
-from pagedserve.common.sampling_params import (MAX_CONSTRAINT_CHARS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS,
-                                               MAX_REASONING_END_IDS, MAX_STOP_TOKEN_IDS, OutOfRange, SamplingParams,
-                                               StructuredOutputsParams, check_request, sampling_from_proto,
-                                               sampling_to_proto)
+from pagedserve.common.sampling_params import (MAX_BAD_WORDS_TOKENS, MAX_CONSTRAINT_CHARS, MAX_LOGIT_BIAS_TOKENS,
+                                               MAX_LOGPROBS, MAX_REASONING_END_IDS, MAX_STOP_TOKEN_IDS, OutOfRange,
+                                               SamplingParams, StructuredOutputsParams, check_request,
+                                               sampling_from_proto, sampling_to_proto)
 from pagedserve.executor_svc.null_worker import VOCAB, NullWorker, null_executor_info
 from pagedserve.executor_svc.server import ExecutorService
 from pagedserve.scheduler_svc.server import serve
@@ -35,6 +35,7 @@ V = VOCAB
     ([1], {"stop_token_ids": [V]}, "stop_token_ids"),
     ([1], {"logit_bias": {V + 1: 100}}, "logit_bias"),
     ([1], {"allowed_token_ids": [3, V]}, "allowed_token_ids"),
+    ([1], {"bad_words_token_ids": [[2], [1, V]]}, "bad_words"),
     ([1], {"structured_outputs": StructuredOutputsParams(regex="a+", reasoning_end_ids=[V])}, "reasoning_end_ids"),
 ])
 def test_an_id_outside_the_vocabulary_names_its_field(prompt, params, field):
@@ -46,6 +47,7 @@ def test_an_id_outside_the_vocabulary_names_its_field(prompt, params, field):
 @pytest.mark.parametrize("params, field", [
     ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
     ({"logit_bias": {t: 1.0 for t in range(MAX_LOGIT_BIAS_TOKENS + 1)}}, "logit_bias"),
+    ({"bad_words_token_ids": [[1, 2]] * (MAX_BAD_WORDS_TOKENS // 2 + 1)}, "bad_words"),
     ({"structured_outputs": StructuredOutputsParams(regex="a", reasoning_end_ids=[1] * (MAX_REASONING_END_IDS + 1))},
      "reasoning_end_ids"),
     ({"structured_outputs": StructuredOutputsParams(choice=["x" * 1000] * (MAX_CONSTRAINT_CHARS // 1000 + 1))},
