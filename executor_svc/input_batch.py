@@ -183,7 +183,10 @@ class InputBatch:
             words = self.bad_words.get(row)
             if not words:
                 continue
-            outputs = self.token_ids[row, self.num_prompt[row]:self.num_tokens[row]].tolist()
+            # The outputs a word's prefix can end: at most the longest word's others.
+            end = int(self.num_tokens[row])
+            start = max(int(self.num_prompt[row]), end - max(map(len, words)) + 1)
+            outputs = self.token_ids[row, start:end].tolist()
             for word in words:
                 k = len(word) - 1
                 if k <= len(outputs) and outputs[len(outputs) - k:] == word[:-1]:
