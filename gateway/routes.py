@@ -43,7 +43,7 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
                              parallel_tool_calls=req.parallel_tool_calls, constraint=request_constraint(req),
                              max_tokens=req.max_completion_tokens or req.max_tokens,
                              logprobs=params.chat_logprobs(req), prompt_logprobs=req.prompt_logprobs,
-                             include_usage=_include_usage(req, gateway), chat_template_kwargs=req.chat_template_kwargs,
+                             include_usage=_include_usage(req, gateway), chat_template_kwargs=_template_kwargs(req),
                              chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
                              background=background, field_names=TOP_LOGPROBS_NAMES)
@@ -96,6 +96,12 @@ async def _echo_text(gateway: Gateway, p: Plan, prompt: str | list[int]) -> str:
     if isinstance(prompt, str):
         return prompt
     return await gateway.offload(len(prompt), p.tokenizer.decode, prompt)
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict | None:
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
 
 
 def _include_usage(req: SamplingFields, gateway: Gateway) -> bool:

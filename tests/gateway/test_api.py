@@ -5,7 +5,8 @@ import json
 import openai
 import pytest
 
-from tests.gateway.fake_engine import CACHED_TOKENS, LEAK, MAX_MODEL_LEN, MODEL, REPLY
+from pagedserve.common.tokenizer import Tokenizer
+from tests.gateway.fake_engine import CACHED_TOKENS, CHAT_TEMPLATE, LEAK, MAX_MODEL_LEN, MODEL, REPLY, serve_live_gateway
 
 CHAT = [{"role": "user", "content": "Say hello"}]
 
@@ -190,6 +191,21 @@ async def test_force_include_usage_ends_every_stream_with_its_usage(http, serve)
                 *chunks, last = [json.loads(e[6:]) for e in (await r.read()).decode().split("\n\n")[:-2]]
             assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
             assert all((c["usage"] is not None) == continuous for c in chunks)
+
+
+async def test_reasoning_effort_reaches_the_chat_template_unless_its_kwargs_set_it(http, engine, tokenizer_dir):
+    tokenizer = Tokenizer.from_dir(tokenizer_dir, chat_template="{{ reasoning_effort }}|" + CHAT_TEMPLATE)
+    runner, url = await serve_live_gateway(tokenizer, engine.address)
+    sent = []
+    try:
+        for extra in ({"reasoning_effort": "low"}, {"reasoning_effort": "low", "chat_template_kwargs": {
+                "reasoning_effort": "high"}}, {}):
+            async with http.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, **extra}) as r:
+                assert r.status == 200
+            sent.append(tokenizer.decode(list(engine.requests[-1].prompt_token_ids)).split("|")[0])
+    finally:
+        await runner.cleanup()
+    assert sent == ["low", "high", ""]
 
 
 async def test_no_usage_key_without_include_usage(http, base_url):

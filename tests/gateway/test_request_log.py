@@ -24,3 +24,19 @@ async def test_a_4_mib_regex_is_not_logged_whole(http, serve, capsys):
     async with http.post(url + COMPLETIONS, data=body, headers={"Content-Type": "application/json"}) as r:
         assert r.status == 400 and (await r.json())["error"]["param"] == "guided_regex"
     assert all(len(line) < 2048 for line in _lines(capsys, "request_"))
+
+
+async def test_fields_the_server_ignores_are_logged_by_name(http, base_url, capsys):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    async with http.post(base_url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+    assert not _lines(capsys, "request_fields_ignored")
+    async with http.post(base_url + "/v1/chat/completions", json={**body, "prediction": {}, "zz": 1}) as r:
+        assert r.status == 200
+    line, = _lines(capsys, "request_fields_ignored")
+    assert "['prediction', 'zz']" in line and "count=2" in line and "request_id=" in line
+    crafted = {**body, **{f"f{i:04}": 0 for i in range(5000)}}
+    async with http.post(base_url + "/v1/chat/completions", json=crafted) as r:
+        assert r.status == 200
+    line, = _lines(capsys, "request_fields_ignored")
+    assert "count=5000" in line and len(line) < 2048
