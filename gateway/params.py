@@ -13,8 +13,9 @@ from pagedserve.common.bad_words import bad_words_token_ids
 from pagedserve.common.sampling_params import (MAX_BAD_WORDS_TOKENS, MAX_LOGIT_BIAS_TOKENS, OutOfRange,
                                                SamplingParams, StructuredOutputsParams)
 
-# bad_words a request may name: each is tokenized twice (as text starts it and inside text).
-MAX_BAD_WORDS = 1024
+# bad_words a request may name, and their characters in all: each is tokenized twice (as text starts
+# it and inside text), on the event loop.
+MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS = 1024, 16 * 1024
 # Text of one request (its prompts, or everything its chat template renders); past a million
 # characters no context window of a served model is near, and tokenizing it alone takes seconds of CPU.
 MAX_PROMPT_CHARS = 1_000_000
@@ -237,13 +238,13 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 def bad_words_ids(words: list[str] | None, tokenizer: Tokenizer) -> list[list[int]] | None:
     """`bad_words` as token id sequences (common/bad_words.py); a 400 past MAX_BAD_WORDS words or
-    MAX_BAD_WORDS_TOKENS ids, counted before and after tokenizing (on the event loop: a bounded list
-    of words takes about a millisecond)."""
+    MAX_BAD_WORDS_CHARS characters, before tokenizing, or past the engine's MAX_BAD_WORDS_TOKENS ids."""
     if not words:
         return None
-    if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > MAX_BAD_WORDS_TOKENS:
-        raise bad_request(f"`bad_words` holds {len(words)} words of {sum(map(len, words))} characters; the limits "
-                          f"are {MAX_BAD_WORDS} words and {MAX_BAD_WORDS_TOKENS} characters.", param="bad_words")
+    chars = sum(map(len, words))
+    if len(words) > MAX_BAD_WORDS or chars > MAX_BAD_WORDS_CHARS:
+        raise bad_request(f"`bad_words` holds {len(words)} words of {chars} characters; the limits are "
+                          f"{MAX_BAD_WORDS} words and {MAX_BAD_WORDS_CHARS} characters.", param="bad_words")
     ids = bad_words_token_ids(words, tokenizer)
     count = sum(map(len, ids))
     if count > MAX_BAD_WORDS_TOKENS:
