@@ -38,14 +38,15 @@ class MessageEvents(SSEWriter):
 
 def neutral(req: MessagesRequest) -> NeutralRequest:
     """The request in chat's terms; a 400 for what cannot run here."""
-    translate.check_last_turn(req)
+    continues = translate.prefill(req)
     sampling = SamplingFields(model=req.model, max_tokens=req.max_tokens, temperature=req.temperature,
                               top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, stream=req.stream)
     return NeutralRequest(sampling, messages=translate.chat_messages(req), tools=translate.chat_tools(req.tools),
                           tool_choice=translate.chat_tool_choice(req.tool_choice),
                           parallel_tool_calls=translate.parallel_tool_calls(req.tool_choice),
                           constraint=translate.constraint(req.output_config), max_tokens=req.max_tokens,
-                          chat_template_kwargs=translate.template_kwargs(req.thinking, req.output_config))
+                          chat_template_kwargs=translate.template_kwargs(req.thinking, req.output_config),
+                          continue_final_message=continues, add_generation_prompt=not continues)
 
 
 @engine_route
@@ -61,7 +62,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     req = await read_json(request, CountTokensRequest)
     gateway = request.app[GATEWAY]
     served = await served_for(request, req.model)
+    continues = translate.prefill(req)
     chat = params.chat_input(translate.chat_messages(req), translate.chat_tools(req.tools),
                              translate.template_kwargs(req.thinking, req.output_config), None,
-                             gateway.trust_request_chat_template)
-    return json_response(CountTokensResponse(len(await chat_prompt(gateway, served.tokenizer, chat, add_generation_prompt=True))))
+                             gateway.trust_request_chat_template, continues)
+    prompt = await chat_prompt(gateway, served.tokenizer, chat, add_generation_prompt=not continues)
+    return json_response(CountTokensResponse(len(prompt)))

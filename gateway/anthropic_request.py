@@ -25,12 +25,26 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
     return messages
 
 
-def check_last_turn(req: CountTokensRequest) -> None:
-    """A 400 for a conversation that ends with the assistant's turn: Anthropic continues that text
-    (prefill), which this server's chat template rendering cannot; Anthropic's newer models refuse it too."""
-    if req.messages[-1].role == "assistant":
-        raise bad_request("The last message is the assistant's: continuing it (prefill) is not supported; end the "
-                          "conversation with a user message.", param=f"messages[{len(req.messages) - 1}]")
+def prefill(req: CountTokensRequest) -> bool:
+    """Whether the conversation ends with the assistant's turn, whose text the reply continues
+    (Anthropic's prefill: the prompt ends inside that message, chat's continue_final_message); a 400
+    where that turn holds more than text or ends in white space, as Anthropic refuses both, or
+    where thinking is on, which would have to come first."""
+    last, index = req.messages[-1], len(req.messages) - 1
+    if last.role != "assistant":
+        return False
+    blocks = [last.content] if isinstance(last.content, str) else last.content
+    if not all(isinstance(b, str | TextBlock) for b in blocks):
+        raise bad_request("A prefilled assistant turn (the last message) may hold text only; end the "
+                          "conversation with a user message to send tool calls or thinking.", param=f"messages[{index}]")
+    text = "" if not blocks else blocks[-1] if isinstance(blocks[-1], str) else blocks[-1].text
+    if text != text.rstrip():
+        raise bad_request("The final assistant content cannot end with white space; trim it.",
+                          param=f"messages[{index}]")
+    if req.thinking is not None and req.thinking.type != "disabled":
+        raise bad_request("A prefilled assistant turn cannot go with thinking, which would come before it; "
+                          "turn thinking off or end the conversation with a user message.", param="thinking")
+    return True
 
 
 def _system_text(system: str | list[TextBlock]) -> str:

@@ -130,6 +130,19 @@ async def test_thinking_blocks_with_a_reasoning_parser(serve, engine, tokenizer)
             ("thinking", "Plan it."), ("text", "The answer.")]
 
 
+async def test_a_prefilled_assistant_turn_is_continued(http, base_url, engine, tokenizer):
+    prefilled = [*MESSAGES, {"role": "assistant", "content": [{"type": "text", "text": "The answer is"}]}]
+    async with anthropic_client(base_url) as client:
+        message = await client.messages.create(model=MODEL, max_tokens=3, messages=prefilled)
+        counted = await client.messages.count_tokens(model=MODEL, messages=prefilled)
+    prompt = list(engine.requests[-1].prompt_token_ids)
+    assert tokenizer.decode(prompt, False).endswith("<|assistant|>The answer is")
+    assert counted.input_tokens == len(prompt) == message.usage.input_tokens
+    # The reply is the continuation alone, as Anthropic's.
+    expected = tokenizer.decode(tokenizer.encode(REPLY, add_special_tokens=False)[:3]).rstrip("\ufffd")
+    assert message.content[0].text == expected
+
+
 async def test_count_tokens_is_chat_prompt_length(base_url):
     _, usage = await chat_reply(base_url, 1)
     async with anthropic_client(base_url) as client:
@@ -151,8 +164,13 @@ def too_long_chat() -> list[dict]:
     ({"max_tokens": 5, "messages": too_long_chat()}, 400, "invalid_request_error"),
     ({"max_tokens": 5, "messages": MESSAGES, "stop_sequences": ["x" * 1_000_000]}, 400, "invalid_request_error"),
     ({"max_tokens": 5, "messages": MESSAGES, "tools": TOOLS, "tool_choice": {"type": "any"}}, 200, None),
-    ({"max_tokens": 5, "messages": [*MESSAGES, {"role": "assistant", "content": "The answer is"}]}, 400,
+    ({"max_tokens": 5, "messages": [*MESSAGES, {"role": "assistant", "content": "The answer is "}]}, 400,
      "invalid_request_error"),
+    ({"max_tokens": 5, "messages": [*MESSAGES, {"role": "assistant", "content": "The answer is"}],
+      "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error"),
+    ({"max_tokens": 5, "messages": [*MESSAGES, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400, "invalid_request_error"),
+    ({"max_tokens": 5, "messages": [*MESSAGES, {"role": "assistant", "content": []}]}, 400, "invalid_request_error"),
     ({"max_tokens": 5, "messages": MESSAGES, "tools": TOOLS}, 400, "invalid_request_error"),
     ({"max_tokens": 5, "messages": MESSAGES, "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS},
      400, "invalid_request_error"),
