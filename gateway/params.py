@@ -41,6 +41,8 @@ def check_completion_options(req: CompletionRequest) -> None:
     # question than the code-completion client asked (vLLM refuses it too).
     if req.suffix is not None:
         raise unsupported("`suffix` (fill-in-the-middle)", "suffix")
+    if req.best_of not in (None, 1, req.n):
+        raise unsupported("`best_of` other than `n` (sampling more choices to return the best)", "best_of")
     check_stream_options(req)
     check_not_implemented(req)
 

@@ -215,6 +215,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
+    # OpenAI's legacy option, which vLLM's V1 engine dropped too: only n itself (or 1) is taken.
+    best_of: int | None = None
 
 
 class TokenizeRequest(Struct, kw_only=True):

@@ -54,6 +54,7 @@ CASES = {
                                       "stream_options"),
     "top_logprobs without logprobs": (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
     "beam search": (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    "best_of past n": (COMPLETIONS, {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
     "too many bad_words": (CHAT, {"messages": MSG, "bad_words": ["no"] * 1025}, "bad_words"),
     "logits_processors": (COMPLETIONS, {"prompt": "x", "logits_processors": ["my.Proc"]}, "logits_processors"),
     "top_logprobs above 20": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -120,6 +121,14 @@ async def test_unsupported_messages_say_what_to_do(http, base_url):
         assert "needs `json_schema.schema`" in (await r.json())["error"]["message"]
     async with http.post(base_url + CHAT, json={"messages": MSG, "tools": TOOLS, "tool_choice": "auto"}) as r:
         assert "--enable-auto-tool-choice and --tool-call-parser" in (await r.json())["error"]["message"]
+
+
+async def test_best_of_equal_to_n_or_1_is_taken(http, base_url):
+    for n, best_of in ((1, 1), (2, 2), (2, 1)):
+        async with http.post(base_url + COMPLETIONS, json={"prompt": "x", "max_tokens": 2, "n": n,
+                                                           "best_of": best_of}) as r:
+            assert r.status == 200, await r.text()
+            assert len((await r.json())["choices"]) == n
 
 
 async def test_null_means_default(http, base_url, engine):
