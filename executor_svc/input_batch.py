@@ -50,9 +50,9 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         # The rows that use each feature, so that a batch where none does skips it without a look.
         self.stop_ids: dict[int, np.ndarray] = {}
-        # A row's bad words (token id sequences): the last id of one is masked where the outputs end
-        # with its others.
-        self.bad_words: dict[int, list[list[int]]] = {}
+        # A row's bad words (token id sequences), and the most of its last outputs one can end with:
+        # the last id of one is masked where the outputs end with its others.
+        self.bad_words: dict[int, tuple[list[list[int]], int]] = {}
         self.penalised: set[int] = set()
         self.logprob_rows: set[int] = set()
         self.prompt_logprob_rows: set[int] = set()
@@ -122,7 +122,9 @@ class InputBatch:
         if s.bad_words_token_ids:
             # Masked in the flat logits too: a word with an id past the vocabulary is dropped.
             vocab = self.vocab_size
-            self.bad_words[row] = [w for w in s.bad_words_token_ids if all(0 <= t < vocab for t in w)]
+            words = [w for w in s.bad_words_token_ids if all(0 <= t < vocab for t in w)]
+            if words:
+                self.bad_words[row] = words, max(map(len, words)) - 1
         self.min_tokens[row] = 0
         if s.min_tokens and request.min_tokens_mask_ids:
             self.min_tokens[row] = s.min_tokens
@@ -180,12 +182,11 @@ class InputBatch:
         row's outputs (all of a one-token word); None if none does."""
         pairs = []
         for i, row in enumerate(rows.tolist()):
-            words = self.bad_words.get(row)
-            if not words:
+            if row not in self.bad_words:
                 continue
-            # The outputs a word's prefix can end: at most the longest word's others.
+            words, span = self.bad_words[row]
             end = int(self.num_tokens[row])
-            start = max(int(self.num_prompt[row]), end - max(map(len, words)) + 1)
+            start = max(int(self.num_prompt[row]), end - span)
             outputs = self.token_ids[row, start:end].tolist()
             for word in words:
                 k = len(word) - 1

@@ -117,9 +117,10 @@ class AllowedTokensTable:
         self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, device
         self.bitmask: torch.Tensor | None = None
         self.active = np.zeros(max_rows, dtype=bool)
+        self.rows: set[int] = set()
 
     def __bool__(self) -> bool:
-        return bool(self.active.any())
+        return bool(self.rows)
 
     def set(self, row: int, token_ids: list[int]) -> None:
         ids = np.asarray(token_ids, dtype=np.int64)
@@ -131,9 +132,11 @@ class AllowedTokensTable:
             self.bitmask = torch.zeros(self.max_rows, len(words), dtype=torch.int32, device=self.device)
         self.bitmask[row] = upload_pinned(words.astype(np.uint32).view(np.int32), self.device)
         self.active[row] = True
+        self.rows.add(row)
 
     def clear(self, row: int) -> None:
         self.active[row] = False
+        self.rows.discard(row)
 
     def select(self, rows: np.ndarray, upload: Callable[[np.ndarray], torch.Tensor]) -> GrammarMask | None:
         """The masks of the batch `rows` that have one; None if none has."""
