@@ -104,14 +104,15 @@ class ChatResponses(ResponseBuilder):
 
     def __init__(self, request_id: str, model: str, num_choices: int, include_usage: bool,
                  logprobs: bool, options: ChatOutputOptions | None = None,
-                 extensions: Extensions = Extensions(), echo: str = "") -> None:
+                 extensions: Extensions = Extensions(), echo: str = "", role: str = "assistant") -> None:
         super().__init__(request_id, model, num_choices, include_usage, logprobs, extensions)
         self._options = options or ChatOutputOptions()
         # The text every choice's reply starts with (vLLM's echo; "" without).
         self._echo = echo
+        self._role = role
 
     def openings(self) -> list[Struct]:
-        chunks = [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))], self._opening_usage(i))
+        chunks = [self._chunk([ChatChunkChoice(i, Delta(role=self._role, content=""))], self._opening_usage(i))
                   for i in range(self.num_choices)]
         for i, chunk in enumerate(chunks):
             chunk.prompt_token_ids = self._prompt_ids(i)
@@ -149,7 +150,8 @@ class ChatResponses(ResponseBuilder):
         return body
 
     def _message(self, content: str | None, tool_calls: list, reasoning: str | None) -> ChatMessageOut:
-        out = ChatMessageOut(self._echo + (content or "") if self._echo else content, tool_calls=tool_calls)
+        out = ChatMessageOut(self._echo + (content or "") if self._echo else content, self._role,
+                             tool_calls=tool_calls)
         if self._options.reasoning:
             out.reasoning = out.reasoning_content = reasoning
         return out

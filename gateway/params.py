@@ -90,6 +90,12 @@ def chat_echo(req: ChatCompletionRequest) -> str:
     return _message_text(last, len(req.messages) - 1) or ""
 
 
+def chat_role(req: ChatCompletionRequest, response_role: str) -> str:
+    """The role a chat reply is written as: --response-role where the prompt opened a new turn, else
+    the final message's, whose turn the reply continues (vLLM's rule)."""
+    return response_role if req.add_generation_prompt else req.messages[-1].role
+
+
 def _tool_calls(m: ChatMessage, index: int) -> list[dict]:
     """The assistant's calls as templates expect them: arguments as an object (vLLM does this),
     so that a template's `tojson` does not encode a string twice."""

@@ -56,7 +56,8 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
         prompt_lp = PromptLogprobs(vllm=True, echo=False)
     shown = replace(p.options, reasoning=p.options.reasoning and req.include_reasoning)
     wire = ChatResponses(p.id, p.model, len(p.choices), p.include_usage, neutral.logprobs is not None, shown,
-                         _extensions(req, p, prompt_lp), params.chat_echo(req))
+                         _extensions(req, p, prompt_lp), params.chat_echo(req),
+                         params.chat_role(req, gateway.response_role))
     return p, wire
 
 

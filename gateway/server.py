@@ -132,6 +132,9 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name each token \"token_id:N\", as a request's "
                             "return_tokens_as_token_ids does (one that sets it false gets texts)")
+    group.add_argument("--response-role", default="assistant", type=arg_types.name,
+                       help="the role chat replies are written as where the request asks for a new turn "
+                            "(add_generation_prompt, the default); else the final message's role")
     group.add_argument("--uvicorn-log-level", choices=list(HTTP_LOG_LEVELS), default="info",
                        help="level of the HTTP server's own logs (vLLM's uvicorn, aiohttp here): "
                             "info logs one access line per HTTP request, warning and above none")
@@ -318,7 +321,7 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     max_concurrent_requests=args.max_concurrent_requests,
                     prompt_tokens_details=args.enable_prompt_tokens_details,
                     force_include_usage=args.enable_force_include_usage,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, response_role=args.response_role,
                     responses_store_mb=args.responses_store_mb, responses_store_ttl=args.responses_store_ttl,
                     also_serve=[also_served(spec) for spec in args.also_serve],
                     batch_dir=args.batch_dir or default_batch_dir(), batch_concurrency=args.batch_concurrency,

@@ -70,6 +70,8 @@ class Gateway:
     prompt_tokens_details: bool = False
     # --enable-force-include-usage: every stream ends with its usage, asked for or not.
     force_include_usage: bool = False
+    # --response-role: the role replies to a chat that asked for a new turn are written as.
+    response_role: str = "assistant"
     # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" unless a request says otherwise.
     return_tokens_as_token_ids: bool = False
     # --tool-call-parser when --enable-auto-tool-choice is on (else None), and --reasoning-parser.

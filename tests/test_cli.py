@@ -85,6 +85,7 @@ def test_a_deployment_guides_compat_flags_reach_no_process():
     (["--tokenizer-mode", "mistral"], "a tokenizer mode other than auto is not built yet"),
     (["--swap-space", "-4"], "must be 0 or more"),
     (["--max-logprobs", "-2"], "must be 0 or more, or -1 for the whole vocabulary"),
+    (["--response-role", ""], "must be a name without surrounding white space"),
     (["--gpu", "0.5"], "unrecognized argument --gpu; did you mean --gpu-memory-utilization?"),
     (["--max-num-seq", "8"], "did you mean --max-num-seqs?"),
     (["--gpu-memory-utlization", "0.5"], "did you mean --gpu-memory-utilization?"),
@@ -135,6 +136,13 @@ def test_the_gateway_gets_the_usage_flags_given():
     argv = _gateway_argv(args, config_from_args(args))
     assert {"--enable-force-include-usage", "--enable-prompt-tokens-details"} <= set(argv)
     assert "--enable-force-include-usage" not in _gateway_argv(parse(), config_from_args(parse()))
+
+
+def test_the_gateway_gets_the_response_role():
+    from pagedserve.entrypoints.cli import _gateway_argv
+    args = parse("--response-role", "model")
+    assert "--response-role=model" in _gateway_argv(args, config_from_args(args))
+    assert not any(a.startswith("--response-role") for a in _gateway_argv(parse(), config_from_args(parse())))
 
 
 def test_the_gateway_gets_the_cors_flags_given():

@@ -28,6 +28,13 @@ def non_negative_int(value: str | int) -> int:
     return number
 
 
+def name(value: str) -> str:
+    """Non-empty text with no white space at its ends (a role, a name)."""
+    if not value or value != value.strip():
+        raise argparse.ArgumentTypeError(f"must be a name without surrounding white space, got {value!r}")
+    return value
+
+
 def max_logprobs(value: str | int) -> int:
     """0 or more, or -1 for the whole vocabulary, as vLLM's --max-logprobs takes."""
     number = _integer(value)

@@ -193,6 +193,20 @@ async def test_force_include_usage_ends_every_stream_with_its_usage(http, serve)
             assert all((c["usage"] is not None) == continuous for c in chunks)
 
 
+async def test_response_role_names_new_turns_and_a_continued_turn_keeps_its_role(http, serve):
+    url = await serve(response_role="bot")
+    begun = [*CHAT, {"role": "assistant", "content": "Hi"}]
+    cases = (({"messages": CHAT}, "bot"),
+             ({"messages": begun, "add_generation_prompt": False, "continue_final_message": True}, "assistant"),
+             ({"messages": CHAT, "add_generation_prompt": False}, "user"))
+    for body, role in cases:
+        async with http.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 2}) as r:
+            assert (await r.json())["choices"][0]["message"]["role"] == role
+        async with http.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 2, "stream": True}) as r:
+            first = json.loads((await r.read()).decode().split("\n\n")[0][6:])
+        assert first["choices"][0]["delta"]["role"] == role
+
+
 async def test_reasoning_effort_reaches_the_chat_template_unless_its_kwargs_set_it(http, engine, tokenizer_dir):
     tokenizer = Tokenizer.from_dir(tokenizer_dir, chat_template="{{ reasoning_effort }}|" + CHAT_TEMPLATE)
     runner, url = await serve_live_gateway(tokenizer, engine.address)
