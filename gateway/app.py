@@ -71,7 +71,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
               max_concurrent_requests: int | None = None,
               prompt_tokens_details: bool = False, force_include_usage: bool = False,
               return_tokens_as_token_ids: bool = False, response_role: str = "assistant",
-              responses_store_mb: int = DEFAULT_STORE_MB,
+              content_format: str = "auto", responses_store_mb: int = DEFAULT_STORE_MB,
               responses_store_ttl: float = DEFAULT_STORE_TTL_S,
               also_serve: list[ModelEngines] | None = None, batch_dir: Path | None = None,
               batch_concurrency: int = DEFAULT_CONCURRENCY,
@@ -96,6 +96,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     `force_include_usage` ends every stream with its usage (vLLM's --enable-force-include-usage).
     `return_tokens_as_token_ids` names logprobs' tokens "token_id:N" unless a request says otherwise.
     Chat replies that open a new turn are written as `response_role` (vLLM's --response-role).
+    `content_format` is how messages' content reaches chat templates (--chat-template-content-format).
     Stored /v1/responses responses take up to `responses_store_mb` MiB and `responses_store_ttl` seconds.
     With `batch_dir`, the Files and Batch APIs keep their state there and run up to `batch_concurrency`
     batch lines at once, taking files up to `batch_max_file_mb` MiB.
@@ -111,7 +112,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
                       max_concurrent_requests=max_concurrent_requests,
                       prompt_tokens_details=prompt_tokens_details, force_include_usage=force_include_usage,
                       return_tokens_as_token_ids=return_tokens_as_token_ids, response_role=response_role,
-                      responses=ResponseStore(responses_store_mb << 20, responses_store_ttl))
+                      content_format=content_format, responses=ResponseStore(responses_store_mb << 20, responses_store_ttl))
     errors = error_middleware({"/v1/messages": anthropic_api.encode_error, "/api/": ollama_api.encode_error})
     middlewares = [request_id_middleware, requests_middleware(gateway.metrics.registry), errors,
                    gateway.drain.middleware]

@@ -1,6 +1,6 @@
 """Turns a decoded OpenAI request into prompt token ids and SamplingParams, rejecting what cannot run."""
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -66,19 +66,25 @@ def check_stream_options(req: SamplingFields) -> None:
         raise bad_request("`stream_options` is only allowed when `stream` is true.", param="stream_options")
 
 
-def _message_text(m: ChatMessage, index: int) -> str | None:
+def _message_parts(m: ChatMessage, index: int) -> list[str] | None:
+    """The message's text parts (a string is one); None for an assistant's null content."""
     content = m.content
     if content is None and m.role != "assistant":
         raise bad_request(f"`messages[{index}].content` is null; only assistant messages may leave their "
                           "content out. Send a string or a list of text parts.",
                           param=f"messages[{index}].content")
     if not isinstance(content, list):
-        return content
+        return None if content is None else [content]
     for part in content:
         if part.type != "text" or part.text is None:
             raise bad_request(f"Content parts of type '{part.type}' are not supported; send text parts "
                               "only.", param=f"messages[{index}].content")
-    return "\n".join(part.text for part in content)
+    return [part.text for part in content]
+
+
+def _message_text(m: ChatMessage, index: int) -> str | None:
+    parts = _message_parts(m, index)
+    return None if parts is None else "\n".join(parts)
 
 
 def chat_echo(req: ChatCompletionRequest) -> str:
@@ -113,8 +119,8 @@ def _tool_calls(m: ChatMessage, index: int) -> list[dict]:
     return calls
 
 
-def _chat_message(m: ChatMessage, index: int) -> dict:
-    message = {"role": m.role, "content": _message_text(m, index)}
+def _chat_message(m: ChatMessage, index: int, parts: list[str] | None) -> dict:
+    message = {"role": m.role, "content": None if parts is None else "\n".join(parts)}
     if m.name is not None:
         message["name"] = m.name
     if m.tool_calls:
@@ -141,6 +147,24 @@ class ChatInput:
     size: int
     # Whether the prompt ends inside the final message, for the model to continue it.
     continue_final: bool = False
+    # Each message's text parts as sent (none for null content), for templates that take content
+    # as parts; `messages` hold them joined by newlines.
+    parts: list[list[str]] = field(default_factory=list)
+
+    def template_messages(self, content_format: str) -> list[dict]:
+        """The messages in `content_format` (see chat_template.content_format): content as one
+        string, or as a list of {"type": "text", "text": ...} parts, as vLLM passes them."""
+        if content_format == "string":
+            return self.messages
+        return [{**m, "content": [{"type": "text", "text": text} for text in parts]}
+                for m, parts in zip(self.messages, self.parts)]
+
+    def final_text(self, content_format: str) -> str | None:
+        """The text a continued final message ends with: its last part where the template takes
+        parts (transformers' continue_final_message), else its whole content."""
+        if content_format == "string" or not self.parts[-1]:
+            return self.messages[-1]["content"]
+        return self.parts[-1][-1]
 
 
 def chat_input(messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: dict[str, Any] | None,
@@ -153,14 +177,16 @@ def chat_input(messages: list[ChatMessage], tools: list[Tool] | None, template_k
     if reserved:
         raise bad_request(f"`chat_template_kwargs` may not set {', '.join(reserved)}: the server sets those "
                           "template variables itself; remove them.", param="chat_template_kwargs")
-    rendered = [_chat_message(m, i) for i, m in enumerate(messages)]
+    parts = [_message_parts(m, i) for i, m in enumerate(messages)]
+    rendered = [_chat_message(m, i, p) for i, (m, p) in enumerate(zip(messages, parts))]
     tool_dicts = None if not tools else [msgspec.to_builtins(t) for t in tools]
     size = (sum(_message_size(m) for m in rendered) + _json_size(tool_dicts) + _json_size(template_kwargs)
             + len(template or ""))
     if size > MAX_PROMPT_CHARS:
         raise bad_request(f"The chat (its messages, tools, chat_template_kwargs and chat_template) holds {size} "
                           f"characters; the limit is {MAX_PROMPT_CHARS} per request.", param="messages")
-    return ChatInput(rendered, tool_dicts, template_kwargs, template, size, continue_final)
+    return ChatInput(rendered, tool_dicts, template_kwargs, template, size, continue_final,
+                     [p or [] for p in parts])
 
 
 def check_request_template(template: str | None, trusted: bool) -> None:

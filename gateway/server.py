@@ -14,6 +14,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from pagedserve.common import aio, also_serve, arg_types, service
 from pagedserve.common.also_serve import AlsoServe
+from pagedserve.common.chat_template import CONTENT_FORMATS
 from pagedserve.common.config import add_engine_args
 from pagedserve.common.generation_config import max_tokens_cap, sampling_defaults
 from pagedserve.gateway import reasoning, tls, tool_parsers, uds
@@ -112,6 +113,10 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                        help="tokens per streamed chunk; more means fewer writes under load (vLLM's flag)")
     group.add_argument("--chat-template", type=chat_template, default=None,
                        help="a Jinja chat template, as a file or inline, used instead of the model's")
+    group.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+                       help="how a message's content reaches the chat template: one string (its text parts "
+                            "joined by newlines), a list of OpenAI's text parts, or auto: parts where the "
+                            "template loops over a message's content")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a `chat_template` in requests (vLLM's flag): each renders in a child "
                             "process, within 2 s and 1 GiB; without it such requests get a 400")
@@ -322,7 +327,7 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     prompt_tokens_details=args.enable_prompt_tokens_details,
                     force_include_usage=args.enable_force_include_usage,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids, response_role=args.response_role,
-                    responses_store_mb=args.responses_store_mb, responses_store_ttl=args.responses_store_ttl,
+                    content_format=args.chat_template_content_format, responses_store_mb=args.responses_store_mb, responses_store_ttl=args.responses_store_ttl,
                     also_serve=[also_served(spec) for spec in args.also_serve],
                     batch_dir=args.batch_dir or default_batch_dir(), batch_concurrency=args.batch_concurrency,
                     batch_max_file_mb=args.batch_max_file_mb)
@@ -340,7 +345,9 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     log.info("gateway_listening", **where, https=context is not None,
              scheduler=args.scheduler_address,
              also_serve=[spec.model for spec in args.also_serve],
-             api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins)
+             api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins,
+             chat_template_content_format=tokenizer.content_format if args.chat_template_content_format == "auto"
+             else args.chat_template_content_format)
     if not args.api_key and not args.uds and not is_loopback(args.host):
         # Said on every start: vLLM's images listen on 0.0.0.0 without a key, and so may ours.
         log.warning("unauthenticated_public_bind", host=args.host, port=args.port,

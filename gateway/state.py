@@ -70,6 +70,8 @@ class Gateway:
     prompt_tokens_details: bool = False
     # --enable-force-include-usage: every stream ends with its usage, asked for or not.
     force_include_usage: bool = False
+    # --chat-template-content-format: "string", "openai", or "auto" (what each template expects).
+    content_format: str = "auto"
     # --response-role: the role replies to a chat that asked for a new turn are written as.
     response_role: str = "assistant"
     # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" unless a request says otherwise.

@@ -86,6 +86,7 @@ def test_a_deployment_guides_compat_flags_reach_no_process():
     (["--swap-space", "-4"], "must be 0 or more"),
     (["--max-logprobs", "-2"], "must be 0 or more, or -1 for the whole vocabulary"),
     (["--response-role", ""], "must be a name without surrounding white space"),
+    (["--chat-template-content-format", "list"], "invalid choice"),
     (["--gpu", "0.5"], "unrecognized argument --gpu; did you mean --gpu-memory-utilization?"),
     (["--max-num-seq", "8"], "did you mean --max-num-seqs?"),
     (["--gpu-memory-utlization", "0.5"], "did you mean --gpu-memory-utilization?"),
@@ -138,11 +139,14 @@ def test_the_gateway_gets_the_usage_flags_given():
     assert "--enable-force-include-usage" not in _gateway_argv(parse(), config_from_args(parse()))
 
 
-def test_the_gateway_gets_the_response_role():
+def test_the_gateway_gets_the_response_role_and_content_format():
     from pagedserve.entrypoints.cli import _gateway_argv
-    args = parse("--response-role", "model")
-    assert "--response-role=model" in _gateway_argv(args, config_from_args(args))
-    assert not any(a.startswith("--response-role") for a in _gateway_argv(parse(), config_from_args(parse())))
+    args = parse("--response-role", "model", "--chat-template-content-format", "openai")
+    argv = _gateway_argv(args, config_from_args(args))
+    assert "--response-role=model" in argv
+    assert argv[argv.index("--chat-template-content-format") + 1] == "openai"
+    default = _gateway_argv(parse(), config_from_args(parse()))
+    assert not any(a.startswith(("--response-role", "--chat-template-content-format")) for a in default)
 
 
 def test_the_gateway_gets_the_cors_flags_given():

@@ -9,6 +9,7 @@ from datetime import datetime
 from functools import lru_cache
 
 import jinja2.ext
+from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -82,6 +83,53 @@ def compile_template(source: str) -> jinja2.Template:
     except Exception as e:
         # Deep nesting fails in Python's own compiler (IndentationError, RecursionError).
         raise ChatTemplateError(f"the chat template does not compile: {_reason(e)}") from None
+
+
+# --chat-template-content-format's choices: how a message's content reaches the template.
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+@lru_cache(maxsize=16)
+def content_format(source: str) -> str:
+    """"openai" where the template loops over a message's content, so expects it as a list of
+    {"type": "text", "text": ...} parts; else "string", the parts joined by newlines (vLLM's
+    detection for --chat-template-content-format auto). "string" for what does not parse."""
+    try:
+        tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(source)
+    except Exception:
+        return "string"
+    loops = list(tree.find_all(nodes.For))
+    lists = _names_from(tree, {"messages"})
+    items = {loop.target.name for loop in loops
+             if isinstance(loop.target, nodes.Name) and any(_reads(loop.iter, name) for name in lists)}
+    return "openai" if any(_reads(loop.iter, item, "content") for loop in loops for item in items) else "string"
+
+
+def _names_from(tree: nodes.Template, names: set[str]) -> set[str]:
+    """`names` and every variable a `set` derives from them (`set rest = messages[1:]`)."""
+    names, grew = set(names), True
+    while grew:
+        grew = False
+        for assign in tree.find_all(nodes.Assign):
+            target = assign.target
+            if isinstance(target, nodes.Name) and target.name not in names and any(
+                    _reads(assign.node, name) for name in names):
+                names.add(target.name)
+                grew = True
+    return names
+
+
+def _reads(node: nodes.Node, name: str, key: str | None = None) -> bool:
+    """Whether `node` is variable `name` (or its `key` item), through filters, tests and slices."""
+    while isinstance(node, (nodes.Filter, nodes.Test)) or (
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+        node = node.node
+    if key is not None:
+        by_item = isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+        if not (by_item or isinstance(node, nodes.Getattr) and node.attr == key):
+            return False
+        node = node.node
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
 
 
 def render(template: jinja2.Template, variables: dict) -> str:

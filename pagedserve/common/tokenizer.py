@@ -7,7 +7,7 @@ from pathlib import Path
 import jinja2
 from tokenizers import Tokenizer as RustTokenizer
 
-from pagedserve.common.chat_template import ChatTemplateError, compile_template, render
+from pagedserve.common.chat_template import ChatTemplateError, compile_template, content_format, render
 from pagedserve.common.gguf_tokenizer import load_gguf_tokenizer
 
 
@@ -65,6 +65,8 @@ class Tokenizer:
         self.eos_token_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template = compile_template(chat_template) if chat_template else None
+        # How its template takes a message's content ("string" or "openai"; see content_format).
+        self.content_format = content_format(chat_template) if chat_template else "string"
         self.has_score_template = bool(chat_template) and all(r.search(chat_template) for r in _SCORE_ROLES)
         # tokenizer.json's post-processor normally adds BOS; some configs ask for it without one.
         probe = tokenizer.encode("", add_special_tokens=True).ids

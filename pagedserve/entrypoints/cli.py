@@ -334,6 +334,8 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv.append("--enable-force-include-usage")
     if args.return_tokens_as_token_ids:
         argv.append("--return-tokens-as-token-ids")
+    if args.chat_template_content_format != "auto":
+        argv += ["--chat-template-content-format", args.chat_template_content_format]
     if args.response_role != "assistant":
         argv.append(f"--response-role={args.response_role}")
     if tool_parser(args):

@@ -207,6 +207,48 @@ async def test_response_role_names_new_turns_and_a_continued_turn_keeps_its_role
         assert first["choices"][0]["delta"]["role"] == role
 
 
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}S:{{ m.content }}{% else %}"
+                  "{% for p in m.content %}P:{{ p.text }}{% endfor %}{% endif %}</{{ m.role }}>{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+async def test_content_parts_reach_a_template_that_loops_over_them_as_parts(http, engine, tokenizer_dir):
+    tokenizer = Tokenizer.from_dir(tokenizer_dir, chat_template=PARTS_TEMPLATE)
+    assert tokenizer.content_format == "openai"
+    chat = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hal"}, {"type": "text", "text": "lo"}]}]
+    continued = {"messages": chat, "add_generation_prompt": False, "continue_final_message": True}
+    prompts = {}
+    for form in ("auto", "string", "openai"):
+        runner, url = await serve_live_gateway(tokenizer, engine.address, content_format=form)
+        try:
+            for name, body in (("new", {"messages": chat[:1]}), ("continued", continued)):
+                async with http.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 1}) as r:
+                    assert r.status == 200, await r.text()
+                prompts[form, name] = tokenizer.decode(list(engine.requests[-1].prompt_token_ids))
+        finally:
+            await runner.cleanup()
+    assert prompts["auto", "new"] == prompts["openai", "new"] == "<user>P:aP:b</user><assistant>"
+    assert prompts["string", "new"] == "<user>S:a\nb</user><assistant>"
+    # The continued message ends with its last part, as transformers continues a list of parts.
+    assert prompts["auto", "continued"] == "<user>P:aP:b</user><assistant>P:HalP:lo"
+    assert prompts["string", "continued"] == "<user>S:a\nb</user><assistant>S:Hal\nlo"
+
+
+async def test_a_request_template_that_loops_over_content_gets_parts(http, engine, tokenizer):
+    runner, url = await serve_live_gateway(tokenizer, engine.address, trust_request_chat_template=True)
+    chat = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    try:
+        for template, expected in ((PARTS_TEMPLATE, "<user>P:aP:b</user><assistant>"),
+                                   (CHAT_TEMPLATE, tokenizer.apply_chat_template([{"role": "user", "content": "a\nb"}]))):
+            body = {"messages": chat, "max_tokens": 1, "chat_template": template}
+            async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+            assert tokenizer.decode(list(engine.requests[-1].prompt_token_ids), False) == expected
+    finally:
+        await runner.cleanup()
+
+
 async def test_reasoning_effort_reaches_the_chat_template_unless_its_kwargs_set_it(http, engine, tokenizer_dir):
     tokenizer = Tokenizer.from_dir(tokenizer_dir, chat_template="{{ reasoning_effort }}|" + CHAT_TEMPLATE)
     runner, url = await serve_live_gateway(tokenizer, engine.address)
