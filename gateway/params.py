@@ -325,6 +325,19 @@ def check_stop(stop: str | list[str] | None) -> None:
                               param="stop")
 
 
+def truncation(value: int | None, max_model_len: int) -> int | None:
+    """How many tokens of each prompt or input to keep (the last ones), None for all: vLLM's
+    truncate_prompt_tokens."""
+    if value is None:
+        return None
+    if value == -1:
+        return max_model_len
+    if not 1 <= value <= max_model_len:
+        raise bad_request(f"`truncate_prompt_tokens` is {value}; send -1 (the model's limit) or 1 to "
+                          f"{max_model_len}, the model's maximum context length.", param="truncate_prompt_tokens")
+    return value
+
+
 def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> None:
     """400 when a prompt plus the requested output does not fit the context window."""
     longest = max(len(p) for p in prompts)

@@ -88,20 +88,8 @@ def embedding_inputs(req: EmbeddingRequest | ClassificationRequest, limit: int, 
     given = split_inputs(req.input, limit)
     too_long = ("Shorten it, or set `truncate_prompt_tokens` (-1: the model's limit) to keep its last tokens."
                 + (LANGCHAIN_HINT if not isinstance(given[0], str) else ""))
-    return EmbedInputs(given, truncation(req.truncate_prompt_tokens, max_model_len), keep_first=False,
+    return EmbedInputs(given, params.truncation(req.truncate_prompt_tokens, max_model_len), keep_first=False,
                        too_long=too_long, add_special_tokens=req.add_special_tokens)
-
-
-def truncation(value: int | None, max_model_len: int) -> int | None:
-    """How many tokens of each input to keep (the last ones), None for all: vLLM's truncate_prompt_tokens."""
-    if value is None:
-        return None
-    if value == -1:
-        return max_model_len
-    if not 1 <= value <= max_model_len:
-        raise bad_request(f"`truncate_prompt_tokens` is {value}; send -1 (the model's limit) or 1 to "
-                          f"{max_model_len}, the model's maximum context length.", param="truncate_prompt_tokens")
-    return value
 
 
 def encode_texts(tokenizer: Tokenizer, inputs: EmbedInputs, prefix: str) -> list[list[int]]:

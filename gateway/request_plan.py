@@ -107,6 +107,9 @@ async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> P
         params.check_fan_out(len(given), req.sampling.n, gateway.max_client_batch_size)
         prompts = await _encoded(gateway, served.tokenizer, given)
         constraint = await _checked(gateway, req.constraint)
+    keep = params.truncation(req.sampling.truncate_prompt_tokens, served.spec.max_model_len)
+    if keep is not None:
+        prompts = [prompt[-keep:] for prompt in prompts]
     rid = uuid.uuid4().hex
     choices = _choices(rid, req, prompts, served, constraint)
     as_ids = req.sampling.return_tokens_as_token_ids

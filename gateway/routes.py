@@ -83,7 +83,9 @@ async def completion_plan(gateway: Gateway, served: ServedModel, req: Completion
     p = await plan(gateway, served, neutral)
     echo = [""] * len(p.choices)
     if req.echo:
-        echo = [await _echo_text(gateway, p, given[c.index // req.n]) for c in p.choices]
+        # A truncated prompt echoes what the model read.
+        shown = given if req.truncate_prompt_tokens is None else p.prompts
+        echo = [await _echo_text(gateway, p, shown[c.index // req.n]) for c in p.choices]
     prompt_lp = None
     if prompt_logprobs is not None:
         prompt_lp = PromptLogprobs(vllm=req.prompt_logprobs is not None,

@@ -160,6 +160,8 @@ class SamplingFields(Struct, kw_only=True):
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # vLLM's: under --scheduling-policy priority, lower runs first.
     priority: int = 0
+    # vLLM's: the model reads only the prompt's last this many tokens (-1: the model's limit).
+    truncate_prompt_tokens: int | None = None
     # vLLM's: logprobs name tokens as "token_id:N" (unset: --return-tokens-as-token-ids).
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: the prompt's and each choice's token ids beside the text.

@@ -90,6 +90,29 @@ async def test_completion_prompt_forms_and_echo(client, tokenizer, engine):
     assert echoed.choices[0].text.startswith("Once upon") and len(echoed.choices[0].text) > 9
 
 
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, base_url, tokenizer, engine):
+    ids = tokenizer.encode("Once upon a time there was")
+    body = {"prompt": "Once upon a time there was", "max_tokens": 2, "echo": True, "truncate_prompt_tokens": 3}
+    async with http.post(f"{base_url}/v1/completions", json=body) as r:
+        reply = await r.json()
+    assert list(engine.requests[-1].prompt_token_ids) == ids[-3:]
+    assert reply["usage"]["prompt_tokens"] == 3
+    # Echo shows what the model read.
+    assert reply["choices"][0]["text"].startswith(tokenizer.decode(ids[-3:]))
+    async with http.post(f"{base_url}/v1/chat/completions",
+                         json={"messages": CHAT, "max_tokens": 2, "truncate_prompt_tokens": 4}) as r:
+        assert r.status == 200
+    assert list(engine.requests[-1].prompt_token_ids) == tokenizer.encode(
+        tokenizer.apply_chat_template(CHAT), add_special_tokens=False)[-4:]
+    async with http.post(f"{base_url}/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": -1,
+                                                            "max_tokens": 2}) as r:
+        assert r.status == 200 and list(engine.requests[-1].prompt_token_ids) == ids
+    for bad in (0, -2, MAX_MODEL_LEN + 1):
+        async with http.post(f"{base_url}/v1/completions", json={**body, "truncate_prompt_tokens": bad}) as r:
+            error = (await r.json())["error"]
+        assert (r.status, error["param"]) == (400, "truncate_prompt_tokens"), bad
+
+
 async def test_raw_sse_framing_and_include_usage(http, base_url):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 5, "stream": True,
             "stream_options": {"include_usage": True}}
