@@ -24,8 +24,7 @@ async def chat_prompt(gateway: Gateway, tokenizer: Tokenizer, chat: ChatInput, a
         if chat.template is None:
             return await gateway.offload(chat.size, _render_and_encode, tokenizer, chat, form, add_generation_prompt,
                                          add_special_tokens)
-        variables = tokenizer.chat_variables(chat.template_messages(form), add_generation_prompt, chat.tools,
-                                             chat.template_kwargs)
+        variables = _variables(tokenizer, chat, form, add_generation_prompt)
         text = _continued(chat, form, await gateway.templates.render(chat.template, variables))
     except ChatTemplateError as e:
         raise bad_request(f"Cannot build a prompt from these messages: {e}",
@@ -42,9 +41,13 @@ def _content_format(gateway: Gateway, tokenizer: Tokenizer, chat: ChatInput) -> 
 
 def _render_and_encode(tokenizer: Tokenizer, chat: ChatInput, form: str, add_generation_prompt: bool,
                        add_special_tokens: bool) -> list[int]:
-    text = tokenizer.render_chat(tokenizer.chat_variables(chat.template_messages(form), add_generation_prompt,
-                                                          chat.tools, chat.template_kwargs))
+    text = tokenizer.render_chat(_variables(tokenizer, chat, form, add_generation_prompt))
     return tokenizer.encode(_continued(chat, form, text), add_special_tokens=add_special_tokens)
+
+
+def _variables(tokenizer: Tokenizer, chat: ChatInput, form: str, add_generation_prompt: bool) -> dict:
+    return tokenizer.chat_variables(chat.template_messages(form), add_generation_prompt, chat.tools,
+                                    chat.template_kwargs, chat.documents)
 
 
 def _continued(chat: ChatInput, form: str, text: str) -> str:

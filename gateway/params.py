@@ -150,6 +150,8 @@ class ChatInput:
     # Each message's text parts as sent (none for null content), for templates that take content
     # as parts; `messages` hold them joined by newlines.
     parts: list[list[str]] = field(default_factory=list)
+    # vLLM's `documents`: what a RAG template (Command R's, Granite's) cites.
+    documents: list[dict] | None = None
 
     def template_messages(self, content_format: str) -> list[dict]:
         """The messages in `content_format` (see chat_template.content_format): content as one
@@ -168,7 +170,8 @@ class ChatInput:
 
 
 def chat_input(messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: dict[str, Any] | None,
-               template: str | None, trust_template: bool, continue_final: bool = False) -> ChatInput:
+               template: str | None, trust_template: bool, continue_final: bool = False,
+               documents: list[dict] | None = None) -> ChatInput:
     """A chat's template input; a 400 for a request template the server does not trust or that is
     too long, for kwargs that would replace the template's own variables, and past MAX_PROMPT_CHARS
     in all (the number of messages was checked when the request was decoded)."""
@@ -181,12 +184,12 @@ def chat_input(messages: list[ChatMessage], tools: list[Tool] | None, template_k
     rendered = [_chat_message(m, i, p) for i, (m, p) in enumerate(zip(messages, parts))]
     tool_dicts = None if not tools else [msgspec.to_builtins(t) for t in tools]
     size = (sum(_message_size(m) for m in rendered) + _json_size(tool_dicts) + _json_size(template_kwargs)
-            + len(template or ""))
+            + _json_size(documents) + len(template or ""))
     if size > MAX_PROMPT_CHARS:
-        raise bad_request(f"The chat (its messages, tools, chat_template_kwargs and chat_template) holds {size} "
-                          f"characters; the limit is {MAX_PROMPT_CHARS} per request.", param="messages")
+        raise bad_request(f"The chat (its messages, tools, documents, chat_template_kwargs and chat_template) holds "
+                          f"{size} characters; the limit is {MAX_PROMPT_CHARS} per request.", param="messages")
     return ChatInput(rendered, tool_dicts, template_kwargs, template, size, continue_final,
-                     [p or [] for p in parts])
+                     [p or [] for p in parts], documents)
 
 
 def check_request_template(template: str | None, trusted: bool) -> None:

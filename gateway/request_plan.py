@@ -56,6 +56,8 @@ class NeutralRequest:
     chat_template: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    documents: list[dict] | None = None
+    add_special_tokens: bool = False
     # Batch work (a Batch API line), which the scheduler runs on the capacity interactive requests leave.
     background: bool = False
     # The protocol's names of the fields errors name (e.g. {"max_tokens": "max_output_tokens"}).
@@ -125,8 +127,8 @@ async def _chat_prompt(gateway: Gateway, tokenizer: Tokenizer, req: NeutralReque
                        constraint: StructuredOutputsParams | None) -> list[int]:
     """The rendered chat's token ids; turns the reasoning split off where the prompt closed the thinking."""
     chat = params.chat_input(req.messages, req.tools, req.chat_template_kwargs, req.chat_template,
-                             gateway.trust_request_chat_template, req.continue_final_message)
-    prompt = await chat_prompt(gateway, tokenizer, chat, req.add_generation_prompt)
+                             gateway.trust_request_chat_template, req.continue_final_message, req.documents)
+    prompt = await chat_prompt(gateway, tokenizer, chat, req.add_generation_prompt, req.add_special_tokens)
     if options.reasoning and reasoning.ended_in_prompt(tokenizer.decode(prompt, False)):
         options.reasoning = False
     if options.reasoning and constraint is not None:

@@ -45,7 +45,8 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
                              logprobs=params.chat_logprobs(req), prompt_logprobs=req.prompt_logprobs,
                              include_usage=_include_usage(req, gateway), chat_template_kwargs=_template_kwargs(req),
                              chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
-                             continue_final_message=req.continue_final_message,
+                             continue_final_message=req.continue_final_message, documents=req.documents,
+                             add_special_tokens=req.add_special_tokens,
                              background=background, field_names=TOP_LOGPROBS_NAMES)
     p = await plan(gateway, served, neutral)
     prompt_lp = None

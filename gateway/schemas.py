@@ -209,6 +209,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # request's own in place of the model's.
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
+    # vLLM's: documents a RAG chat template cites (its `documents` variable).
+    documents: list[dict[str, str]] | None = None
+    # vLLM's: add the tokenizer's special tokens (BOS) to the rendered chat; the template writes them.
+    add_special_tokens: bool = False
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

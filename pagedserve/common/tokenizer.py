@@ -199,9 +199,9 @@ class Tokenizer:
         return render(compiled, variables)
 
     def chat_variables(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
-                       template_kwargs: dict | None) -> dict:
+                       template_kwargs: dict | None, documents: list[dict] | None = None) -> dict:
         """What a chat template renders from: `template_kwargs`, then the variables every render
         sets (RESERVED_VARIABLES), which they cannot replace."""
-        return {**(template_kwargs or {}), "messages": messages, "tools": tools, "documents": None,
+        return {**(template_kwargs or {}), "messages": messages, "tools": tools, "documents": documents,
                 "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
                 "eos_token": self.eos_token or ""}

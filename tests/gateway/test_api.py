@@ -272,6 +272,26 @@ async def test_a_request_template_that_loops_over_content_gets_parts(http, engin
         await runner.cleanup()
 
 
+async def test_documents_reach_the_template_and_add_special_tokens_adds_bos(http, engine, tokenizer_dir):
+    template = "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}" + CHAT_TEMPLATE
+    tokenizer = Tokenizer.from_dir(tokenizer_dir, chat_template=template)
+    runner, url = await serve_live_gateway(tokenizer, engine.address)
+    sent = []
+    try:
+        for extra in ({"documents": [{"title": "A", "text": "one"}, {"title": "B", "text": "two"}]},
+                      {"add_special_tokens": True}, {}):
+            async with http.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, **extra}) as r:
+                assert r.status == 200, await r.text()
+            sent.append(list(engine.requests[-1].prompt_token_ids))
+    finally:
+        await runner.cleanup()
+    documents, with_bos, plain = sent
+    assert tokenizer.decode(documents, False).startswith("[A: one][B: two]")
+    # The template writes BOS already, so the tokenizer's makes two, as in vLLM.
+    assert with_bos == [tokenizer.bos_token_id, *plain]
+    assert tokenizer.decode(plain, False) == tokenizer.apply_chat_template(CHAT)
+
+
 async def test_reasoning_effort_reaches_the_chat_template_unless_its_kwargs_set_it(http, engine, tokenizer_dir):
     tokenizer = Tokenizer.from_dir(tokenizer_dir, chat_template="{{ reasoning_effort }}|" + CHAT_TEMPLATE)
     runner, url = await serve_live_gateway(tokenizer, engine.address)
