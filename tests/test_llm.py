@@ -44,6 +44,27 @@ def test_chat_renders_the_template_and_generates(llm):
     assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
+def test_chat_takes_vllms_template_arguments(llm):
+    one = SamplingParams(temperature=0, max_tokens=1)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    joined = [{"role": "user", "content": "Hi\nthere"}]
+    # SmolLM2's template takes content as a string: parts are joined, as the server joins them.
+    assert llm.chat(parts, one, use_tqdm=False)[0].prompt == llm.chat(joined, one, use_tqdm=False)[0].prompt
+    template = ("{{ flavor }}|{{ tools[0].name }}|{% for m in messages %}{% if m.content is string %}S:{{ m.content }}"
+                "{% else %}{% for p in m.content %}P:{{ p.text }}{% endfor %}{% endif %}{% endfor %}")
+    given = dict(chat_template=template, tools=[{"name": "search"}], chat_template_kwargs={"flavor": "x"},
+                 add_generation_prompt=False, use_tqdm=False)
+    assert llm.chat(parts, one, **given)[0].prompt == "x|search|P:HiP:there"
+    assert llm.chat(parts, one, chat_template_content_format="string", **given)[0].prompt == "x|search|S:Hi\nthere"
+    begun = [*joined, {"role": "assistant", "content": "Hello, I am"}]
+    out = llm.chat(begun, one, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\nHello, I am")
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(begun, one, continue_final_message=True, use_tqdm=False)
+    with pytest.raises(ValueError, match="choose from auto, string, openai"):
+        llm.chat(joined, one, chat_template_content_format="list", use_tqdm=False)
+
+
 def test_text_and_token_prompts(llm):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     text_out, ids_out = llm.generate(

@@ -105,6 +105,36 @@ def content_format(source: str) -> str:
     return "openai" if any(_reads(loop.iter, item, "content") for loop in loops for item in items) else "string"
 
 
+def with_content_format(messages: list[dict], form: str) -> list[dict]:
+    """OpenAI's message dicts (content a string, a list of text parts, or null) with each content in
+    `form`: "string", the parts' texts joined by newlines, or "openai", a list of text parts."""
+    return [{**m, "content": _content(m.get("content"), form)} for m in messages]
+
+
+def text_parts(texts: list[str]) -> list[dict]:
+    return [{"type": "text", "text": text} for text in texts]
+
+
+def final_text(content: str | list | None) -> str | None:
+    """What a continued final message ends with: its text, or its last text part's (transformers'
+    continue_final_message)."""
+    if not isinstance(content, list):
+        return content
+    return next((part["text"] for part in reversed(content) if "text" in part), None)
+
+
+def _content(content: str | list | None, form: str) -> str | list | None:
+    if form == "string":
+        return "\n".join(_texts(content)) if isinstance(content, list) else content
+    return content if isinstance(content, list) else text_parts([] if content is None else [content])
+
+
+def _texts(parts: list) -> list[str]:
+    if any(not isinstance(part, dict) or part.get("type") != "text" for part in parts):
+        raise ChatTemplateError("content parts other than text are not supported; send text parts only")
+    return [part["text"] for part in parts]
+
+
 def _names_from(tree: nodes.Template, names: set[str]) -> set[str]:
     """`names` and every variable a `set` derives from them (`set rest = messages[1:]`)."""
     names, grew = set(names), True

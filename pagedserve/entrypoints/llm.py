@@ -9,6 +9,8 @@ from tqdm import tqdm
 
 from pagedserve.executor_svc.worker import Worker
 from pagedserve.common.bad_words import bad_words_token_ids
+from pagedserve.common.chat_template import (CONTENT_FORMATS, content_format, continue_final, final_text,
+                                             with_content_format)
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.common.tokenizer import Tokenizer
@@ -87,19 +89,40 @@ class LLM(Pooling):
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generates a reply to each conversation (one list of {"role", "content"} messages, or
-        several), rendered with the model's chat template; one RequestOutput per conversation."""
+        several), rendered with the model's chat template or `chat_template`; one RequestOutput per
+        conversation. The other arguments are vLLM's: how content reaches the template ("auto",
+        "string" or "openai"), whether the prompt opens the assistant's turn or continues the final
+        message, and the template's `tools` and extra variables."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model} has no tokenizer, so no chat template: use "
                              "generate() with {'prompt_token_ids': [...]} prompts")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message and add_generation_prompt "
+                             "starts a new one; pass add_generation_prompt=False")
+        form = self._content_format(chat_template, chat_template_content_format)
         prompts = []
         for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            conversation = with_content_format(conversation, form)
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt, tools, chat_template,
+                                                      **(chat_template_kwargs or {}))
+            if continue_final_message:
+                text = continue_final(text, final_text(conversation[-1]["content"]))
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _content_format(self, chat_template: str | None, given: str) -> str:
+        if given not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format={given!r}: choose from {', '.join(CONTENT_FORMATS)}")
+        if given != "auto":
+            return given
+        return self.tokenizer.content_format if chat_template is None else content_format(chat_template)
 
     def _start(self, prompt: Prompt, params: SamplingParams, children: dict[int, _Child],
                priority: int) -> RequestOutput:
