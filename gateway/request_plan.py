@@ -10,7 +10,7 @@ from typing import Any
 
 from pagedserve.common.sampling_params import StructuredOutputsParams
 from pagedserve.common.tokenizer import Tokenizer
-from pagedserve.gateway import params, reasoning
+from pagedserve.gateway import chat_fit, params, reasoning
 from pagedserve.gateway.admission import check_runner
 from pagedserve.gateway.chat_output import ChatOutputOptions, ChoiceOutput
 from pagedserve.gateway.chat_prompt import chat_prompt
@@ -58,6 +58,8 @@ class NeutralRequest:
     continue_final_message: bool = False
     documents: list[dict] | None = None
     add_special_tokens: bool = False
+    # Responses' truncation "auto": a chat too long for the context loses its oldest turns (chat_fit).
+    drop_oldest_turns: bool = False
     # Batch work (a Batch API line), which the scheduler runs on the capacity interactive requests leave.
     background: bool = False
     # The protocol's names of the fields errors name (e.g. {"max_tokens": "max_output_tokens"}).
@@ -100,10 +102,13 @@ async def plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> Pl
 async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> Plan:
     check_runner(served, "generate", "text generation")
     options = ChatOutputOptions(reasoning=req.messages is not None and gateway.reasoning_parser is not None)
+    max_tokens = params.max_tokens(req.max_tokens, served.sampling_defaults.get("max_tokens"), served.max_tokens_cap)
     if req.messages is not None:
         params.check_fan_out(1, req.sampling.n, gateway.max_client_batch_size)
         constraint = await _checked(gateway, _chat_constraint(req, gateway, options))
-        prompts = [await _chat_prompt(gateway, served.tokenizer, req, options, constraint)]
+        # The most prompt tokens that leave room for the output (at least one token of it).
+        limit = served.spec.max_model_len - (max_tokens or 1)
+        prompts = [await _chat_prompt(gateway, served.tokenizer, req, options, constraint, limit)]
     else:
         given = params.split_prompts(req.prompts)
         params.check_fan_out(len(given), req.sampling.n, gateway.max_client_batch_size)
@@ -113,7 +118,7 @@ async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> P
     if keep is not None:
         prompts = [prompt[-keep:] for prompt in prompts]
     rid = uuid.uuid4().hex
-    choices = _choices(rid, req, prompts, served, constraint)
+    choices = _choices(rid, req, prompts, served, constraint, max_tokens)
     as_ids = req.sampling.return_tokens_as_token_ids
     generation = Generation(served.engines, served.tokenizer, choices, current_request_id(), served.metrics,
                             time.monotonic(), gateway.stream_interval, gateway.log_requests,
@@ -124,11 +129,15 @@ async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> P
 
 
 async def _chat_prompt(gateway: Gateway, tokenizer: Tokenizer, req: NeutralRequest, options: ChatOutputOptions,
-                       constraint: StructuredOutputsParams | None) -> list[int]:
-    """The rendered chat's token ids; turns the reasoning split off where the prompt closed the thinking."""
-    chat = params.chat_input(req.messages, req.tools, req.chat_template_kwargs, req.chat_template,
-                             gateway.trust_request_chat_template, req.continue_final_message, req.documents)
-    prompt = await chat_prompt(gateway, tokenizer, chat, req.add_generation_prompt, req.add_special_tokens)
+                       constraint: StructuredOutputsParams | None, limit: int) -> list[int]:
+    """The rendered chat's token ids (without its oldest turns past `limit` tokens, where the request
+    asks for that); turns the reasoning split off where the prompt closed the thinking."""
+    async def render(messages: list[ChatMessage]) -> list[int]:
+        chat = params.chat_input(messages, req.tools, req.chat_template_kwargs, req.chat_template,
+                                 gateway.trust_request_chat_template, req.continue_final_message, req.documents)
+        return await chat_prompt(gateway, tokenizer, chat, req.add_generation_prompt, req.add_special_tokens)
+
+    prompt = await (chat_fit.fit(req.messages, limit, render) if req.drop_oldest_turns else render(req.messages))
     if options.reasoning and reasoning.ended_in_prompt(tokenizer.decode(prompt, False)):
         options.reasoning = False
     if options.reasoning and constraint is not None:
@@ -171,9 +180,8 @@ async def _checked(gateway: Gateway,
 
 
 def _choices(rid: str, req: NeutralRequest, prompts: list[list[int]], served: ServedModel,
-             constraint: StructuredOutputsParams | None) -> list[Choice]:
+             constraint: StructuredOutputsParams | None, max_tokens: int | None) -> list[Choice]:
     sampling, spec = req.sampling, served.spec
-    max_tokens = params.max_tokens(req.max_tokens, served.sampling_defaults.get("max_tokens"), served.max_tokens_cap)
     # The length first: it costs nothing, while the vocabulary check reads every id.
     params.check_context(prompts, max_tokens, spec.max_model_len)
     params.check_prompts(prompts, spec.vocab_size)

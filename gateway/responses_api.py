@@ -114,9 +114,6 @@ def _check_supported(req: ResponsesRequest) -> None:
     if req.background and (req.stream or req.store is False):
         raise bad_request("`background` needs `store` (the response is fetched later) and no `stream`; send "
                           "`background: true` alone, or `stream: true` alone.", param="background")
-    if req.truncation == "auto":
-        raise bad_request('`truncation` "auto" is not supported: input that does not fit the context is a 400; '
-                          'send "disabled" or leave it out.', param="truncation")
     if req.top_logprobs:
         raise bad_request("`top_logprobs` is not supported on /v1/responses yet; use /v1/chat/completions for "
                           "logprobs.", param="top_logprobs")
@@ -201,7 +198,7 @@ def neutral_request(req: ResponsesRequest, messages: list[ChatMessage]) -> Neutr
     effort = req.reasoning.effort if req.reasoning is not None else None
     return NeutralRequest(sampling, messages=messages, tools=_tools(req.tools), tool_choice=_tool_choice(req),
                           parallel_tool_calls=req.parallel_tool_calls, constraint=_constraint(req.text),
-                          max_tokens=req.max_output_tokens,
+                          max_tokens=req.max_output_tokens, drop_oldest_turns=req.truncation == "auto",
                           chat_template_kwargs=None if effort is None else {"reasoning_effort": effort},
                           field_names=_FIELD_NAMES)
 
@@ -251,7 +248,7 @@ def _in_progress(req: ResponsesRequest, model: str) -> Response:
                     background=bool(req.background),
                     store=req.store is not False, temperature=req.temperature, text=req.text or TextOptions(),
                     tool_choice=req.tool_choice or "auto", tools=req.tools or [], top_p=req.top_p,
-                    user=UNSET if req.user is None else req.user)
+                    truncation=req.truncation or "disabled", user=UNSET if req.user is None else req.user)
 
 
 def _store(store: ResponseStore, req: ResponsesRequest, turn: list[ChatMessage], response: Response) -> None:

@@ -163,7 +163,7 @@ async def test_store_false_keeps_nothing(http, base_url):
     ({"input": [{"type": "message", "content": "no role"}]}, "input[0].role"),
     ({"input": "hi", "temperature": 3}, "temperature"),
     ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
-    ({"input": "hi", "truncation": "auto"}, "truncation"),
+    ({"input": "hi", "truncation": "middle"}, "truncation"),
     ({"input": "hi", "background": True, "stream": True}, "background"),
     ({"input": "hi", "background": True, "store": False}, "background"),
     ({"input": "hi", "max_output_tokens": 1000}, "max_output_tokens"),
@@ -284,3 +284,27 @@ def test_the_store_drops_the_oldest_past_its_size_and_age(monkeypatch):
     later = time.monotonic() + 61
     monkeypatch.setattr(time, "monotonic", lambda: later)
     assert store.get("r2") is None
+
+
+async def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(http, base_url, engine, tokenizer):
+    turns = [[{"role": "user", "content": f"turn{i} " + "x" * 40}, {"role": "assistant", "content": "y" * 40}]
+             for i in range(4)]
+    latest = {"role": "user", "content": "the question"}
+    body = {"input": [*sum(turns, []), latest], "instructions": "Be brief.", "max_output_tokens": 16}
+    status, raw = await post(http, base_url, body)
+    assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"
+    status, raw = await post(http, base_url, {**body, "truncation": "auto"})
+    assert status == 200 and json.loads(raw)["truncation"] == "auto"
+    prompt = list(engine.requests[-1].prompt_token_ids)
+    system = [{"role": "system", "content": "Be brief."}]
+
+    def length(first: int) -> int:
+        return len(tokenizer.encode(tokenizer.apply_chat_template(system + sum(turns[first:], []) + [latest]),
+                                    add_special_tokens=False))
+    # The instructions and the latest turn stay, and only as many of the oldest turns go as must.
+    dropped = next(first for first in range(5) if length(first) <= 256 - 16)
+    assert 0 < dropped < 4 and len(prompt) == length(dropped)
+    text = tokenizer.decode(prompt, False)
+    assert "Be brief." in text and f"turn{dropped - 1}" not in text and f"turn{dropped}" in text
+    status, raw = await post(http, base_url, {"input": "word " * 300, "truncation": "auto"})
+    assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"
