@@ -92,7 +92,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if not req.messages:
         return _loaded(req, chat=True)
     neutral = _neutral(req, messages=translate.chat_messages(req.messages), tools=req.tools,
-                       chat_template_kwargs=translate.template_kwargs(req.think))
+                       chat_template_kwargs=translate.template_kwargs(req.think), drop_oldest_turns=req.truncate)
     p = await plan(gateway, served, neutral)
     return await run(request, p, Replies(p.id, req.model, True, clock, req.logprobs), NDJSONWriter.open)
 

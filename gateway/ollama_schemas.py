@@ -66,6 +66,8 @@ class GenerationFields(Struct, kw_only=True):
 class ChatRequest(GenerationFields, kw_only=True):
     messages: Annotated[list[Message], Meta(max_length=MAX_MESSAGES)] = []
     tools: list[Tool] | None = None
+    # Ollama's: a chat too long for the context loses its oldest messages (false: an error).
+    truncate: bool = True
 
 
 class GenerateRequest(GenerationFields, kw_only=True):

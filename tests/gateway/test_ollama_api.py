@@ -211,3 +211,16 @@ async def test_logprobs_whole_and_streamed(base_url):
     plain = await client.generate(model=MODEL, prompt="hi", options={"num_predict": 3}, logprobs=True)
     assert len(plain.logprobs) == 3 and not plain.logprobs[0].top_logprobs
     assert (await client.chat(model=MODEL, messages=MESSAGES, options={"num_predict": 2})).logprobs is None
+
+
+async def test_chat_drops_the_oldest_turns_that_do_not_fit_unless_truncate_is_false(http, base_url, engine, tokenizer):
+    turns = [[{"role": "user", "content": f"turn{i} " + "x" * 60}, {"role": "assistant", "content": "y" * 60}]
+             for i in range(4)]
+    body = {"model": MODEL, "messages": [*sum(turns, []), *MESSAGES], "stream": False,
+            "options": {"num_predict": 8}}
+    async with http.post(f"{base_url}/api/chat", json=body) as r:
+        assert r.status == 200
+    text = tokenizer.decode(list(engine.requests[-1].prompt_token_ids), False)
+    assert "turn0" not in text and "turn3" in text and text.endswith("<|user|>hi\n<|assistant|>")
+    async with http.post(f"{base_url}/api/chat", json={**body, "truncate": False}) as r:
+        assert r.status == 400 and "maximum context length" in (await r.json())["error"]
