@@ -137,6 +137,7 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     app.router.add_post("/ping", ops_routes.health)
     app.router.add_post("/invocations", sagemaker.invocations)
     app.router.add_get("/version", ops_routes.version_info)
+    app.router.add_get("/load", ops_routes.load)
     app.router.add_get("/metrics", ops_routes.metrics)
     app.router.add_get("/v1/models", routes.list_models)
     app.router.add_get("/v1/models/{model:.+}", routes.get_model)

@@ -1,4 +1,4 @@
-"""Operational routes: /health for probes, /version, and /metrics for Prometheus."""
+"""Operational routes: /health for probes, /load for balancers, /version, and /metrics for Prometheus."""
 import asyncio
 
 import msgspec
@@ -32,6 +32,12 @@ def _none_serving(models: list[list[str]]) -> str:
     down = " ".join(f"{prefix.format(m=m)} {i}: {reason}" for m, states in enumerate(models)
                     for i, reason in enumerate(states))
     return f"No scheduler is serving. {down}"
+
+
+async def load(request: web.Request) -> web.Response:
+    """vLLM's /load: the engine requests (generation and pooling) in flight on this gateway, which a
+    load balancer can route by."""
+    return web.json_response({"server_load": request.app[GATEWAY].generating})
 
 
 async def version_info(request: web.Request) -> web.Response:

@@ -131,6 +131,8 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
     group.add_argument("--enable-request-id-headers", action="store_true",
                        help="accepted for vLLM's commands: every response carries X-Request-Id anyway (the "
                             "client's, or a new one)")
+    group.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="accepted for vLLM's commands: GET /load reports the requests in flight anyway")
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="end every chat and completions stream with a usage chunk, as "
                             "stream_options.include_usage does (vLLM's flag)")

@@ -51,7 +51,7 @@ def test_model_positional_or_flag_and_several_served_names():
                                   ["--swap-space", "16"], ["--disable-custom-all-reduce"], ["-pp", "1"],
                                   ["--pipeline-parallel-size", "1"], ["--distributed-executor-backend", "mp"],
                                   ["--tokenizer-mode", "auto"], ["--max-logprobs", "-1"], ["--max-logprobs", "0"],
-                                  ["--enable-request-id-headers"]])
+                                  ["--enable-request-id-headers"], ["--enable-server-load-tracking"]])
 def test_accepted_vllm_flags(argv):
     parse(*argv)
 

@@ -157,9 +157,13 @@ async def test_requests_past_max_concurrent_requests_get_a_503(http, serve, engi
         async with http.post(url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 1}) as third:
             assert third.status == 503 and third.headers["Retry-After"]
             error = (await third.json())["error"]
+        async with http.get(url + "/load") as r:
+            assert await r.json() == {"server_load": 2}
         assert error["code"] == "server_overloaded" and "--max-concurrent-requests" in error["message"]
         await first.read()
         await second.read()
     engine.delay = 0.001
     async with http.post(url + CHAT, json={"messages": [USER], "max_tokens": 1}) as r:
         assert r.status == 200
+    async with http.get(url + "/load") as r:
+        assert await r.json() == {"server_load": 0}
