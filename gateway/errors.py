@@ -86,7 +86,7 @@ _HTTP_MESSAGES = {
     404: "Not found: this server serves /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, "
          "/v1/messages, /v1/embeddings, /v1/files, /v1/batches, /rerank, /v1/rerank, /v2/rerank, /score, /v1/score, Ollama's /api/chat, "
          "/api/generate, /api/embed, /api/embeddings, /api/tags, /api/show, /api/ps and /api/version, /tokenize, "
-         "/detokenize, /version, /health and /metrics.",
+         "/detokenize, /version, /load, /health and /metrics.",
     405: "Method not allowed on this path.",
     413: f"Request body too large: the limit is {MAX_BODY_BYTES} bytes.",
 }
