@@ -88,6 +88,10 @@ def test_a_deployment_guides_compat_flags_reach_no_process():
     (["--response-role", ""], "must be a name without surrounding white space"),
     (["--chat-template-content-format", "list"], "invalid choice"),
     (["--gpu", "0.5"], "unrecognized argument --gpu; did you mean --gpu-memory-utilization?"),
+    (["--enable-lora"], "--enable-lora: LoRA adapters are not built yet; merge the adapter into the model's weights"),
+    (["-O3"], "-O3: pagedserve does not run torch.compile"),
+    (["--revision", "main"], "--revision: pagedserve loads a local directory or GGUF file and never downloads"),
+    (["--speculative-config", "{}"], "--speculative-config: speculative decoding is not built yet"),
     (["--max-num-seq", "8"], "did you mean --max-num-seqs?"),
     (["--gpu-memory-utlization", "0.5"], "did you mean --gpu-memory-utilization?"),
 ])
@@ -117,6 +121,7 @@ def test_a_config_file_gives_flags_the_command_line_does_not(tmp_path):
     ("max-model-len: [\n", "is not YAML"),
     ("max-model-len:\n", "'max-model-len' has no value"),
     ("gpu-memory-utilization: 1.5\n", "argument --gpu-memory-utilization: must be in (0, 1]"),
+    ("enable-expert-parallel: true\n", "enable-expert-parallel: expert parallelism is not built yet"),
 ])
 def test_a_bad_config_file_is_refused_in_one_line(tmp_path, capsys, text, says):
     (tmp_path / "config.yaml").write_text(text)

@@ -83,6 +83,38 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+_LORA = "LoRA adapters are not built yet; merge the adapter into the model's weights and serve that"
+_DOWNLOADS = "pagedserve loads a local directory or GGUF file and never downloads; pass the path of the files you want"
+_MULTIMODAL = "multimodal input is not built yet: pagedserve serves text models"
+_PARSER_PLUGINS = "parser plugins are not built; choose a built-in --tool-call-parser or --reasoning-parser"
+_TRACING = "OpenTelemetry tracing is not built; /metrics and --enable-log-requests show each request's timing"
+# vLLM's flags for what pagedserve does not build, each refused with the reason and what to do
+# instead (by the command line, a --config file and LLM()), where it would only be unrecognized.
+UNBUILT_VLLM_FLAGS = {
+    "--enable-lora": _LORA, "--lora-modules": _LORA, "--max-loras": _LORA, "--max-lora-rank": _LORA,
+    "--speculative-config": "speculative decoding is not built yet; drop the flag",
+    "--compilation-config": "pagedserve does not run torch.compile: its steps replay CUDA graphs of Triton kernels "
+                            "(--enforce-eager turns the graphs off); drop the flag",
+    "--enable-expert-parallel": "expert parallelism is not built yet: -tp splits every expert across the GPUs, "
+                                "which computes the same; drop the flag",
+    "--enable-sleep-mode": "sleep mode (freeing the GPU between uses) is not built yet; drop the flag",
+    "--cpu-offload-gb": "weights offloaded to CPU memory are not built; split the model over GPUs with -tp, or "
+                        "serve it as FP8 (--quantization fp8)",
+    "--kv-transfer-config": "disaggregated prefill (KV transfer between engines) is not built yet",
+    "--revision": _DOWNLOADS, "--tokenizer-revision": _DOWNLOADS, "--code-revision": _DOWNLOADS,
+    "--download-dir": _DOWNLOADS,
+    "--limit-mm-per-prompt": _MULTIMODAL, "--mm-processor-kwargs": _MULTIMODAL,
+    "--guided-decoding-backend": "structured outputs always run on llguidance here; drop the flag",
+    "--structured-outputs-config": "structured outputs always run on llguidance here; drop the flag",
+    "--tool-parser-plugin": _PARSER_PLUGINS, "--reasoning-parser-plugin": _PARSER_PLUGINS,
+    "--logprobs-mode": "logprobs are always the raw logits' (vLLM's default, raw_logprobs); drop the flag",
+    "--model-impl": "pagedserve runs its own model code only; drop the flag",
+    "--root-path": "a path prefix is not built; serve at / behind a proxy that strips the prefix",
+    "--api-server-count": "one gateway process serves the API here; run more gateways behind a load balancer",
+    "--otlp-traces-endpoint": _TRACING, "--collect-detailed-traces": _TRACING,
+}
+
+
 def _flag_specs() -> dict[str, dict]:
     d = EngineConfig()
     toggle = argparse.BooleanOptionalAction
@@ -244,6 +276,9 @@ def config_from_kwargs(model: str, kwargs: dict) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
     values = {}
     for name, value in kwargs.items():
+        unbuilt = UNBUILT_VLLM_FLAGS.get(flag_name(name))
+        if unbuilt is not None and name not in specs:
+            raise ValueError(f"LLM({name}=...): {unbuilt}")
         if name not in specs:
             close = difflib.get_close_matches(name, specs, n=1)
             hint = f"; did you mean {close[0]}?" if close else "."

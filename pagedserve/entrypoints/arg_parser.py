@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from pagedserve.common.config import flag_name
+from pagedserve.common.config import UNBUILT_VLLM_FLAGS, flag_name
 
 CONFIG_FLAG = "--config"
 
@@ -35,6 +35,10 @@ class Parser(argparse.ArgumentParser):
         if flag is None:
             return f"unexpected argument {extras[0]!r}"
         flag = flag.split("=", 1)[0]
+        # vLLM's -O takes its level attached (-O3).
+        reason = UNBUILT_VLLM_FLAGS.get("--compilation-config" if flag.startswith("-O") else flag)
+        if reason is not None:
+            return f"{flag}: {reason}"
         close = closest(flag, [o for a in self._actions for o in a.option_strings])
         if close is None:
             return f"unrecognized argument {flag}; see {self.prog} --help"
@@ -74,6 +78,8 @@ class Parser(argparse.ArgumentParser):
         for key, value in data.items():
             flag = flag_name(str(key))
             action = self._option_string_actions.get(flag)
+            if action is None and flag in UNBUILT_VLLM_FLAGS:
+                raise ValueError(f"{CONFIG_FLAG} {path}: {key}: {UNBUILT_VLLM_FLAGS[flag]}")
             if action is None or flag == CONFIG_FLAG:
                 close = closest(flag, [o for a in self._actions for o in a.option_strings if o != CONFIG_FLAG])
                 hint = f"; did you mean {close[2:]}?" if close else ""
