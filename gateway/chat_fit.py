@@ -1,6 +1,7 @@
-"""Responses' truncation "auto": a chat too long for the context loses its oldest turns, as OpenAI's
-API drops items from the beginning of the conversation, so that the prompt stays well formed (vLLM
-cuts the prompt's first tokens instead, its template's header with them)."""
+"""A chat too long for the context loses its oldest turns: Responses' truncation "auto", as OpenAI's
+API drops items from the beginning of the conversation, and Ollama's chat, which drops old messages.
+Whole turns go, so that the prompt stays well formed (vLLM's truncation "auto" cuts the prompt's
+first tokens instead, its template's header with them)."""
 from collections.abc import Awaitable, Callable
 
 from pagedserve.gateway.schemas import ChatMessage

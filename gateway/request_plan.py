@@ -58,7 +58,8 @@ class NeutralRequest:
     continue_final_message: bool = False
     documents: list[dict] | None = None
     add_special_tokens: bool = False
-    # Responses' truncation "auto": a chat too long for the context loses its oldest turns (chat_fit).
+    # A chat too long for the context loses its oldest turns (chat_fit): Responses' truncation "auto",
+    # and Ollama's chat unless it sets truncate false.
     drop_oldest_turns: bool = False
     # Batch work (a Batch API line), which the scheduler runs on the capacity interactive requests leave.
     background: bool = False
