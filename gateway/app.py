@@ -12,6 +12,7 @@ from pagedserve.gateway.batch_store import BatchStore
 from pagedserve.gateway.cors import CORS, CorsRules
 from pagedserve.gateway.engine_pool import EnginePool
 from pagedserve.gateway.errors import MAX_BODY_BYTES, error_middleware
+from pagedserve.gateway.generation import RequestLog
 from pagedserve.gateway.hosts import host_middleware
 from pagedserve.gateway.http_metrics import requests_middleware
 from pagedserve.gateway.request_id import request_id_middleware
@@ -62,7 +63,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
               api_key: str | None = None, protect_metrics: bool = False,
               allowed_hosts: frozenset[str] | None = None,
               cors: CorsRules | None = None, stream_interval: int = 1,
-              log_requests: bool = False, sampling_defaults: dict | None = None,
+              log_requests: bool = False, log_outputs: bool = False, max_log_len: int | None = None,
+              sampling_defaults: dict | None = None,
               max_tokens_cap: int | None = None,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
               max_client_batch_size: int = DEFAULT_MAX_CLIENT_BATCH_SIZE,
@@ -86,7 +88,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     With `api_key`, every route but /health, /ping (and /metrics unless `protect_metrics`) needs it.
     With `allowed_hosts` (see hosts.allowed_hosts), other Host headers get a 421. `cors` lets browsers
     of its origins call the API.
-    `log_requests` logs one line per finished request (vLLM's --enable-log-requests).
+    `log_requests` logs one line per finished request (vLLM's --enable-log-requests), with its outputs
+    where `log_outputs` (--enable-log-outputs), each cut to `max_log_len` characters (None: whole).
     `sampling_defaults` (the model's generation config) fill the sampling options a request omits;
     no request gets more than `max_tokens_cap` output tokens.
     `tool_parser` reads tool calls under tool_choice "auto"; `reasoning_parser` splits off thinking.
@@ -105,7 +108,8 @@ def build_app(tokenizer: Tokenizer, scheduler_address: str, served_model_names: 
     _check_names([set(served_model_names or ()), *(set(model.served_model_names) for model in also_serve)])
     main = ModelEngines(EnginePool(scheduler_address), tokenizer, list(served_model_names or ()),
                         sampling_defaults or {}, max_tokens_cap)
-    gateway = Gateway([main, *also_serve], stream_interval=stream_interval, log_requests=log_requests,
+    gateway = Gateway([main, *also_serve], stream_interval=stream_interval,
+                      request_log=RequestLog(log_requests, log_outputs, max_log_len),
                       tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                       max_client_batch_size=max_client_batch_size, body_read_timeout=body_read_timeout,
                       trust_request_chat_template=trust_request_chat_template,

@@ -108,6 +108,16 @@ def _seeded(wire: sampling_pb2.SamplingParams, seed: int | None) -> sampling_pb2
     return copied
 
 
+@dataclass(slots=True, frozen=True)
+class RequestLog:
+    """The request log: a line per finished request at info (--enable-log-requests; else debug),
+    holding its outputs with --enable-log-outputs, each cut to `max_len` characters (--max-log-len;
+    None: whole, as vLLM logs them)."""
+    enabled: bool = False
+    outputs: bool = False
+    max_len: int | None = None
+
+
 class Generation:
     """Runs the choices of one request concurrently; events() yields their text as it is produced.
 
@@ -116,7 +126,7 @@ class Generation:
 
     def __init__(self, engines: EnginePool, tokenizer: Tokenizer, choices: list[Choice],
                  trace_id: str, metrics: ModelMetrics, arrival: float, stream_interval: int = 1,
-                 log_requests: bool = False, prompt_tokens_details: bool = False,
+                 log: RequestLog = RequestLog(), prompt_tokens_details: bool = False,
                  tokens_as_ids: bool = False) -> None:
         self._engines = engines
         self._trace_id = trace_id
@@ -127,8 +137,8 @@ class Generation:
         # from which the latency metrics count.
         self._arrival = arrival
         self._stream_interval = stream_interval
-        # Whether its end is logged at info with its parameters (--enable-log-requests).
-        self.log_requests = log_requests
+        # How its end is logged.
+        self.log = log
         # Whether usage reports cached_tokens (--enable-prompt-tokens-details).
         self._prompt_tokens_details = prompt_tokens_details
         # Whether logprobs name tokens "token_id:N" (return_tokens_as_token_ids).

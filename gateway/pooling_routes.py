@@ -201,13 +201,13 @@ async def _pool(gateway: Gateway, served: ServedModel, endpoint: str, inputs: li
             outputs = await pooling.run()
     except asyncio.CancelledError:
         served.metrics.client_disconnected.inc()
-        _log_end("client_disconnected", gateway.log_requests, endpoint, pooling, start)
+        _log_end("client_disconnected", gateway.request_log.enabled, endpoint, pooling, start)
         raise
     metrics, tokens = served.metrics, pooling.prompt_tokens
     metrics.pooling_requests[endpoint].inc()
     metrics.pooling_prompt_tokens[endpoint].inc(tokens)
     metrics.prompt_tokens.inc(tokens)
-    _log_end("request_finished", gateway.log_requests, endpoint, pooling, start)
+    _log_end("request_finished", gateway.request_log.enabled, endpoint, pooling, start)
     return outputs, tokens
 
 

@@ -122,7 +122,7 @@ async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> P
     choices = _choices(rid, req, prompts, served, constraint, max_tokens)
     as_ids = req.sampling.return_tokens_as_token_ids
     generation = Generation(served.engines, served.tokenizer, choices, current_request_id(), served.metrics,
-                            time.monotonic(), gateway.stream_interval, gateway.log_requests,
+                            time.monotonic(), gateway.stream_interval, gateway.request_log,
                             gateway.prompt_tokens_details,
                             gateway.return_tokens_as_token_ids if as_ids is None else as_ids)
     return Plan(rid, served.name, served, served.tokenizer, prompts, choices, options, generation,

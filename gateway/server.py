@@ -63,7 +63,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         "chat-template (a file), generation-config (as the flags of the same names; default "
                         "the model's)")
     # The scheduler reports its served name; the gateway's flag, when given, overrides it.
-    add_engine_args(parser, ("served_model_name",))
+    add_engine_args(parser, ("served_model_name", "max_log_len"))
     add_serving_args(g)
 
 
@@ -125,6 +125,9 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                             "finish reasons, completion tokens and latency")
     group.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                        default=False, help="no line per request (the default; vLLM's older flag)")
+    group.add_argument("--enable-log-outputs", action="store_true",
+                       help="with --enable-log-requests, each request's line holds its outputs' text (cut to "
+                            "--max-log-len characters)")
     group.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="report usage.prompt_tokens_details.cached_tokens, which tells a client whether "
                             "anyone sent the same prompt prefix lately")
@@ -320,6 +323,7 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
                     allowed_hosts=allowed_hosts(None if args.uds else args.host, args.allowed_hosts),
                     protect_metrics=args.protect_metrics, cors=cors_rules(args),
                     stream_interval=args.stream_interval, log_requests=args.enable_log_requests,
+                    log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
                     sampling_defaults=defaults,
                     max_tokens_cap=max_tokens_cap(defaults, args.generation_config, args.override_generation_config),
                     tool_parser=tool_parser(args), reasoning_parser=args.reasoning_parser,

@@ -124,11 +124,15 @@ def log_end(event: str, wire: Wire, plan: Plan, start: float) -> None:
     usage = plan.generation.usage()
     summary = dict(id=wire.id, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                    elapsed_s=round(time.monotonic() - start, 3))
-    if not plan.generation.log_requests:
+    request_log = plan.generation.log
+    if not request_log.enabled:
         # Debug unless asked for: a line per request slows serving under load.
         log.debug(event, **summary)
         return
     choices = plan.choices
+    if request_log.outputs:
+        limit = request_log.max_len
+        summary["outputs"] = [o.text if limit is None else loggable(o.text, limit) for o in plan.outputs]
     log.info(event, **summary, finish_reasons=[c.finish_reason for c in choices],
              params=changed_fields(choices[0].params))
 

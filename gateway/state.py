@@ -12,6 +12,7 @@ from aiohttp import web
 from pagedserve.gateway.drain import Drain
 from pagedserve.gateway.engine_client import ModelSpec
 from pagedserve.gateway.engine_pool import EnginePool
+from pagedserve.gateway.generation import RequestLog
 from pagedserve.gateway.errors import APIError, bad_request, model_not_found
 from pagedserve.gateway.metrics import Metrics, ModelMetrics
 from pagedserve.gateway.response_store import ResponseStore
@@ -65,7 +66,7 @@ class Gateway:
     models: list[ModelEngines]
     metrics: Metrics = field(default_factory=Metrics)
     stream_interval: int = 1
-    log_requests: bool = False
+    request_log: RequestLog = RequestLog()
     # --enable-prompt-tokens-details: usage reports cached_tokens.
     prompt_tokens_details: bool = False
     # --enable-force-include-usage: every stream ends with its usage, asked for or not.

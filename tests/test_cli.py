@@ -144,14 +144,17 @@ def test_the_gateway_gets_the_usage_flags_given():
     assert "--enable-force-include-usage" not in _gateway_argv(parse(), config_from_args(parse()))
 
 
-def test_the_gateway_gets_the_response_role_and_content_format():
+def test_the_gateway_gets_the_response_role_content_format_and_output_log():
     from pagedserve.entrypoints.cli import _gateway_argv
-    args = parse("--response-role", "model", "--chat-template-content-format", "openai")
+    args = parse("--response-role", "model", "--chat-template-content-format", "openai", "--enable-log-outputs",
+                 "--max-log-len", "40")
     argv = _gateway_argv(args, config_from_args(args))
+    assert "--enable-log-outputs" in argv and argv[argv.index("--max-log-len") + 1] == "40"
     assert "--response-role=model" in argv
     assert argv[argv.index("--chat-template-content-format") + 1] == "openai"
     default = _gateway_argv(parse(), config_from_args(parse()))
-    assert not any(a.startswith(("--response-role", "--chat-template-content-format")) for a in default)
+    assert not any(a.startswith(("--response-role", "--chat-template-content-format", "--enable-log-outputs",
+                                 "--max-log-len")) for a in default)
 
 
 def test_the_gateway_gets_the_cors_flags_given():

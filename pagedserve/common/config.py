@@ -231,8 +231,8 @@ def _flag_specs() -> dict[str, dict]:
                                              help="mp only: tensor-parallel ranks are processes the executor "
                                                   "starts on this machine"),
         "max_log_len": dict(type=arg_types.non_negative_int, default=None, metavar="N",
-                            help="accepted for vLLM's commands: the request log (--enable-log-requests) holds "
-                                 "no prompt text or ids to cut, and cuts each logged value to 256 characters"),
+                            help="the most characters of each output the request log shows (--enable-log-outputs; "
+                                 "default: whole); it holds no prompt text or ids to cut"),
         "disable_cascade_attn": dict(action="store_true",
                                      help="accepted for vLLM's commands: attention runs no cascade (shared-"
                                           "prefix) kernel to disable"),

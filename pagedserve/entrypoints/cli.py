@@ -324,6 +324,10 @@ def _gateway_argv(args: argparse.Namespace, config: EngineConfig) -> list[str]:
         argv.append(f"--chat-template={args.chat_template}")
     if args.enable_log_requests:
         argv.append("--enable-log-requests")
+    if args.enable_log_outputs:
+        argv.append("--enable-log-outputs")
+    if args.max_log_len is not None:
+        argv += ["--max-log-len", str(args.max_log_len)]
     if args.disable_uvicorn_access_log:
         argv.append("--disable-uvicorn-access-log")
     if args.trust_request_chat_template:

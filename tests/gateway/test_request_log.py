@@ -40,3 +40,19 @@ async def test_fields_the_server_ignores_are_logged_by_name(http, base_url, caps
         assert r.status == 200
     line, = _lines(capsys, "request_fields_ignored")
     assert "count=5000" in line and len(line) < 2048
+
+
+async def test_log_outputs_puts_each_output_on_the_line_cut_to_max_log_len(http, serve, capsys):
+    body = {"prompt": "hi", "max_tokens": 8, "n": 2, "seed": 1}
+    for options, cut in (({"log_outputs": True}, False), ({"log_outputs": True, "max_log_len": 3}, True),
+                         ({}, None)):
+        url = await serve(log_requests=True, **options)
+        async with http.post(url + COMPLETIONS, json=body) as r:
+            texts = [c["text"] for c in (await r.json())["choices"]]
+        line, = _lines(capsys, "request_finished")
+        if cut is None:
+            assert "outputs=" not in line
+        elif cut:
+            assert "outputs=" in line and line.count("characters, sha256") == 2
+        else:
+            assert f"outputs={texts!r}" in line or all(repr(t) in line for t in texts)
