@@ -331,14 +331,12 @@ def check_stop(stop: str | list[str] | None) -> None:
 def truncation(value: int | None, max_model_len: int) -> int | None:
     """How many tokens of each prompt or input to keep (the last ones), None for all: vLLM's
     truncate_prompt_tokens."""
-    if value is None:
-        return None
-    if value == -1:
-        return max_model_len
-    if not 1 <= value <= max_model_len:
+    try:
+        return engine_params.prompt_keep(value, max_model_len)
+    except OutOfRange:
         raise bad_request(f"`truncate_prompt_tokens` is {value}; send -1 (the model's limit) or 1 to "
-                          f"{max_model_len}, the model's maximum context length.", param="truncate_prompt_tokens")
-    return value
+                          f"{max_model_len}, the model's maximum context length.",
+                          param="truncate_prompt_tokens") from None
 
 
 def check_context(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> None:

@@ -66,6 +66,19 @@ def test_chat_takes_vllms_template_arguments(llm):
         llm.chat(joined, one, chat_template_content_format="list", use_tqdm=False)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    ids = llm.tokenizer.encode("Once upon a time, in a land far away, there lived a king")
+    greedy = dict(temperature=0, max_tokens=3, ignore_eos=True)
+    cut = llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=5, **greedy), use_tqdm=False)[0]
+    tail = llm.generate({"prompt_token_ids": ids[-5:]}, SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-5:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    whole = llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=-1, **greedy),
+                         use_tqdm=False)[0]
+    assert whole.prompt_token_ids == ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be in"):
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=0, **greedy), use_tqdm=False)
+
+
 def test_text_and_token_prompts(llm):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     text_out, ids_out = llm.generate(

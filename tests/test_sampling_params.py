@@ -9,8 +9,9 @@ from pagedserve.common.sampling_params import (INT32_MAX, RANGES, OutOfRange, Sa
 from pagedserve.v1 import sampling_pb2 as pb
 
 WIRE_FIELDS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields]
-# What the gateway applies itself (choices, stop strings, detokenizing) and so never sends.
-GATEWAY_FIELDS = {"n", "stop", "include_stop_str_in_output", "skip_special_tokens", "bad_words"}
+# What the gateway applies itself (choices, stop strings, detokenizing, prompt truncation) and so never sends.
+GATEWAY_FIELDS = {"n", "stop", "include_stop_str_in_output", "skip_special_tokens", "bad_words",
+                  "truncate_prompt_tokens"}
 # Every wire field away from its default; the floats are exact in float32, as on the wire.
 EVERY_FIELD_SET = SamplingParams(temperature=0.5, top_p=0.75, top_k=4, min_p=0.125, seed=-7, max_tokens=9,
                                  min_tokens=3, stop_token_ids=[2, 9], ignore_eos=True, presence_penalty=0.5,

@@ -176,6 +176,9 @@ class SamplingParams:
     # the offline LLM, into bad_words_token_ids; common/bad_words.py).
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's: the model reads only the prompt's last this many tokens (-1: the model's limit); the
+    # offline LLM cuts them (the gateway cuts a request's before it sends it).
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -191,6 +194,18 @@ def _clamped_bias(bias: dict[int, float]) -> dict[int, float]:
     if bad is not None:
         raise OutOfRange("logit_bias", Range(0, INT32_MAX, note="token ids"), bad)
     return {int(t): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b))) for t, b in bias.items()}
+
+
+def prompt_keep(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens the model reads under truncate_prompt_tokens (None: all);
+    raises OutOfRange for a value other than -1 (the model's limit) or 1 to max_model_len."""
+    if truncate_prompt_tokens is None:
+        return None
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if not 1 <= keep <= max_model_len:
+        raise OutOfRange("truncate_prompt_tokens", Range(1, max_model_len, note="or -1: the model's limit"),
+                         truncate_prompt_tokens)
+    return keep
 
 
 def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:

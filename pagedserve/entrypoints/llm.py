@@ -17,7 +17,7 @@ from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.config import config_from_kwargs
 from pagedserve.entrypoints.default_model import default_model
 from pagedserve.common.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.common.sampling_params import SamplingParams, choice_params
+from pagedserve.common.sampling_params import SamplingParams, choice_params, prompt_keep
 from pagedserve.scheduler_svc.request import Request, RequestDelta, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop
@@ -127,6 +127,9 @@ class LLM(Pooling):
     def _start(self, prompt: Prompt, params: SamplingParams, children: dict[int, _Child],
                priority: int) -> RequestOutput:
         text, token_ids = self._tokenize(prompt)
+        keep = prompt_keep(params.truncate_prompt_tokens, self.max_model_len)
+        if keep is not None:
+            token_ids = token_ids[-keep:]
         params = self._with_bad_words(params)
         request_id = str(next(self._request_ids))
         output = RequestOutput(request_id, text, token_ids)
