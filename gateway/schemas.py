@@ -237,6 +237,8 @@ class TokenizeRequest(Struct, kw_only=True):
     continue_final_message: bool = False
     # Unset means vLLM's defaults: true for a prompt, false for messages (the template adds them).
     add_special_tokens: bool | None = None
+    # vLLM's: each token's string in the vocabulary beside its id.
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(Struct, kw_only=True):
@@ -459,6 +461,7 @@ class TokenizeResponse(Struct):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | UnsetType = UNSET
 
 
 class DetokenizeResponse(Struct):

@@ -24,7 +24,10 @@ async def tokenize(request: web.Request) -> web.Response:
         params.check_prompt_chars(len(req.prompt), "prompt")
         tokens = await gateway.offload(len(req.prompt), served.tokenizer.encode, req.prompt,
                                        req.add_special_tokens is not False)
-    return json_response(TokenizeResponse(len(tokens), served.spec.max_model_len, tokens))
+    reply = TokenizeResponse(len(tokens), served.spec.max_model_len, tokens)
+    if req.return_token_strs:
+        reply.token_strs = served.tokenizer.token_strings(tokens)
+    return json_response(reply)
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -176,6 +176,10 @@ class Tokenizer:
         """The `tokenizers` JSON of this tokenizer (added tokens included)."""
         return self._tokenizer.to_str()
 
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it ("Ġworld" for " world" in a byte-level BPE)."""
+        return [self._tokenizer.id_to_token(i) for i in ids]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -25,6 +25,11 @@ async def test_tokenize_prompt(http, base_url, tokenizer):
     _, bare = await _post(http, f"{base_url}/tokenize",
                           {"prompt": "Hello wörld", "add_special_tokens": False})
     assert bare["tokens"] == reply["tokens"][1:]
+    _, spelled = await _post(http, f"{base_url}/tokenize", {"prompt": "Hello wörld", "return_token_strs": True})
+    assert spelled["tokens"] == reply["tokens"] and len(spelled["token_strs"]) == reply["count"]
+    assert spelled["token_strs"][0] == tokenizer.bos_token
+    # The vocabulary's own spellings: each maps back to its id.
+    assert [tokenizer._tokenizer.token_to_id(s) for s in spelled["token_strs"]] == reply["tokens"]
 
 
 async def test_tokenize_messages_matches_what_chat_sends(http, base_url, engine, tokenizer):
