@@ -244,7 +244,7 @@ class Generation:
             progress.prompt = decode_prompt(self._tokenizer, choice.prompt_token_ids, response.prompt_logprobs,
                                             self._tokens_as_ids)
         detok = progress.detok
-        progress.text += detok.add(response.token_ids)
+        progress.text += detok.add(response.token_ids, response.HasField("stop_token_id"))
         progress.pending_tokens += len(response.token_ids)
         progress.token_ids += response.token_ids
         if detok.stopped:

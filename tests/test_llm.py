@@ -114,6 +114,22 @@ def test_stop_string_truncates_the_text(llm):
     assert llm.scheduler.num_running == 0 and not llm.scheduler.has_work()
 
 
+def test_a_stop_tokens_text_is_left_out_unless_asked_for_as_vllm_does(llm):
+    chat = [{"role": "user", "content": "Say hi."}]
+    greedy = dict(temperature=0, max_tokens=40)
+    free = llm.chat(chat, SamplingParams(**greedy, skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
+    # EOS ends it, and its text is not output even where special tokens are.
+    assert free.finish_reason == "stop" and free.stop_reason is None
+    assert free.token_ids[-1] == llm.tokenizer.eos_token_id and llm.tokenizer.eos_token not in free.text
+    stop = free.token_ids[len(free.token_ids) // 2]
+    cut, kept = (llm.chat(chat, SamplingParams(**greedy, stop_token_ids=[stop], include_stop_str_in_output=k),
+                          use_tqdm=False)[0].outputs[0] for k in (False, True))
+    at = free.token_ids.index(stop)
+    assert cut.token_ids == kept.token_ids == free.token_ids[:at + 1] and cut.stop_reason == stop
+    assert cut.text == llm.tokenizer.decode(free.token_ids[:at])
+    assert kept.text == llm.tokenizer.decode(free.token_ids[:at + 1])
+
+
 @pytest.fixture(scope="module")
 def llm_one_step_at_a_time():
     return LLM(max_model_len=256, async_scheduling=False, dtype="float")

@@ -34,10 +34,14 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.stop_reason: str | None = None
 
-    def add(self, token_ids: list[int]) -> str:
-        """Appends new token ids; returns the new text that is safe to emit."""
+    def add(self, token_ids: list[int], ends_on_stop_token: bool = False) -> str:
+        """Appends new token ids; returns the new text that is safe to emit. Where the engine stopped
+        the request on the last of them (EOS or a stop_token_ids entry), that token's text is left
+        out unless include_stop_str_in_output, as vLLM leaves it out."""
         if self.stopped:
             return ""
+        if ends_on_stop_token and not self._include_stop:
+            token_ids = token_ids[:-1]
         self._ids.extend(token_ids)
         return self._append(self._decode_pending(final=False))
 

@@ -32,6 +32,8 @@ class _Child:
     output: RequestOutput
     completion: CompletionOutput
     detokenizer: IncrementalDetokenizer | None
+    # Its stop_token_ids: vLLM's stop_reason names a stop token among them, and is None for EOS.
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 class LLM(Pooling):
@@ -139,7 +141,8 @@ class LLM(Pooling):
                                        prompt_token_ids=token_ids, sampling=child_params, priority=priority))
             completion = CompletionOutput(index, "", [], logprobs=None if params.logprobs is None else [])
             output.outputs.append(completion)
-            children[seq_id] = _Child(output, completion, self._detokenizer(child_params))
+            children[seq_id] = _Child(output, completion, self._detokenizer(child_params),
+                                      frozenset(child_params.stop_token_ids))
         return output
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -184,13 +187,14 @@ class LLM(Pooling):
                 prompt = child.output.prompt_token_ids
                 child.output.prompt_logprobs = [None, *map(self._logprobs, prompt[1:], out.prompt_logprobs)]
             if child.detokenizer is not None:
-                child.detokenizer.add(out.new_token_ids)
+                child.detokenizer.add(out.new_token_ids, out.stop_token_id is not None)
                 if child.detokenizer.stopped and not out.finished:
                     self.scheduler.abort(out.seq_id)
                     self._finish(child, "stop", child.detokenizer.stop_reason, bar)
                     continue
             if out.finished:
-                self._finish(child, out.finish_reason, out.stop_token_id, bar)
+                stop_token = out.stop_token_id if out.stop_token_id in child.stop_token_ids else None
+                self._finish(child, out.finish_reason, stop_token, bar)
             child.output.num_cached_tokens = out.num_cached_tokens
 
     def _logprobs(self, token_id: int, lp: TokenLogprobs) -> dict[int, Logprob]:

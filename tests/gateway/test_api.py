@@ -338,6 +338,12 @@ async def test_stop_token_id(client, tokenizer):
     assert reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].model_extra["stop_reason"] == stop_id
     assert reply.usage.completion_tokens == 4
+    # The stop token counts, but its text is left out unless include_stop_str_in_output, as in vLLM.
+    ids = tokenizer.encode(REPLY, add_special_tokens=False)[:4]
+    assert reply.choices[0].text == tokenizer.decode(ids[:3]).rstrip("\ufffd")
+    kept = await client.completions.create(model=MODEL, prompt="x", max_tokens=30, extra_body={
+        "stop_token_ids": [stop_id], "include_stop_str_in_output": True})
+    assert kept.choices[0].text == tokenizer.decode(ids)
 
 
 async def test_largest_seed_wraps_for_the_second_choice(client, engine):
