@@ -23,6 +23,8 @@ class ChatOutputOptions:
     tools: Callable[[], Scanner] | None = None
     finish_with_calls: bool = False
     reasoning: bool = False
+    # The tool scanner reads tags that are special tokens ([TOOL_CALLS]), so the text keeps them.
+    keep_special_tokens: bool = False
 
 
 @dataclass(slots=True)

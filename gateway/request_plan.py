@@ -119,7 +119,7 @@ async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> P
     if keep is not None:
         prompts = [prompt[-keep:] for prompt in prompts]
     rid = uuid.uuid4().hex
-    choices = _choices(rid, req, prompts, served, constraint, max_tokens)
+    choices = _choices(rid, req, prompts, served, constraint, max_tokens, options.keep_special_tokens)
     as_ids = req.sampling.return_tokens_as_token_ids
     generation = Generation(served.engines, served.tokenizer, choices, current_request_id(), served.metrics,
                             time.monotonic(), gateway.stream_interval, gateway.request_log,
@@ -181,7 +181,8 @@ async def _checked(gateway: Gateway,
 
 
 def _choices(rid: str, req: NeutralRequest, prompts: list[list[int]], served: ServedModel,
-             constraint: StructuredOutputsParams | None, max_tokens: int | None) -> list[Choice]:
+             constraint: StructuredOutputsParams | None, max_tokens: int | None,
+             keep_special_tokens: bool) -> list[Choice]:
     sampling, spec = req.sampling, served.spec
     # The length first: it costs nothing, while the vocabulary check reads every id.
     params.check_context(prompts, max_tokens, spec.max_model_len)
@@ -194,6 +195,8 @@ def _choices(rid: str, req: NeutralRequest, prompts: list[list[int]], served: Se
     wanted = params.sampling_params(sampling, max_tokens, req.logprobs, served.sampling_defaults, constraint,
                                     req.prompt_logprobs, bias, bad_words)
     params.check_logprobs(wanted, spec.max_logprobs)
+    if keep_special_tokens:
+        wanted.skip_special_tokens = False
     choices = fan_out(rid, prompts, wanted, Routing(sampling.cache_salt, sampling.priority, req.background))
     served.metrics.request_params_n.observe(sampling.n)
     served.metrics.request_params_max_tokens.observe(

@@ -1,5 +1,5 @@
 """Tool calls read from the model's text: the `hermes` format (Qwen2.5, Qwen3, QwQ, Hermes),
-`llama3_json` (Llama 3.1/3.2), and the two that structured outputs force for tool_choice
+`llama3_json` (Llama 3.1/3.2), `mistral` (Mistral 7B v0.3, Nemo, Small, Magistral), and the two that structured outputs force for tool_choice
 `required` (a JSON array of calls) and named (the arguments alone).
 
 Each parser is a scanner, made per choice, that reads the text as it grows (a stream's deltas, or
@@ -12,7 +12,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral")
+# Parsers whose tags are special tokens, which the text must keep to be read (vLLM's adjust_request).
+KEEP_SPECIAL_TOKENS = frozenset({"mistral"})
 _SPACE = " \t\r\n"
 _ARGUMENT_KEYS = ("arguments", "parameters")
 # What ends a run of string characters: its closing quote, or an escape.
@@ -294,6 +296,78 @@ class Llama3Json:
             self._content = True
 
 
+class Mistral:
+    """[TOOL_CALLS] then the calls: a JSON array of {"name": ..., "arguments": {...}} (tokenizers
+    before v11: Mistral 7B v0.3, Nemo), or name[ARGS]{...} after each [TOOL_CALLS] (v11 on: Small
+    3.2, Magistral, Devstral). What precedes the first [TOOL_CALLS] is content."""
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self) -> None:
+        self._first: int | None = None
+        self._pos: int | None = None
+        self._state = "content"
+        self._array: Calls | None = None
+        self._object: CallObject | None = None
+        self._calls: list[ParsedCall] = []
+
+    def scan(self, text: str, start: int, final: bool) -> Scan:
+        if self._pos is None:
+            self._pos = start
+        while self._step(text):
+            pass
+        if self._first is None:
+            return Scan(start, max(start, len(text) - (0 if final else held_back(text, self.TAG))))
+        return Scan(start, self._first, self._array.calls if self._array else self._calls)
+
+    def _step(self, text: str) -> bool:
+        """Reads on from the current state; False to wait for more text."""
+        if self._state == "content":
+            return self._find_tag(text)
+        if self._state == "array":
+            self._array.read(text)
+            return False
+        while self._pos < len(text) and text[self._pos] in _SPACE:
+            self._pos += 1
+        if self._pos == len(text):
+            return False
+        return self._after_tag(text) if self._state == "tag" else self._arguments(text)
+
+    def _find_tag(self, text: str) -> bool:
+        found = text.find(self.TAG, self._pos)
+        if found < 0:
+            self._pos = max(self._pos, len(text) - len(self.TAG) + 1)
+            return False
+        if self._first is None:
+            self._first = found
+        self._pos, self._state = found + len(self.TAG), "tag"
+        return True
+
+    def _after_tag(self, text: str) -> bool:
+        if text[self._pos] in "[{" and not self._calls:
+            self._array = Calls(self._pos + (text[self._pos] == "["), ",")
+            self._state = "array"
+            return True
+        args = text.find(self.ARGS, self._pos)
+        if args < 0:
+            return False
+        self._calls.append(ParsedCall(text[self._pos:args].strip()))
+        self._pos, self._state = args + len(self.ARGS), "arguments"
+        return True
+
+    def _arguments(self, text: str) -> bool:
+        call = self._calls[-1]
+        if self._object is None:
+            if text[self._pos] != "{":
+                self._state = "content"
+                return True
+            self._object, call.start = CallObject(self._pos), self._pos
+        closed = self._object.read(text)
+        call.end, call.complete = (self._object.pos if closed else len(text)), closed
+        if closed:
+            self._pos, self._object, self._state = self._object.pos, None, "content"
+        return closed
+
+
 class Required:
     """[{"name": ..., "parameters": {...}}, ...]: what tool_choice "required" forces."""
 
@@ -335,7 +409,7 @@ class Named:
         return Scan(start, start, [call])
 
 
-Scanner = Hermes | Llama3Json | Required | Named
+Scanner = Hermes | Llama3Json | Mistral | Required | Named
 
 
 def hermes() -> Hermes:
@@ -344,6 +418,10 @@ def hermes() -> Hermes:
 
 def llama3_json() -> Llama3Json:
     return Llama3Json()
+
+
+def mistral() -> Mistral:
+    return Mistral()
 
 
 def required() -> Required:
@@ -356,4 +434,4 @@ def named(name: str) -> Callable[[], Named]:
 
 
 def parser(name: str) -> Callable[[], Scanner]:
-    return {"hermes": hermes, "llama3_json": llama3_json}[name]
+    return {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral}[name]

@@ -214,3 +214,55 @@ def test_llama3_json_edge_cases_at_every_cut(text):
 def test_reasoning_edge_cases_at_every_cut(text):
     check_every_cut(ChatOutputOptions(tools=tool_parsers.named("f"), reasoning=True), text)
     check_every_cut(ChatOutputOptions(reasoning=True), text)
+
+
+MISTRAL = {
+    "array": f'[TOOL_CALLS] [{WEATHER}, {{"name": "now", "arguments": {{}}}}]',
+    "text before the array": f"Let me look.[TOOL_CALLS][{WEATHER}]",
+    "name and args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Dallas", "state": "TX"}',
+    "two calls, v11 on": '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]say[ARGS]{"text": "a } [ARGS] b"}',
+    "no call": "Just an answer with [brackets] and [TOOL maybe.",
+}
+
+
+@pytest.mark.parametrize("case", MISTRAL)
+def test_mistral_at_every_cut(case):
+    check_every_cut(ChatOutputOptions(tools=tool_parsers.mistral, finish_with_calls=True), MISTRAL[case])
+
+
+@pytest.mark.parametrize("case, calls", [
+    ("array", [("get_weather", {"city": "Dallas", "state": "TX"}), ("now", {})]),
+    ("text before the array", [("get_weather", {"city": "Dallas", "state": "TX"})]),
+    ("name and args", [("get_weather", {"city": "Dallas", "state": "TX"})]),
+    ("two calls, v11 on", [("now", {}), ("say", {"text": "a } [ARGS] b"})]),
+    ("no call", []),
+])
+def test_mistral_message(case, calls):
+    message = ChoiceOutput(ChatOutputOptions(tools=tool_parsers.mistral)).message(MISTRAL[case])
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == calls
+    assert message.content == {"text before the array": "Let me look.", "no call": MISTRAL["no call"]}.get(case)
+
+
+async def test_mistral_tags_that_are_special_tokens_reach_the_parser(http, engine, tokenizer_dir):
+    from pagedserve.common.tokenizer import Tokenizer
+    from tests.gateway.fake_engine import serve_live_gateway
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    tokenizer._tokenizer.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    engine.reply = tokenizer.encode('[TOOL_CALLS]get_weather[ARGS]{"city": "Dallas"}', add_special_tokens=False)
+    assert tokenizer.decode(engine.reply) == 'get_weather{"city": "Dallas"}'
+    engine.reply.append(engine.eos)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": tools}
+    runner, url = await serve_live_gateway(tokenizer, engine.address, tool_parser="mistral")
+    try:
+        async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+            choice = (await r.json())["choices"][0]
+        # Plain content, special tokens skipped as usual, where the request has no tools.
+        async with http.post(f"{url}/v1/chat/completions", json={"messages": body["messages"]}) as r:
+            plain = (await r.json())["choices"][0]
+    finally:
+        await runner.cleanup()
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Dallas"})
+    assert plain["message"]["content"] == 'get_weather{"city": "Dallas"}'
