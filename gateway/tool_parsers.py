@@ -195,7 +195,29 @@ class _SpaceSkipper:
         return i if i < len(text) else None
 
 
-class Hermes:
+class _Tagged:
+    """A format whose calls follow a tag: what precedes the first tag is content."""
+    TAG: str
+    _first: int | None
+    _pos: int
+
+    def _seek(self, text: str) -> bool:
+        """Moves past the next tag (noting where the first began); False where none has come yet."""
+        found = text.find(self.TAG, self._pos)
+        if found < 0:
+            self._pos = max(self._pos, len(text) - len(self.TAG) + 1)
+            return False
+        if self._first is None:
+            self._first = found
+        self._pos = found + len(self.TAG)
+        return True
+
+    def _untagged(self, text: str, start: int, final: bool) -> Scan:
+        """The scan while no tag has come: content, but for what may begin one (until final)."""
+        return Scan(start, max(start, len(text) - (0 if final else held_back(text, self.TAG))))
+
+
+class Hermes(_Tagged):
     """<tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number of times."""
     TAG, END_TAG = "<tool_call>", "</tool_call>"
 
@@ -212,7 +234,7 @@ class Hermes:
             self._pos = start
         self._read(text, final)
         if self._first is None:
-            return Scan(start, max(start, len(text) - (0 if final else held_back(text, self.TAG))))
+            return self._untagged(text, start, final)
         return Scan(start, self._first, self._calls)
 
     def _read(self, text: str, final: bool) -> None:
@@ -228,13 +250,9 @@ class Hermes:
                 return
 
     def _skip_to_tag(self, text: str) -> bool:
-        found = text.find(self.TAG, self._pos)
-        if found < 0:
-            self._pos = max(self._pos, len(text) - len(self.TAG) + 1)
+        if not self._seek(text):
             return False
-        if self._first is None:
-            self._first = found
-        self._pos, self._skipping = found + len(self.TAG), False
+        self._skipping = False
         return True
 
     def _read_between(self, text: str, final: bool) -> bool:
@@ -296,7 +314,7 @@ class Llama3Json:
             self._content = True
 
 
-class Mistral:
+class Mistral(_Tagged):
     """[TOOL_CALLS] then the calls: a JSON array of {"name": ..., "arguments": {...}} (tokenizers
     before v11: Mistral 7B v0.3, Nemo), or name[ARGS]{...} after each [TOOL_CALLS] (v11 on: Small
     3.2, Magistral, Devstral). What precedes the first [TOOL_CALLS] is content."""
@@ -316,7 +334,7 @@ class Mistral:
         while self._step(text):
             pass
         if self._first is None:
-            return Scan(start, max(start, len(text) - (0 if final else held_back(text, self.TAG))))
+            return self._untagged(text, start, final)
         return Scan(start, self._first, self._array.calls if self._array else self._calls)
 
     def _step(self, text: str) -> bool:
@@ -333,13 +351,9 @@ class Mistral:
         return self._after_tag(text) if self._state == "tag" else self._arguments(text)
 
     def _find_tag(self, text: str) -> bool:
-        found = text.find(self.TAG, self._pos)
-        if found < 0:
-            self._pos = max(self._pos, len(text) - len(self.TAG) + 1)
+        if not self._seek(text):
             return False
-        if self._first is None:
-            self._first = found
-        self._pos, self._state = found + len(self.TAG), "tag"
+        self._state = "tag"
         return True
 
     def _after_tag(self, text: str) -> bool:
