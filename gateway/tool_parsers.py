@@ -1,5 +1,6 @@
 """Tool calls read from the model's text: the `hermes` format (Qwen2.5, Qwen3, QwQ, Hermes),
-`llama3_json` (Llama 3.1/3.2), `mistral` (Mistral 7B v0.3, Nemo, Small, Magistral), and the two that structured outputs force for tool_choice
+`llama3_json` (Llama 3.1/3.2), `mistral` (Mistral 7B v0.3, Nemo, Small, Magistral),
+`phi4_mini_json` (Phi-4-mini), and the two that structured outputs force for tool_choice
 `required` (a JSON array of calls) and named (the arguments alone).
 
 Each parser is a scanner, made per choice, that reads the text as it grows (a stream's deltas, or
@@ -12,7 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json")
 # Parsers whose tags are special tokens, which the text must keep to be read (vLLM's adjust_request).
 KEEP_SPECIAL_TOKENS = frozenset({"mistral"})
 _SPACE = " \t\r\n"
@@ -382,6 +383,26 @@ class Mistral(_Tagged):
         return closed
 
 
+class Phi4MiniJson(_Tagged):
+    """functools[{"name": ..., "arguments": {...}}, ...] (Phi-4-mini); what precedes it is content."""
+    TAG = "functools["
+
+    def __init__(self) -> None:
+        self._first: int | None = None
+        self._pos: int | None = None
+        self._calls: Calls | None = None
+
+    def scan(self, text: str, start: int, final: bool) -> Scan:
+        if self._pos is None:
+            self._pos = start
+        if self._calls is None and self._seek(text):
+            self._calls = Calls(self._pos, ",")
+        if self._calls is None:
+            return self._untagged(text, start, final)
+        self._calls.read(text)
+        return Scan(start, self._first, self._calls.calls)
+
+
 class Required:
     """[{"name": ..., "parameters": {...}}, ...]: what tool_choice "required" forces."""
 
@@ -423,7 +444,7 @@ class Named:
         return Scan(start, start, [call])
 
 
-Scanner = Hermes | Llama3Json | Mistral | Required | Named
+Scanner = Hermes | Llama3Json | Mistral | Phi4MiniJson | Required | Named
 
 
 def hermes() -> Hermes:
@@ -438,6 +459,10 @@ def mistral() -> Mistral:
     return Mistral()
 
 
+def phi4_mini_json() -> Phi4MiniJson:
+    return Phi4MiniJson()
+
+
 def required() -> Required:
     return Required()
 
@@ -448,4 +473,4 @@ def named(name: str) -> Callable[[], Named]:
 
 
 def parser(name: str) -> Callable[[], Scanner]:
-    return {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral}[name]
+    return {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral, "phi4_mini_json": phi4_mini_json}[name]

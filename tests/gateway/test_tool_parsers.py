@@ -266,3 +266,25 @@ async def test_mistral_tags_that_are_special_tokens_reach_the_parser(http, engin
     call = choice["message"]["tool_calls"][0]["function"]
     assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Dallas"})
     assert plain["message"]["content"] == 'get_weather{"city": "Dallas"}'
+
+
+PHI4_MINI = {
+    "two calls": f'functools[{WEATHER}, {{"name": "now", "arguments": {{}}}}]',
+    "text before": f"I will check.functools[{WEATHER}]",
+    "no call": "Use functools.partial here, or functools [not a call].",
+}
+
+
+@pytest.mark.parametrize("case", PHI4_MINI)
+def test_phi4_mini_json_at_every_cut(case):
+    check_every_cut(ChatOutputOptions(tools=tool_parsers.phi4_mini_json, finish_with_calls=True), PHI4_MINI[case])
+
+
+def test_phi4_mini_json_message():
+    read = ChoiceOutput(ChatOutputOptions(tools=tool_parsers.phi4_mini_json)).message
+    message = read(PHI4_MINI["text before"])
+    assert message.content == "I will check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+        [("get_weather", {"city": "Dallas", "state": "TX"})]
+    assert [c.function.name for c in read(PHI4_MINI["two calls"]).tool_calls] == ["get_weather", "now"]
+    assert read(PHI4_MINI["no call"]).content == PHI4_MINI["no call"] and not read(PHI4_MINI["no call"]).tool_calls
