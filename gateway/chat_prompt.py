@@ -4,7 +4,7 @@ The server's own template is the operator's code: it renders inline below OFFLOA
 input (SmolLM2's renders 8 short messages in 0.1 ms), on the gateway's pool above. A request's
 template (--trust-request-chat-template) is the client's code and renders in the template worker,
 under its deadline and memory limit, whatever its size."""
-from pagedserve.common.chat_template import ChatTemplateError, content_format, continue_final
+from pagedserve.common.chat_template import ChatTemplateError, continue_final
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.params import ChatInput
@@ -19,7 +19,7 @@ async def chat_prompt(gateway: Gateway, tokenizer: Tokenizer, chat: ChatInput, a
     if chat.continue_final and add_generation_prompt:
         raise bad_request("`continue_final_message` continues the last message and `add_generation_prompt` starts "
                           "a new one; set `add_generation_prompt` to false.", param="continue_final_message")
-    form = _content_format(gateway, tokenizer, chat)
+    form = tokenizer.content_format(chat.template, gateway.content_format)
     try:
         if chat.template is None:
             return await gateway.offload(chat.size, _render_and_encode, tokenizer, chat, form, add_generation_prompt,
@@ -30,13 +30,6 @@ async def chat_prompt(gateway: Gateway, tokenizer: Tokenizer, chat: ChatInput, a
         raise bad_request(f"Cannot build a prompt from these messages: {e}",
                           param="messages" if chat.template is None else "chat_template") from e
     return await gateway.offload(len(text), tokenizer.encode, text, add_special_tokens)
-
-
-def _content_format(gateway: Gateway, tokenizer: Tokenizer, chat: ChatInput) -> str:
-    """--chat-template-content-format, or where it is auto, what the template in use expects."""
-    if gateway.content_format != "auto":
-        return gateway.content_format
-    return tokenizer.content_format if chat.template is None else content_format(chat.template)
 
 
 def _render_and_encode(tokenizer: Tokenizer, chat: ChatInput, form: str, add_generation_prompt: bool,
@@ -51,4 +44,4 @@ def _variables(tokenizer: Tokenizer, chat: ChatInput, form: str, add_generation_
 
 
 def _continued(chat: ChatInput, form: str, text: str) -> str:
-    return continue_final(text, chat.final_text(form)) if chat.continue_final else text
+    return continue_final(text, chat.continued_text(form)) if chat.continue_final else text

@@ -10,7 +10,7 @@ from pagedserve.gateway.schemas import ChatCompletionRequest, ChatMessage, Compl
 from pagedserve.common.tokenizer import RESERVED_VARIABLES, Tokenizer
 from pagedserve.common import sampling_params as engine_params
 from pagedserve.common.bad_words import bad_words_token_ids
-from pagedserve.common.chat_template import text_parts
+from pagedserve.common.chat_template import final_text, text_parts
 from pagedserve.common.sampling_params import (MAX_BAD_WORDS_TOKENS, MAX_LOGIT_BIAS_TOKENS, OutOfRange,
                                                SamplingParams, StructuredOutputsParams)
 
@@ -161,12 +161,9 @@ class ChatInput:
             return self.messages
         return [{**m, "content": text_parts(parts)} for m, parts in zip(self.messages, self.parts)]
 
-    def final_text(self, content_format: str) -> str | None:
-        """The text a continued final message ends with: its last part where the template takes
-        parts (transformers' continue_final_message), else its whole content."""
-        if content_format == "string" or not self.parts[-1]:
-            return self.messages[-1]["content"]
-        return self.parts[-1][-1]
+    def continued_text(self, content_format: str) -> str | None:
+        """The text a continued final message ends with, in `content_format` (chat_template.final_text)."""
+        return final_text(self.template_messages(content_format)[-1]["content"])
 
 
 def chat_input(messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: dict[str, Any] | None,

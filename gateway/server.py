@@ -352,8 +352,7 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
              scheduler=args.scheduler_address,
              also_serve=[spec.model for spec in args.also_serve],
              api_key_required=bool(args.api_key), allowed_origins=args.allowed_origins,
-             chat_template_content_format=tokenizer.content_format if args.chat_template_content_format == "auto"
-             else args.chat_template_content_format)
+             chat_template_content_format=tokenizer.content_format(given=args.chat_template_content_format))
     if not args.api_key and not args.uds and not is_loopback(args.host):
         # Said on every start: vLLM's images listen on 0.0.0.0 without a key, and so may ours.
         log.warning("unauthenticated_public_bind", host=args.host, port=args.port,

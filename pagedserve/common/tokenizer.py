@@ -66,7 +66,7 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template = compile_template(chat_template) if chat_template else None
         # How its template takes a message's content ("string" or "openai"; see content_format).
-        self.content_format = content_format(chat_template) if chat_template else "string"
+        self._content_format = content_format(chat_template) if chat_template else "string"
         self.has_score_template = bool(chat_template) and all(r.search(chat_template) for r in _SCORE_ROLES)
         # tokenizer.json's post-processor normally adds BOS; some configs ask for it without one.
         probe = tokenizer.encode("", add_special_tokens=True).ids
@@ -175,6 +175,13 @@ class Tokenizer:
     def to_json(self) -> str:
         """The `tokenizers` JSON of this tokenizer (added tokens included)."""
         return self._tokenizer.to_str()
+
+    def content_format(self, template: str | None = None, given: str = "auto") -> str:
+        """How a chat's content reaches `template` (None: this tokenizer's): `given`
+        (--chat-template-content-format), or where it is "auto", what the template expects."""
+        if given != "auto":
+            return given
+        return self._content_format if template is None else content_format(template)
 
     def token_strings(self, ids: list[int]) -> list[str]:
         """Each id's token as the vocabulary spells it ("Ġworld" for " world" in a byte-level BPE)."""

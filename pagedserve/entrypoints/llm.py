@@ -9,8 +9,7 @@ from tqdm import tqdm
 
 from pagedserve.executor_svc.worker import Worker
 from pagedserve.common.bad_words import bad_words_token_ids
-from pagedserve.common.chat_template import (CONTENT_FORMATS, content_format, continue_final, final_text,
-                                             with_content_format)
+from pagedserve.common.chat_template import CONTENT_FORMATS, continue_final, final_text, with_content_format
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.common.tokenizer import Tokenizer
@@ -107,7 +106,10 @@ class LLM(Pooling):
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message continues the last message and add_generation_prompt "
                              "starts a new one; pass add_generation_prompt=False")
-        form = self._content_format(chat_template, chat_template_content_format)
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: choose from "
+                             f"{', '.join(CONTENT_FORMATS)}")
+        form = self.tokenizer.content_format(chat_template, chat_template_content_format)
         prompts = []
         for conversation in conversations:
             conversation = with_content_format(conversation, form)
@@ -118,13 +120,6 @@ class LLM(Pooling):
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _content_format(self, chat_template: str | None, given: str) -> str:
-        if given not in CONTENT_FORMATS:
-            raise ValueError(f"chat_template_content_format={given!r}: choose from {', '.join(CONTENT_FORMATS)}")
-        if given != "auto":
-            return given
-        return self.tokenizer.content_format if chat_template is None else content_format(chat_template)
 
     def _start(self, prompt: Prompt, params: SamplingParams, children: dict[int, _Child],
                priority: int) -> RequestOutput:

@@ -237,7 +237,7 @@ PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m.content is strin
 
 async def test_content_parts_reach_a_template_that_loops_over_them_as_parts(http, engine, tokenizer_dir):
     tokenizer = Tokenizer.from_dir(tokenizer_dir, chat_template=PARTS_TEMPLATE)
-    assert tokenizer.content_format == "openai"
+    assert tokenizer.content_format() == "openai"
     chat = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
             {"role": "assistant", "content": [{"type": "text", "text": "Hal"}, {"type": "text", "text": "lo"}]}]
     continued = {"messages": chat, "add_generation_prompt": False, "continue_final_message": True}
