@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pagedserve.gateway import reasoning
 from pagedserve.gateway.output_events import Event, ReasoningDelta, TextDelta, ToolCallDelta
 from pagedserve.gateway.schemas import FunctionCall, ToolCall
-from pagedserve.gateway.tool_parsers import ParsedCall, Scan, Scanner
+from pagedserve.gateway.call_scan import ParsedCall, Scan
+from pagedserve.gateway.tool_parsers import Scanner
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ class ChoiceOutput:
     # Where the reasoning and the content sent so far end in `text`.
     reasoning_sent: int = 0
     content_sent: int = 0
-    # Per call found so far: its id, and where its arguments sent so far end in `text`.
+    # Per call found so far: its id, and where its arguments sent so far end (ParsedCall.arguments).
     ids: list[str] = field(default_factory=list)
     args_sent: list[int] = field(default_factory=list)
     # Calls before this one are complete and sent in full.
@@ -105,12 +106,12 @@ class ChoiceOutput:
         if index == len(self.ids):
             self.ids.append(_tool_call_id())
             self.args_sent.append(call.end)
-            return ToolCallDelta(index, self.ids[index], call.name, self.text[call.start:call.end], choice)
+            return ToolCallDelta(index, self.ids[index], call.name, call.arguments(self.text), choice)
         sent = max(call.start, self.args_sent[index])
         if call.end <= sent:
             return None
         self.args_sent[index] = call.end
-        return ToolCallDelta(index, None, None, self.text[sent:call.end], choice)
+        return ToolCallDelta(index, None, None, call.arguments(self.text, sent), choice)
 
     def message(self, text: str) -> Message:
         """The whole output as a message; calls get the ids a stream would have sent."""
@@ -120,7 +121,7 @@ class ChoiceOutput:
         calls = [call for call in scan.calls if call.name is not None]
         while len(self.ids) < len(calls):
             self.ids.append(_tool_call_id())
-        tool_calls = [ToolCall(i, FunctionCall(c.name, text[c.start:c.end])) for i, c in zip(self.ids, calls)]
+        tool_calls = [ToolCall(i, FunctionCall(c.name, c.arguments(text))) for i, c in zip(self.ids, calls)]
         content = text[scan.start:scan.end]
         reasoning_text = None if think is None else text[think[0]:think[1]]
         if (tool_calls or self.options.tools is not None or think is not None) and not content.strip():

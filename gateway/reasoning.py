@@ -5,7 +5,7 @@ put <think> in the prompt). qwen3: the same; with enable_thinking off the templa
 thinking in the prompt itself, and a prompt whose last think tag is </think> makes the whole
 output the answer (vLLM detects it the same way, from the prompt). Like the tool parsers, a split
 of a longer text extends the previous split's parts, so a stream sends their new suffixes."""
-from pagedserve.gateway.tool_parsers import held_back
+from pagedserve.gateway.call_scan import held_back
 
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")

@@ -156,7 +156,9 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                        help='let the model decide when to call tools (tool_choice "auto"); needs '
                             "--tool-call-parser")
     group.add_argument("--tool-call-parser", choices=tool_parsers.PARSERS, default=None,
-                       help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes) or llama3_json")
+                       help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1), "
+                            "pythonic / llama4_pythonic (Llama 3.2, Llama 4), mistral, phi4_mini_json, "
+                            "qwen3_coder / qwen3_xml (Qwen3-Coder)")
     group.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
                        help="return a reasoning model's <think> text as `reasoning` / `reasoning_content`")
     group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,

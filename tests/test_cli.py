@@ -71,7 +71,7 @@ def test_a_deployment_guides_compat_flags_reach_no_process():
     (["--quantization", "awq"], "quantization other than fp8 is not built yet (only fp8 is"),
     (["--kv-cache-dtype", "fp8_e5m2"], "fp8_e5m2 KV caches are not built; use fp8 (e4m3) or auto"),
     (["--kv-cache-dtype", "int8"], "invalid choice"),
-    (["--tool-call-parser", "pythonic"], "invalid choice"),
+    (["--tool-call-parser", "granite"], "invalid choice"),
     (["--reasoning-parser", "granite"], "invalid choice"),
     (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
     (["--gpu-memory-utilization", "0"], "must be in (0, 1]"),
