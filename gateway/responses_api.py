@@ -16,8 +16,8 @@ from pagedserve.gateway.errors import APIError, bad_request
 from pagedserve.gateway.request_plan import NeutralRequest, plan
 from pagedserve.gateway.response_store import ResponseStore, StoredResponse
 from pagedserve.gateway.responses_output import ResponsesOutput, new_id
-from pagedserve.gateway.responses_schemas import (DeletedResponse, FunctionTool, InputItem, InputItemList,
-                                                  Response, ResponsesRequest, TextOptions)
+from pagedserve.gateway.responses_schemas import (INCLUDE_LOGPROBS, DeletedResponse, FunctionTool, InputItem,
+                                                  InputItemList, Response, ResponsesRequest, TextOptions)
 from pagedserve.gateway.schemas import (ChatMessage, FunctionCallIn, FunctionDefinition, NamedFunction,
                                         NamedToolChoice, SamplingFields, Tool, ToolCallIn)
 from pagedserve.gateway.serving import json_response, read_json, run
@@ -28,7 +28,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 _encoder = msgspec.json.Encoder()
 # What the request plan's errors name, as this API names it.
-_FIELD_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
+_FIELD_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input", "logprobs": "top_logprobs"}
 
 
 @engine_route
@@ -41,7 +41,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     instructions = [ChatMessage("system", req.instructions)] if req.instructions else []
     p = await plan(gateway, await served_for(request, req.model), neutral_request(req, instructions + history + turn))
     output = ResponsesOutput(_in_progress(req, p.model),
-                             functools.partial(_store, gateway.responses, req, turn) if req.store else _keep_nothing)
+                             functools.partial(_store, gateway.responses, req, turn) if req.store else _keep_nothing,
+                             logprobs=_wants_logprobs(req))
     if req.background:
         return json_response(responses_background.start(gateway, p, output))
     return await run(request, p, output, functools.partial(SSEWriter.open, named=True))
@@ -114,9 +115,6 @@ def _check_supported(req: ResponsesRequest) -> None:
     if req.background and (req.stream or req.store is False):
         raise bad_request("`background` needs `store` (the response is fetched later) and no `stream`; send "
                           "`background: true` alone, or `stream: true` alone.", param="background")
-    if req.top_logprobs:
-        raise bad_request("`top_logprobs` is not supported on /v1/responses yet; use /v1/chat/completions for "
-                          "logprobs.", param="top_logprobs")
     if isinstance(req.input, list) and not req.input:
         raise bad_request("`input` is empty; send a string or at least one input item.", param="input")
 
@@ -199,8 +197,15 @@ def neutral_request(req: ResponsesRequest, messages: list[ChatMessage]) -> Neutr
     return NeutralRequest(sampling, messages=messages, tools=_tools(req.tools), tool_choice=_tool_choice(req),
                           parallel_tool_calls=req.parallel_tool_calls, constraint=_constraint(req.text),
                           max_tokens=req.max_output_tokens, drop_oldest_turns=req.truncation == "auto",
+                          logprobs=(req.top_logprobs or 0) if _wants_logprobs(req) else None,
                           chat_template_kwargs=None if effort is None else {"reasoning_effort": effort},
                           field_names=_FIELD_NAMES)
+
+
+def _wants_logprobs(req: ResponsesRequest) -> bool:
+    """OpenAI's rule: output_text carries logprobs where `include` asks for them; `top_logprobs`
+    says how many of the likeliest tokens each one lists."""
+    return INCLUDE_LOGPROBS in (req.include or ())
 
 
 def _tools(tools: list[FunctionTool] | None) -> list[Tool] | None:
@@ -248,7 +253,8 @@ def _in_progress(req: ResponsesRequest, model: str) -> Response:
                     background=bool(req.background),
                     store=req.store is not False, temperature=req.temperature, text=req.text or TextOptions(),
                     tool_choice=req.tool_choice or "auto", tools=req.tools or [], top_p=req.top_p,
-                    truncation=req.truncation or "disabled", user=UNSET if req.user is None else req.user)
+                    truncation=req.truncation or "disabled", top_logprobs=req.top_logprobs,
+                    user=UNSET if req.user is None else req.user)
 
 
 def _store(store: ResponseStore, req: ResponsesRequest, turn: list[ChatMessage], response: Response) -> None:

@@ -1,7 +1,12 @@
 """The Responses API's side of the output events: the response object and its output items
 (reasoning, message, function_call), and the stream of events the openai SDK's stream helper reads,
 numbered by sequence_number. A message item appears only once its text holds more than spaces, in
-a stream and a body alike, so the two hold the same items."""
+a stream and a body alike, so the two hold the same items.
+
+With `include: ["message.output_text.logprobs"]` a message's output_text holds the logprobs of every
+output token, as vLLM's body does (reasoning tokens too). A stream's text deltas each carry the
+tokens that came since the previous one, and the message's done events all of them so far; tokens
+after a message has closed (a tool call's) are in the body's list only."""
 import time
 import uuid
 from collections.abc import Callable
@@ -10,6 +15,7 @@ from dataclasses import dataclass, field
 from msgspec import Struct
 
 from pagedserve.gateway.errors import APIError
+from pagedserve.gateway.logprobs import TokenLogprob, chat_logprobs
 from pagedserve.gateway.output_events import (Collected, Finish, Outcome, ReasoningDelta, Step, TextDelta,
                                               ToolCallDelta)
 from pagedserve.gateway.responses_schemas import (ArgumentsDelta, ArgumentsDone, ContentPartAdded, ContentPartDone,
@@ -19,7 +25,7 @@ from pagedserve.gateway.responses_schemas import (ArgumentsDelta, ArgumentsDone,
                                                   ReasoningText, ReasoningTextDelta, ReasoningTextDone, Response,
                                                   ResponseCompleted, ResponseCreated, ResponseIncomplete,
                                                   ResponseInProgress, ResponseUsage, StreamEvent)
-from pagedserve.gateway.schemas import Usage
+from pagedserve.gateway.schemas import ChatTokenLogprob, Usage
 
 
 def new_id(prefix: str) -> str:
@@ -37,19 +43,25 @@ def _has_text(text: str | None) -> bool:
     return bool(text and text.strip())
 
 
-def outcome_items(outcome: Outcome) -> list[OutputItem]:
-    """The output items of a choice's whole output: its reasoning, its message, its calls."""
+def outcome_items(outcome: Outcome, logprobs: bool = False) -> list[OutputItem]:
+    """The output items of a choice's whole output: its reasoning, its message (with every output
+    token's logprobs, if asked for), its calls."""
     items: list[OutputItem] = []
     if outcome.reasoning:
         items.append(Reasoning(id=new_id("rs"), status="completed", content=[ReasoningText(text=outcome.reasoning)]))
     if _has_text(outcome.content):
-        items.append(OutputMessage(id=new_id("msg"), status="completed", content=[OutputText(text=outcome.content)]))
+        text = OutputText(text=outcome.content, logprobs=_logprobs(outcome.logprobs) if logprobs else [])
+        items.append(OutputMessage(id=new_id("msg"), status="completed", content=[text]))
     items += [FunctionCall(id=new_id("fc"), call_id=call.id, name=call.function.name,
                            arguments=call.function.arguments, status="completed") for call in outcome.tool_calls]
     if items:
         # As in a stream, where the finish ends the last item only.
         items[-1].status = _item_status(outcome.finish)
     return items
+
+
+def _logprobs(tokens: list[TokenLogprob]) -> list[ChatTokenLogprob]:
+    return chat_logprobs(tokens).content
 
 
 def _item_status(finish: Finish) -> str:
@@ -65,14 +77,18 @@ class _OpenItem:
     parts: list[str] = field(default_factory=list)
     name: str = ""
     call_id: str = ""
+    logprobs: list[ChatTokenLogprob] = field(default_factory=list)
 
 
 class ResponsesOutput:
     """The Wire of /v1/responses (see serving.run): `response` is the object being built, shown
     in progress when the stream opens; `finished` receives it once complete (to store it)."""
 
-    def __init__(self, response: Response, finished: Callable[[Response], None]) -> None:
+    def __init__(self, response: Response, finished: Callable[[Response], None], logprobs: bool = False) -> None:
         self.id = response.id
+        self._logprobs = logprobs
+        # Output tokens not yet carried by a text delta.
+        self._pending: list[TokenLogprob] = []
         self.response = response
         self.finished = finished
         self._sequence = 0
@@ -93,6 +109,8 @@ class ResponsesOutput:
 
     def step(self, step: Step) -> list[Struct]:
         out: list[Struct] = []
+        if self._logprobs:
+            self._pending += step.logprobs
         for event in step.events:
             match event:
                 case ReasoningDelta(text=text):
@@ -118,7 +136,7 @@ class ResponsesOutput:
     def body(self, collected: Collected) -> Struct:
         outcome = collected.outcomes[0]
         self._finish = outcome.finish
-        self._complete(outcome_items(outcome), collected.usage)
+        self._complete(outcome_items(outcome, self._logprobs), collected.usage)
         return self.response
 
     def _complete(self, items: list[OutputItem], usage: Usage) -> None:
@@ -160,8 +178,14 @@ class ResponsesOutput:
         item = self._open
         item.parts.append(text)
         out.append(self._event(OutputTextDelta, item_id=item.id, output_index=item.output_index, content_index=0,
-                               delta=text))
+                               delta=text, logprobs=self._take_logprobs(item)))
         return out
+
+    def _take_logprobs(self, item: _OpenItem) -> list[ChatTokenLogprob]:
+        """The pending tokens' logprobs, now the message's."""
+        taken, self._pending = _logprobs(self._pending), []
+        item.logprobs += taken
+        return taken
 
     def _call(self, event: ToolCallDelta) -> list[Struct]:
         out = []
@@ -187,10 +211,12 @@ class ResponsesOutput:
             done = Reasoning(id=item.id, status=status, content=[ReasoningText(text=text)])
             out = [self._event(ReasoningTextDone, item_id=item.id, output_index=at, content_index=0, text=text)]
         elif item.kind == "message":
-            done = OutputMessage(id=item.id, status=status, content=[OutputText(text=text)])
-            out = [self._event(OutputTextDone, item_id=item.id, output_index=at, content_index=0, text=text),
-                   self._event(ContentPartDone, item_id=item.id, output_index=at, content_index=0,
-                               part=OutputText(text=text))]
+            self._take_logprobs(item)
+            part = OutputText(text=text, logprobs=item.logprobs)
+            done = OutputMessage(id=item.id, status=status, content=[part])
+            out = [self._event(OutputTextDone, item_id=item.id, output_index=at, content_index=0, text=text,
+                               logprobs=item.logprobs),
+                   self._event(ContentPartDone, item_id=item.id, output_index=at, content_index=0, part=part)]
         else:
             done = FunctionCall(id=item.id, call_id=item.call_id, name=item.name, arguments=text, status=status)
             out = [self._event(ArgumentsDone, item_id=item.id, output_index=at, name=item.name, arguments=text)]

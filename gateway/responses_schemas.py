@@ -75,7 +75,9 @@ class ReasoningOptions(Struct, kw_only=True):
 
 
 RESPONSES_RANGES = {name: SAMPLING_RANGES[name] for name in ("temperature", "top_p", "top_k", "seed")} | {
-    "max_output_tokens": RANGES["max_tokens"]}
+    "max_output_tokens": RANGES["max_tokens"], "top_logprobs": RANGES["logprobs"]}
+# The `include` value that puts the output tokens' logprobs on output_text (with top_logprobs of each).
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
 
 class ResponsesRequest(Struct, kw_only=True):
@@ -200,6 +202,7 @@ class Response(Struct, kw_only=True):
     incomplete_details: IncompleteDetails | None = None
     completed_at: int | None = None
     truncation: str = "disabled"
+    top_logprobs: int | None = None
     user: str | UnsetType = UNSET
     object: str = "response"
 

@@ -172,6 +172,8 @@ async def test_store_false_keeps_nothing(http, base_url):
     ({"input": 5}, "input"),
     ({"input": [{"role": "user", "content": "a"}] * 3000}, "input"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}, "text.format"),
+    ({"input": "hi", "top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
+    ({"input": "hi", "top_logprobs": -1}, "top_logprobs"),
 ])
 async def test_bad_input_gets_an_openai_error_never_a_500(http, base_url, engine, body, param):
     status, raw = await post(http, base_url, body)
@@ -308,3 +310,37 @@ async def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(http, base
     assert "Be brief." in text and f"turn{dropped - 1}" not in text and f"turn{dropped}" in text
     status, raw = await post(http, base_url, {"input": "word " * 300, "truncation": "auto"})
     assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"
+
+
+async def test_output_text_logprobs_where_include_asks(http, base_url, engine, tokenizer, validate):
+    reply(engine, tokenizer, "Hello there.")
+    ask = {"input": "hi", "top_logprobs": 2, "include": ["message.output_text.logprobs"]}
+    status, body = await post(http, base_url, ask)
+    made = json.loads(body)
+    validate("Response", made)
+    assert made["top_logprobs"] == 2
+    logprobs = made["output"][0]["content"][0]["logprobs"]
+    # The fake engine's: output token i at -0.01 * (i + 1), its top ones it and the next ids.
+    assert [lp["logprob"] for lp in logprobs] == pytest.approx([-0.01 * (i + 1) for i in range(5)])
+    assert "".join(lp["token"] for lp in logprobs) == "Hello there." + tokenizer.decode([engine.eos],
+                                                                                           skip_special_tokens=False)
+    assert all(len(lp["top_logprobs"]) == 2 and lp["top_logprobs"][0]["token"] == lp["token"]
+               and lp["bytes"] == list(lp["token"].encode()) for lp in logprobs)
+    assert engine.requests[-1].params.logprobs == 2
+    status, raw = await post(http, base_url, {**ask, "stream": True})
+    events = sse(raw)
+    for name, data in events:
+        validate(EVENT_SCHEMAS[name], data)
+    streamed = [lp for n, d in events if n == "response.output_text.delta" for lp in d["logprobs"]]
+    done = next(d for n, d in events if n == "response.output_text.done")
+    # The end-of-text token, in a step of no text, reaches the done events only.
+    assert done["logprobs"] == events[-1][1]["response"]["output"][0]["content"][0]["logprobs"] == streamed + [
+        done["logprobs"][-1]]
+    assert [lp["token"] for lp in done["logprobs"]] == [lp["token"] for lp in logprobs]
+
+
+async def test_no_logprobs_without_include(http, base_url, engine, tokenizer):
+    reply(engine, tokenizer, "Hello there.")
+    status, body = await post(http, base_url, {"input": "hi", "top_logprobs": 3})
+    assert status == 200 and json.loads(body)["output"][0]["content"][0]["logprobs"] == []
+    assert not engine.requests[-1].params.HasField("logprobs")
