@@ -9,10 +9,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.gateway import reasoning
-from pagedserve.gateway.output_events import Event, ReasoningDelta, TextDelta, ToolCallDelta
-from pagedserve.gateway.schemas import FunctionCall, ToolCall
 from pagedserve.gateway.call_scan import ParsedCall, Scan
+from pagedserve.gateway.output_events import Event, ReasoningDelta, TextDelta, ToolCallDelta
+from pagedserve.gateway.reasoning import Format, Splitter
+from pagedserve.gateway.schemas import FunctionCall, ToolCall
 from pagedserve.gateway.tool_parsers import Scanner
 
 
@@ -20,10 +20,10 @@ from pagedserve.gateway.tool_parsers import Scanner
 class ChatOutputOptions:
     """How a request's choices are read: the tool scanner's factory (None: plain content), whether
     found calls finish with "tool_calls" (auto and required; a named choice keeps "stop", as OpenAI
-    does), and whether to split off the reasoning."""
+    does), and the think tags of the reasoning to split off (None: none)."""
     tools: Callable[[], Scanner] | None = None
     finish_with_calls: bool = False
-    reasoning: bool = False
+    reasoning: Format | None = None
     # The tool scanner reads tags that are special tokens ([TOOL_CALLS]), so the text keeps them.
     keep_special_tokens: bool = False
 
@@ -54,14 +54,14 @@ class ChoiceOutput:
     args_sent: list[int] = field(default_factory=list)
     # Calls before this one are complete and sent in full.
     calls_done: int = 0
-    splitter: reasoning.Splitter | None = None
+    splitter: Splitter | None = None
     scanner: Scanner | None = None
 
     def __post_init__(self) -> None:
         self._restart()
 
     def _restart(self) -> None:
-        self.splitter = reasoning.Splitter() if self.options.reasoning else None
+        self.splitter = None if self.options.reasoning is None else Splitter(self.options.reasoning)
         self.scanner = None if self.options.tools is None else self.options.tools()
 
     def _parts(self, final: bool) -> tuple[tuple[int, int] | None, Scan]:

@@ -102,7 +102,7 @@ async def plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> Pl
 
 async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> Plan:
     check_runner(served, "generate", "text generation")
-    options = ChatOutputOptions(reasoning=req.messages is not None and gateway.reasoning_parser is not None)
+    options = _output_options(req, gateway.reasoning_parser)
     max_tokens = params.max_tokens(req.max_tokens, served.sampling_defaults.get("max_tokens"), served.max_tokens_cap)
     if req.messages is not None:
         params.check_fan_out(1, req.sampling.n, gateway.max_client_batch_size)
@@ -129,6 +129,14 @@ async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> P
                 bool(req.sampling.stream), req.include_usage)
 
 
+def _output_options(req: NeutralRequest, reasoning_parser: str | None) -> ChatOutputOptions:
+    """A chat's reasoning split (--reasoning-parser), before its tools set their scan."""
+    if req.messages is None or reasoning_parser is None:
+        return ChatOutputOptions()
+    return ChatOutputOptions(reasoning=reasoning.FORMATS[reasoning_parser],
+                             keep_special_tokens=reasoning_parser in reasoning.KEEP_SPECIAL_TOKENS)
+
+
 async def _chat_prompt(gateway: Gateway, tokenizer: Tokenizer, req: NeutralRequest, options: ChatOutputOptions,
                        constraint: StructuredOutputsParams | None, limit: int) -> list[int]:
     """The rendered chat's token ids (without its oldest turns past `limit` tokens, where the request
@@ -139,10 +147,10 @@ async def _chat_prompt(gateway: Gateway, tokenizer: Tokenizer, req: NeutralReque
         return await chat_prompt(gateway, tokenizer, chat, req.add_generation_prompt, req.add_special_tokens)
 
     prompt = await (chat_fit.fit(req.messages, limit, render) if req.drop_oldest_turns else render(req.messages))
-    if options.reasoning and reasoning.ended_in_prompt(tokenizer.decode(prompt, False)):
-        options.reasoning = False
+    if options.reasoning and reasoning.ended_in_prompt(tokenizer.decode(prompt, False), options.reasoning):
+        options.reasoning = None
     if options.reasoning and constraint is not None:
-        _free_thinking(constraint, tokenizer)
+        _free_thinking(constraint, tokenizer, options.reasoning.end)
     return prompt
 
 
@@ -152,11 +160,11 @@ async def _encoded(gateway: Gateway, tokenizer: Tokenizer, given: list[str] | li
     return given
 
 
-def _free_thinking(constraint: StructuredOutputsParams, tokenizer: Tokenizer) -> None:
-    """Makes the constraint the answer's, leaving the thinking before </think> free. The end is
-    found by token id, as vLLM does, so only where </think> is one token (a reasoning model's
+def _free_thinking(constraint: StructuredOutputsParams, tokenizer: Tokenizer, end_tag: str) -> None:
+    """Makes the constraint the answer's, leaving the thinking before `end_tag` (</think>) free. The
+    end is found by token id, as vLLM does, so only where the tag is one token (a reasoning model's
     vocabulary); elsewhere the constraint covers the whole output."""
-    end = tokenizer.encode(reasoning.END, add_special_tokens=False)
+    end = tokenizer.encode(end_tag, add_special_tokens=False)
     if len(end) == 1:
         constraint.reasoning_end_ids = end
 

@@ -55,7 +55,7 @@ async def chat_plan(gateway: Gateway, served: ServedModel, req: ChatCompletionRe
             raise bad_request("`prompt_logprobs` on chat completions is returned without `stream` only; "
                               "remove one of them.", param="prompt_logprobs")
         prompt_lp = PromptLogprobs(vllm=True, echo=False)
-    shown = replace(p.options, reasoning=p.options.reasoning and req.include_reasoning)
+    shown = replace(p.options, reasoning=p.options.reasoning if req.include_reasoning else None)
     wire = ChatResponses(p.id, p.model, len(p.choices), p.include_usage, neutral.logprobs is not None, shown,
                          _extensions(req, p, prompt_lp), params.chat_echo(req),
                          params.chat_role(req, gateway.response_role))

@@ -160,7 +160,8 @@ def add_serving_args(group: argparse._ActionsContainer) -> None:
                             "pythonic / llama4_pythonic (Llama 3.2, Llama 4), mistral, phi4_mini_json, "
                             "qwen3_coder / qwen3_xml (Qwen3-Coder)")
     group.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
-                       help="return a reasoning model's <think> text as `reasoning` / `reasoning_content`")
+                       help="return a reasoning model's <think> text (mistral: [THINK]) as `reasoning` / "
+                            "`reasoning_content`")
     group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                        help="seconds running requests get to finish after SIGTERM/SIGINT; then streams end "
                             "with an error event and `data: [DONE]`, other requests with a 503")

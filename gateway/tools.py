@@ -30,7 +30,7 @@ def tool_options(tools: list[Tool] | None, choice: str | NamedToolChoice | None,
                               'to be set; start the server with them, or send tool_choice "required", '
                               '"none" or a named function.', param="tool_choice")
         options.tools, options.finish_with_calls = tool_parsers.parser(tool_parser, tools), True
-        options.keep_special_tokens = tool_parser in tool_parsers.KEEP_SPECIAL_TOKENS
+        options.keep_special_tokens |= tool_parser in tool_parsers.KEEP_SPECIAL_TOKENS
         return None
     if isinstance(choice, NamedToolChoice):
         tool = _named(tools, choice.function.name)

@@ -5,12 +5,13 @@ import json
 
 import pytest
 
-from pagedserve.gateway import tool_parsers
+from pagedserve.gateway import reasoning, tool_parsers
 from pagedserve.gateway.chat_output import ChatOutputOptions, ChoiceOutput
 from pagedserve.gateway.chat_responses import ChatResponses
 from pagedserve.gateway.output_events import ReasoningDelta, Step, TextDelta, ToolCallDelta
 from pagedserve.gateway.schemas import Delta
 
+DEEPSEEK_R1 = reasoning.FORMATS["deepseek_r1"]
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Dallas", "state": "TX"}}'
 HERMES = {
     "one call": f"<tool_call>\n{WEATHER}\n</tool_call>",
@@ -148,7 +149,7 @@ THINK = "<think>\nplan\n</think>\n\nanswer"
 
 @pytest.mark.parametrize("cut", range(len(THINK) + 1))
 def test_reasoning_splits_at_every_cut(cut):
-    options = ChatOutputOptions(reasoning=True)
+    options = ChatOutputOptions(reasoning=DEEPSEEK_R1)
     merged, _ = stream(options, THINK, [cut])
     message = ChoiceOutput(options).message(THINK)
     assert (message.reasoning, message.content) == ("\nplan\n", "answer")
@@ -156,10 +157,10 @@ def test_reasoning_splits_at_every_cut(cut):
 
 
 def test_reasoning_cut_off_and_followed_by_a_call():
-    options = ChatOutputOptions(reasoning=True)
+    options = ChatOutputOptions(reasoning=DEEPSEEK_R1)
     assert ChoiceOutput(options).message("<think>still thinking").content is None
     assert ChoiceOutput(options).message("no start tag</think>done").reasoning == "no start tag"
-    with_tools = ChatOutputOptions(tools=tool_parsers.hermes, finish_with_calls=True, reasoning=True)
+    with_tools = ChatOutputOptions(tools=tool_parsers.hermes, finish_with_calls=True, reasoning=DEEPSEEK_R1)
     text = f"<think>call it</think>\n<tool_call>\n{WEATHER}\n</tool_call>"
     message = ChoiceOutput(with_tools).message(text)
     assert message.reasoning == "call it" and message.tool_calls[0].function.name == "get_weather"
@@ -168,7 +169,7 @@ def test_reasoning_cut_off_and_followed_by_a_call():
 
 BIG = "x" * 100_000
 LONG_CALLS = {
-    "hermes after reasoning": (ChatOutputOptions(tools=tool_parsers.hermes, reasoning=True),
+    "hermes after reasoning": (ChatOutputOptions(tools=tool_parsers.hermes, reasoning=DEEPSEEK_R1),
                                f'<think>plan</think>\n<tool_call>\n{{"name": "f", "arguments": {{"a": "{BIG}"}}}}'
                                "\n</tool_call>"),
     "required": (ChatOutputOptions(tools=tool_parsers.required), f'[{{"name": "f", "parameters": {{"a": "{BIG}"}}}}]'),
@@ -212,8 +213,8 @@ def test_llama3_json_edge_cases_at_every_cut(text):
 @pytest.mark.parametrize("text", ["<think>a</think>   ", "  \n<think>a</thi", "no think at all", "</think>",
                                   "<think>x</think>\n\n{\"y\": 1}"])
 def test_reasoning_edge_cases_at_every_cut(text):
-    check_every_cut(ChatOutputOptions(tools=tool_parsers.named("f"), reasoning=True), text)
-    check_every_cut(ChatOutputOptions(reasoning=True), text)
+    check_every_cut(ChatOutputOptions(tools=tool_parsers.named("f"), reasoning=DEEPSEEK_R1), text)
+    check_every_cut(ChatOutputOptions(reasoning=DEEPSEEK_R1), text)
 
 
 MISTRAL = {
@@ -288,3 +289,35 @@ def test_phi4_mini_json_message():
         [("get_weather", {"city": "Dallas", "state": "TX"})]
     assert [c.function.name for c in read(PHI4_MINI["two calls"]).tool_calls] == ["get_weather", "now"]
     assert read(PHI4_MINI["no call"]).content == PHI4_MINI["no call"] and not read(PHI4_MINI["no call"]).tool_calls
+
+
+MISTRAL_THINKING = {
+    "thinking then answer": ("[THINK]plan it[/THINK]The answer.", "plan it", "The answer."),
+    "no thinking": ("The answer, [THINK] later is text.", "", "The answer, [THINK] later is text."),
+    "cut off thinking": ("[THINK]still", "still", None),
+}
+
+
+@pytest.mark.parametrize("case", MISTRAL_THINKING)
+def test_mistral_reasoning_at_every_cut(case):
+    text, thinking, answer = MISTRAL_THINKING[case]
+    options = ChatOutputOptions(reasoning=reasoning.FORMATS["mistral"])
+    check_every_cut(options, text)
+    message = ChoiceOutput(options).message(text)
+    assert (message.reasoning, message.content) == (thinking, answer)
+
+
+async def test_mistral_think_tokens_reach_the_reasoning_parser(http, engine, tokenizer_dir):
+    from pagedserve.common.tokenizer import Tokenizer
+    from tests.gateway.fake_engine import serve_live_gateway
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    tokenizer._tokenizer.add_special_tokens(["[THINK]", "[/THINK]"])
+    engine.reply = tokenizer.encode("[THINK]plan[/THINK]Done.", add_special_tokens=False) + [engine.eos]
+    runner, url = await serve_live_gateway(tokenizer, engine.address, reasoning_parser="mistral")
+    try:
+        async with http.post(f"{url}/v1/chat/completions",
+                             json={"messages": [{"role": "user", "content": "Go"}]}) as r:
+            message = (await r.json())["choices"][0]["message"]
+    finally:
+        await runner.cleanup()
+    assert (message["reasoning_content"], message["content"]) == ("plan", "Done.")
