@@ -145,6 +145,11 @@ class Generation:
         self._tokens_as_ids = tokens_as_ids
         self._queue: asyncio.Queue[tuple[Choice, pb.GenerateResponse | APIError] | Exception] = asyncio.Queue()
 
+    def like(self, choices: list[Choice]) -> "Generation":
+        """A generation of other choices for the same request (a beam search's rounds), unlogged."""
+        return Generation(self._engines, self._tokenizer, choices, self._trace_id, self.metrics, self._arrival,
+                          self._stream_interval, RequestLog(), self._prompt_tokens_details, self._tokens_as_ids)
+
     def usage(self) -> Usage:
         # The n choices of one prompt share it: its tokens count once, as OpenAI counts them.
         firsts = [c for c in self.choices if c.counts_prompt]

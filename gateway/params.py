@@ -56,8 +56,6 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 def check_not_implemented(req: SamplingFields) -> None:
     """A 400 for vLLM's options this server lacks: ignored, they would return output the client did
     not ask for."""
-    if req.use_beam_search:
-        raise unsupported("Beam search", "use_beam_search")
     if req.logits_processors:
         raise unsupported("Custom logits processors", "logits_processors")
 

@@ -16,6 +16,7 @@ from pagedserve.gateway.chat_output import ChatOutputOptions, ChoiceOutput
 from pagedserve.gateway.chat_prompt import chat_prompt
 from pagedserve.gateway.engine_client import Routing
 from pagedserve.gateway.errors import APIError, bad_request
+from pagedserve.gateway.beam_search import BeamSearch, beam_search
 from pagedserve.gateway.generation import Choice, Generation, fan_out
 from pagedserve.gateway.request_id import current_request_id
 from pagedserve.gateway.schemas import ChatMessage, NamedToolChoice, SamplingFields, Tool
@@ -78,7 +79,7 @@ class Plan:
     prompts: list[list[int]]
     choices: list[Choice]
     options: ChatOutputOptions
-    generation: Generation
+    generation: Generation | BeamSearch
     stream: bool
     include_usage: bool
     outputs: list[ChoiceOutput] = field(default_factory=list)
@@ -125,6 +126,9 @@ async def _plan(gateway: Gateway, served: ServedModel, req: NeutralRequest) -> P
                             time.monotonic(), gateway.stream_interval, gateway.request_log,
                             gateway.prompt_tokens_details,
                             gateway.return_tokens_as_token_ids if as_ids is None else as_ids)
+    if req.sampling.use_beam_search:
+        generation = beam_search(rid, generation, req.sampling, prompts, served.tokenizer, served.spec, max_tokens,
+                                 constraint is not None)
     return Plan(rid, served.name, served, served.tokenizer, prompts, choices, options, generation,
                 bool(req.sampling.stream), req.include_usage)
 

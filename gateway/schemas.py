@@ -133,8 +133,10 @@ class SamplingFields(Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None
     # vLLM's: words the output may not hold (common/bad_words.py).
     bad_words: list[str] | None = None
-    # vLLM's, not implemented: refused when set (params.check_not_implemented).
+    # vLLM's beam search (gateway/beam_search.py): n beams, ranked by logprob / length ** length_penalty.
     use_beam_search: bool = False
+    length_penalty: float = 1.0
+    # vLLM's, not implemented: refused when set (params.check_not_implemented).
     logits_processors: list[Any] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0

@@ -53,7 +53,7 @@ CASES = {
     "stream_options without stream": (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}},
                                       "stream_options"),
     "top_logprobs without logprobs": (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
-    "beam search": (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    "beam search past --max-logprobs": (COMPLETIONS, {"prompt": "x", "use_beam_search": True, "n": 11}, "n"),
     "best_of past n": (COMPLETIONS, {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
     "too many bad_words": (CHAT, {"messages": MSG, "bad_words": ["no"] * 1025}, "bad_words"),
     "logits_processors": (COMPLETIONS, {"prompt": "x", "logits_processors": ["my.Proc"]}, "logits_processors"),
