@@ -1,6 +1,6 @@
 """Tool calls read from the model's text: the `hermes` format (Qwen2.5, Qwen3, QwQ, Hermes),
-`llama3_json` (Llama 3.1/3.2), `mistral` (Mistral 7B v0.3, Nemo, Small, Magistral),
-`phi4_mini_json` (Phi-4-mini), `pythonic` and `llama4_pythonic` (Llama 3.2, Llama 4: Python call
+`llama3_json` (Llama 3.1/3.2; `llama4_json`, vLLM's other name for it), `mistral` (Mistral 7B
+v0.3, Nemo, Small, Magistral), `phi4_mini_json` (Phi-4-mini), `pythonic` and `llama4_pythonic` (Llama 3.2, Llama 4: Python call
 syntax, pythonic_calls.py), `qwen3_coder` and `qwen3_xml` (Qwen3-Coder's XML, xml_calls.py), and
 the two that structured outputs force for tool_choice `required` (a JSON array of calls) and named
 (the arguments alone).
@@ -19,8 +19,8 @@ from pagedserve.gateway.pythonic_calls import Pythonic
 from pagedserve.gateway.schemas import Tool
 from pagedserve.gateway.xml_calls import Qwen3Coder, property_types
 
-PARSERS = ("hermes", "llama3_json", "llama4_pythonic", "mistral", "phi4_mini_json", "pythonic", "qwen3_coder",
-           "qwen3_xml")
+PARSERS = ("hermes", "llama3_json", "llama4_json", "llama4_pythonic", "mistral", "phi4_mini_json", "pythonic",
+           "qwen3_coder", "qwen3_xml")
 # Parsers whose tags are special tokens, which the text must keep to be read (vLLM's adjust_request).
 KEEP_SPECIAL_TOKENS = frozenset({"mistral"})
 
@@ -283,5 +283,6 @@ def parser(name: str, tools: list[Tool]) -> Callable[[], Scanner]:
     """The scanner factory of --tool-call-parser `name` for a request's `tools`."""
     if name in ("qwen3_coder", "qwen3_xml"):
         return partial(Qwen3Coder, property_types(tools))
-    return {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral, "phi4_mini_json": phi4_mini_json,
+    return {"hermes": hermes, "llama3_json": llama3_json, "llama4_json": llama3_json, "mistral": mistral,
+            "phi4_mini_json": phi4_mini_json,
             "pythonic": Pythonic, "llama4_pythonic": Pythonic}[name]

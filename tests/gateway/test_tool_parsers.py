@@ -100,8 +100,9 @@ def test_llama3_json_at_every_cut(text):
     check_every_cut(ChatOutputOptions(tools=tool_parsers.llama3_json, finish_with_calls=True), text)
 
 
-def test_llama3_json_reads_parameters():
-    message = ChoiceOutput(ChatOutputOptions(tools=tool_parsers.llama3_json)).message(
+@pytest.mark.parametrize("name", ["llama3_json", "llama4_json"])
+def test_llama3_json_reads_parameters(name):
+    message = ChoiceOutput(ChatOutputOptions(tools=tool_parsers.parser(name, []))).message(
         '{"name": "get_weather", "parameters": {"city": "Dallas"}}')
     assert message.tool_calls[0].function.name == "get_weather"
     assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Dallas"}
