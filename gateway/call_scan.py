@@ -194,6 +194,28 @@ class SpaceSkipper:
         return i if i < len(text) else None
 
 
+class Opening:
+    """Where a format's calls begin when they open the output (after spaces, and its tag if any):
+    the first other character's position, found across reads without reading twice."""
+
+    def __init__(self, tag: str) -> None:
+        self._tag = tag
+        self._space = SpaceSkipper()
+        self._after_tag = False
+
+    def find(self, text: str, start: int, final: bool) -> int | None:
+        """That position; None while there is none yet (only spaces, or what may begin the tag)."""
+        first = self._space.find(text, start)
+        if first is None:
+            return None
+        if not self._after_tag and text.startswith(self._tag, first):
+            self._after_tag, self._space.pos = True, first + len(self._tag)
+            return self.find(text, start, final)
+        if not final and not self._after_tag and self._tag.startswith(text[first:]):
+            return None
+        return first
+
+
 class Tagged:
     """A format whose calls follow a tag: what precedes the first tag is content."""
     TAG: str

@@ -13,7 +13,7 @@ is content."""
 import ast
 import json
 
-from pagedserve.gateway.call_scan import SPACE, ParsedCall, Scan, SpaceSkipper
+from pagedserve.gateway.call_scan import SPACE, Opening, ParsedCall, Scan
 
 TAG, END_TAG = "<|python_start|>", "<|python_end|>"
 _OPEN, _CLOSE = "([{", ")]}"
@@ -23,8 +23,7 @@ class Pythonic:
     """A scanner of one choice's text in Python call syntax."""
 
     def __init__(self) -> None:
-        self._space = SpaceSkipper()
-        self._after_tag = False
+        self._opening = Opening(TAG)
         self._content = False
         # Where the list's next unread character is, once the output has begun with it.
         self._pos: int | None = None
@@ -53,14 +52,9 @@ class Pythonic:
         return Scan(start, start, shown)
 
     def _decide(self, text: str, start: int, final: bool) -> None:
-        first = self._space.find(text, start)
+        first = self._opening.find(text, start, final)
         if first is None:
             self._content = final
-        elif not self._after_tag and text.startswith(TAG, first):
-            self._after_tag, self._space.pos = True, first + len(TAG)
-            self._decide(text, start, final)
-        elif not final and not self._after_tag and TAG.startswith(text[first:]):
-            return
         elif text[first] == "[":
             self._pos = first + 1
         else:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from functools import partial
 
-from pagedserve.gateway.call_scan import SPACE, CallObject, Calls, ParsedCall, Scan, SpaceSkipper, Tagged
+from pagedserve.gateway.call_scan import SPACE, CallObject, Calls, Opening, ParsedCall, Scan, SpaceSkipper, Tagged
 from pagedserve.gateway.pythonic_calls import Pythonic
 from pagedserve.gateway.schemas import Tool
 from pagedserve.gateway.xml_calls import Qwen3Coder, property_types
@@ -93,8 +93,7 @@ class Llama3Json:
     def __init__(self) -> None:
         self._calls: Calls | None = None
         self._content = False
-        self._space = SpaceSkipper()
-        self._after_tag = False
+        self._opening = Opening(self.TAG)
 
     def scan(self, text: str, start: int, final: bool) -> Scan:
         if self._calls is None and not self._content:
@@ -107,15 +106,9 @@ class Llama3Json:
         return Scan(start, start, self._calls.calls)
 
     def _decide(self, text: str, start: int, final: bool) -> None:
-        first = self._space.find(text, start)
+        first = self._opening.find(text, start, final)
         if first is None:
             self._content = final
-        elif not self._after_tag and text.startswith(self.TAG, first):
-            self._after_tag, self._space.pos = True, first + len(self.TAG)
-            self._decide(text, start, final)
-        elif (not final and not self._after_tag and len(text) - first < len(self.TAG)
-              and self.TAG.startswith(text[first:])):
-            return
         elif text[first] == "{":
             self._calls = Calls(first, ";")
         else:

@@ -11,7 +11,7 @@ from pagedserve.gateway.chat_output import ChatOutputOptions, ChoiceOutput
 from pagedserve.gateway.output_events import ToolCallDelta
 from pagedserve.gateway.schemas import Tool
 from pagedserve.gateway.xml_calls import typed
-from tests.gateway.test_tool_parsers import check_every_cut
+from tests.gateway.test_tool_parsers import WEATHER_TOOLS, chat_choices, check_every_cut
 
 TOOLS = msgspec.convert([
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -138,20 +138,9 @@ def test_a_long_argument_streamed_a_character_at_a_time_takes_linear_time(name, 
     assert json.loads("".join(fragments)) == {"city": "x" * 100_000}
 
 
-async def test_pythonic_calls_through_the_gateway(http, engine, tokenizer_dir):
-    from pagedserve.common.tokenizer import Tokenizer
-    from tests.gateway.fake_engine import serve_live_gateway
-    tokenizer = Tokenizer.from_dir(tokenizer_dir)
-    engine.reply = tokenizer.encode('[get_weather(city="Dallas", days=2)]', add_special_tokens=False)
-    engine.reply.append(engine.eos)
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": tools}
-    runner, url = await serve_live_gateway(tokenizer, engine.address, tool_parser="pythonic")
-    try:
-        async with http.post(f"{url}/v1/chat/completions", json=body) as r:
-            choice = (await r.json())["choices"][0]
-    finally:
-        await runner.cleanup()
+async def test_pythonic_calls_through_the_gateway(http, engine, tokenizer):
+    [choice] = await chat_choices(http, engine, tokenizer, '[get_weather(city="Dallas", days=2)]',
+                                  [{"tools": WEATHER_TOOLS}], tool_parser="pythonic")
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     call = choice["message"]["tool_calls"][0]["function"]
     assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Dallas", "days": 2})

@@ -245,25 +245,35 @@ def test_mistral_message(case, calls):
     assert message.content == {"text before the array": "Let me look.", "no call": MISTRAL["no call"]}.get(case)
 
 
-async def test_mistral_tags_that_are_special_tokens_reach_the_parser(http, engine, tokenizer_dir):
-    from pagedserve.common.tokenizer import Tokenizer
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+async def chat_choices(http, engine, tokenizer, reply: str, bodies: list[dict], **gateway) -> list[dict]:
+    """Each body's first choice from a gateway started with `gateway`'s options, on the fake engine
+    answering `reply` (then its end of text), each body's messages one user turn."""
     from tests.gateway.fake_engine import serve_live_gateway
-    tokenizer = Tokenizer.from_dir(tokenizer_dir)
-    tokenizer._tokenizer.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
-    engine.reply = tokenizer.encode('[TOOL_CALLS]get_weather[ARGS]{"city": "Dallas"}', add_special_tokens=False)
-    assert tokenizer.decode(engine.reply) == 'get_weather{"city": "Dallas"}'
-    engine.reply.append(engine.eos)
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": tools}
-    runner, url = await serve_live_gateway(tokenizer, engine.address, tool_parser="mistral")
+    engine.reply = tokenizer.encode(reply, add_special_tokens=False) + [engine.eos]
+    runner, url = await serve_live_gateway(tokenizer, engine.address, **gateway)
+    choices = []
     try:
-        async with http.post(f"{url}/v1/chat/completions", json=body) as r:
-            choice = (await r.json())["choices"][0]
-        # Plain content, special tokens skipped as usual, where the request has no tools.
-        async with http.post(f"{url}/v1/chat/completions", json={"messages": body["messages"]}) as r:
-            plain = (await r.json())["choices"][0]
+        for body in bodies:
+            async with http.post(f"{url}/v1/chat/completions",
+                                 json={"messages": [{"role": "user", "content": "Go"}], **body}) as r:
+                choices.append((await r.json())["choices"][0])
     finally:
         await runner.cleanup()
+    return choices
+
+
+async def test_mistral_tags_that_are_special_tokens_reach_the_parser(http, engine, tokenizer_dir):
+    from pagedserve.common.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    tokenizer._tokenizer.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Dallas"}'
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == 'get_weather{"city": "Dallas"}'
+    # Plain content, special tokens skipped as usual, where the request has no tools.
+    choice, plain = await chat_choices(http, engine, tokenizer, text, [{"tools": WEATHER_TOOLS}, {}],
+                                       tool_parser="mistral")
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     call = choice["message"]["tool_calls"][0]["function"]
     assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Dallas"})
@@ -310,15 +320,8 @@ def test_mistral_reasoning_at_every_cut(case):
 
 async def test_mistral_think_tokens_reach_the_reasoning_parser(http, engine, tokenizer_dir):
     from pagedserve.common.tokenizer import Tokenizer
-    from tests.gateway.fake_engine import serve_live_gateway
     tokenizer = Tokenizer.from_dir(tokenizer_dir)
     tokenizer._tokenizer.add_special_tokens(["[THINK]", "[/THINK]"])
-    engine.reply = tokenizer.encode("[THINK]plan[/THINK]Done.", add_special_tokens=False) + [engine.eos]
-    runner, url = await serve_live_gateway(tokenizer, engine.address, reasoning_parser="mistral")
-    try:
-        async with http.post(f"{url}/v1/chat/completions",
-                             json={"messages": [{"role": "user", "content": "Go"}]}) as r:
-            message = (await r.json())["choices"][0]["message"]
-    finally:
-        await runner.cleanup()
-    assert (message["reasoning_content"], message["content"]) == ("plan", "Done.")
+    [choice] = await chat_choices(http, engine, tokenizer, "[THINK]plan[/THINK]Done.", [{}],
+                                  reasoning_parser="mistral")
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == ("plan", "Done.")
