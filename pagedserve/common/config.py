@@ -51,6 +51,12 @@ class EngineConfig:
     hf_overrides: dict | None = None
     # The most top logprobs a request may ask for per token; -1: the vocabulary's size.
     max_logprobs: int = MAX_LOGPROBS
+    # LoRA adapters (vLLM's flags): each --lora-modules entry name=path or a JSON object with
+    # "name" and "path"; max_loras of them may serve one step, each of rank max_lora_rank at most.
+    enable_lora: bool = False
+    lora_modules: list[str] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     @property
     def name(self) -> str:
@@ -63,7 +69,8 @@ SCHEDULER_FLAGS = ("served_model_name", "max_num_queued_reqs", "scheduling_polic
 EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes", "dtype",
                   "kv_cache_dtype", "seed", "load_format", "quantization", "device", "enforce_eager",
-                  "tensor_parallel_size", "runner", "task", "pooler_config", "hf_overrides", "max_logprobs")
+                  "tensor_parallel_size", "runner", "task", "pooler_config", "hf_overrides", "max_logprobs",
+                  "enable_lora", "lora_modules", "max_loras", "max_lora_rank")
 # Executor flags whose value Describe reports back; a scheduler given one checks it against that.
 GEOMETRY_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "num_gpu_blocks_override", "dtype")
@@ -83,7 +90,8 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
-_LORA = "LoRA adapters are not built yet; merge the adapter into the model's weights and serve that"
+_LORA = ("this LoRA option is not built: adapters here are the --lora-modules given at start, in the model's "
+         "dtype; drop the flag")
 _DOWNLOADS = "pagedserve loads a local directory or GGUF file and never downloads; pass the path of the files you want"
 _MULTIMODAL = "multimodal input is not built yet: pagedserve serves text models"
 _PARSER_PLUGINS = "parser plugins are not built; choose a built-in --tool-call-parser or --reasoning-parser"
@@ -91,7 +99,7 @@ _TRACING = "OpenTelemetry tracing is not built; /metrics and --enable-log-reques
 # vLLM's flags for what pagedserve does not build, each refused with the reason and what to do
 # instead (by the command line, a --config file and LLM()), where it would only be unrecognized.
 UNBUILT_VLLM_FLAGS = {
-    "--enable-lora": _LORA, "--lora-modules": _LORA, "--max-loras": _LORA, "--max-lora-rank": _LORA,
+    "--long-lora-scaling-factors": _LORA, "--lora-dtype": _LORA, "--fully-sharded-loras": _LORA,
     "--speculative-config": "speculative decoding is not built yet; drop the flag",
     "--compilation-config": "pagedserve does not run torch.compile: its steps replay CUDA graphs of Triton kernels "
                             "(--enforce-eager turns the graphs off); drop the flag",
@@ -209,6 +217,17 @@ def _flag_specs() -> dict[str, dict]:
                                   "top_logprobs, prompt_logprobs); -1: the whole vocabulary. The "
                                   "executor holds pinned host memory of max_num_seqs x (1 + N) x 24 "
                                   "bytes for them"),
+        "enable_lora": dict(action="store_true",
+                            help="serve the --lora-modules adapters: a request whose `model` names one "
+                                 "runs the base model with it"),
+        "lora_modules": dict(nargs="+", default=d.lora_modules, metavar="NAME=PATH",
+                             help="LoRA adapters (PEFT directories: adapter_config.json and "
+                                  "adapter_model.safetensors) as name=path or JSON {\"name\": ..., "
+                                  "\"path\": ...}; needs --enable-lora"),
+        "max_loras": dict(type=arg_types.positive_int, default=d.max_loras,
+                          help="the most adapters that one step serves; requests of others wait"),
+        "max_lora_rank": dict(type=arg_types.positive_int, default=d.max_lora_rank,
+                              help="the greatest adapter rank served (vLLM's: 8, 16, 32, 64, ...)"),
         "trust_remote_code": dict(action="store_true",
                                   help="accepted for vLLM's commands; pagedserve never runs code from a "
                                        "model directory, so it changes nothing"),

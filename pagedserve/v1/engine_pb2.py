@@ -25,43 +25,43 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import sampling_pb2 as pagedserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/engine.proto\x12\rpagedserve.v1\x1a\x1cpagedserve/v1/sampling.proto\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x06params\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\nbackground\x18\x06 \x01(\x08\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb7\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x05\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\x12\x1a\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x35\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobsB\x10\n\x0e_stop_token_id\"\x7f\n\rPoolingParams\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x16\n\tnormalize\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ndimensions\x18\x03 \x01(\x05\x12\x17\n\nactivation\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x0c\n\n_normalizeB\r\n\x0b_activation\"\xa7\x01\n\x0bPoolRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0etoken_type_ids\x18\x03 \x03(\x05\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.pagedserve.v1.PoolingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\nbackground\x18\x06 \x01(\x08\"3\n\x0cPoolResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x8b\x01\n\rStreamRequest\x12\x32\n\x08generate\x18\x01 \x01(\x0b\x32\x1e.pagedserve.v1.GenerateRequestH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.AbortRequestH\x00\x12\x10\n\x08trace_id\x18\x03 \x01(\tB\x06\n\x04kind\"\x80\x01\n\x0cStreamOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1f.pagedserve.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\">\n\x0eStreamResponse\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.pagedserve.v1.StreamOutput\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"c\n\rStepHistogram\x12\x1d\n\x15\x62ucket_upper_bounds_s\x18\x01 \x03(\x01\x12\x15\n\rbucket_counts\x18\x02 \x03(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\r\n\x05sum_s\x18\x04 \x01(\x01\"\xb2\x06\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x13\n\x0bnum_running\x18\x08 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\t \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x0b \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x0c \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\r \x01(\x03\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0e \x01(\x08\x12\x1e\n\x16gpu_memory_utilization\x18\x0f \x01(\x02\x12\x33\n\rstep_schedule\x18\x10 \x01(\x0b\x32\x1c.pagedserve.v1.StepHistogram\x12\x32\n\x0cstep_forward\x18\x11 \x01(\x0b\x32\x1c.pagedserve.v1.StepHistogram\x12/\n\tstep_idle\x18\x12 \x01(\x0b\x32\x1c.pagedserve.v1.StepHistogram\x12\x0e\n\x06runner\x18\x13 \x01(\t\x12\x15\n\rpooling_tasks\x18\x14 \x03(\t\x12\x16\n\x0e\x65mbedding_size\x18\x15 \x01(\x05\x12\x1d\n\x15matryoshka_dimensions\x18\x16 \x03(\x05\x12\x15\n\ris_matryoshka\x18\x17 \x01(\x08\x12\x12\n\nnum_labels\x18\x18 \x01(\x05\x12\x16\n\x0e\x64\x65\x66\x61ult_prompt\x18\x19 \x01(\t\x12\x1e\n\x16num_background_running\x18\x1a \x01(\x05\x12\x1e\n\x16num_background_waiting\x18\x1b \x01(\x05\x12\x0e\n\x06labels\x18\x1c \x03(\t\x12\x14\n\x0cmax_logprobs\x18\x1d \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x1e \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfd\x02\n\x06\x45ngine\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12Q\n\x0eGenerateStream\x12\x1c.pagedserve.v1.StreamRequest\x1a\x1d.pagedserve.v1.StreamResponse(\x01\x30\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12?\n\x04Pool\x12\x1a.pagedserve.v1.PoolRequest\x1a\x1b.pagedserve.v1.PoolResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/engine.proto\x12\rpagedserve.v1\x1a\x1cpagedserve/v1/sampling.proto\"\xbb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x06params\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\nbackground\x18\x06 \x01(\x08\x12\x11\n\tlora_name\x18\x07 \x01(\t\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb7\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x05\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\x12\x1a\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x35\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobsB\x10\n\x0e_stop_token_id\"\x7f\n\rPoolingParams\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x16\n\tnormalize\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ndimensions\x18\x03 \x01(\x05\x12\x17\n\nactivation\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x0c\n\n_normalizeB\r\n\x0b_activation\"\xa7\x01\n\x0bPoolRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0etoken_type_ids\x18\x03 \x03(\x05\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.pagedserve.v1.PoolingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\nbackground\x18\x06 \x01(\x08\"3\n\x0cPoolResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x8b\x01\n\rStreamRequest\x12\x32\n\x08generate\x18\x01 \x01(\x0b\x32\x1e.pagedserve.v1.GenerateRequestH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.AbortRequestH\x00\x12\x10\n\x08trace_id\x18\x03 \x01(\tB\x06\n\x04kind\"\x80\x01\n\x0cStreamOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1f.pagedserve.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\">\n\x0eStreamResponse\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.pagedserve.v1.StreamOutput\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"c\n\rStepHistogram\x12\x1d\n\x15\x62ucket_upper_bounds_s\x18\x01 \x03(\x01\x12\x15\n\rbucket_counts\x18\x02 \x03(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\r\n\x05sum_s\x18\x04 \x01(\x01\"\xc6\x06\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x13\n\x0bnum_running\x18\x08 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\t \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x0b \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x0c \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\r \x01(\x03\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0e \x01(\x08\x12\x1e\n\x16gpu_memory_utilization\x18\x0f \x01(\x02\x12\x33\n\rstep_schedule\x18\x10 \x01(\x0b\x32\x1c.pagedserve.v1.StepHistogram\x12\x32\n\x0cstep_forward\x18\x11 \x01(\x0b\x32\x1c.pagedserve.v1.StepHistogram\x12/\n\tstep_idle\x18\x12 \x01(\x0b\x32\x1c.pagedserve.v1.StepHistogram\x12\x0e\n\x06runner\x18\x13 \x01(\t\x12\x15\n\rpooling_tasks\x18\x14 \x03(\t\x12\x16\n\x0e\x65mbedding_size\x18\x15 \x01(\x05\x12\x1d\n\x15matryoshka_dimensions\x18\x16 \x03(\x05\x12\x15\n\ris_matryoshka\x18\x17 \x01(\x08\x12\x12\n\nnum_labels\x18\x18 \x01(\x05\x12\x16\n\x0e\x64\x65\x66\x61ult_prompt\x18\x19 \x01(\t\x12\x1e\n\x16num_background_running\x18\x1a \x01(\x05\x12\x1e\n\x16num_background_waiting\x18\x1b \x01(\x05\x12\x0e\n\x06labels\x18\x1c \x03(\t\x12\x14\n\x0cmax_logprobs\x18\x1d \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x1e \x01(\t\x12\x12\n\nlora_names\x18\x1f \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfd\x02\n\x06\x45ngine\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12Q\n\x0eGenerateStream\x12\x1c.pagedserve.v1.StreamRequest\x1a\x1d.pagedserve.v1.StreamResponse(\x01\x30\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12?\n\x04Pool\x12\x1a.pagedserve.v1.PoolRequest\x1a\x1b.pagedserve.v1.PoolResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2355
-  _globals['_FINISHREASON']._serialized_end=2475
+  _globals['_FINISHREASON']._serialized_start=2394
+  _globals['_FINISHREASON']._serialized_end=2514
   _globals['_GENERATEREQUEST']._serialized_start=76
-  _globals['_GENERATEREQUEST']._serialized_end=244
-  _globals['_TOKENLOGPROBS']._serialized_start=246
-  _globals['_TOKENLOGPROBS']._serialized_end=337
-  _globals['_GENERATERESPONSE']._serialized_start=340
-  _globals['_GENERATERESPONSE']._serialized_end=651
-  _globals['_POOLINGPARAMS']._serialized_start=653
-  _globals['_POOLINGPARAMS']._serialized_end=780
-  _globals['_POOLREQUEST']._serialized_start=783
-  _globals['_POOLREQUEST']._serialized_end=950
-  _globals['_POOLRESPONSE']._serialized_start=952
-  _globals['_POOLRESPONSE']._serialized_end=1003
-  _globals['_ABORTREQUEST']._serialized_start=1005
-  _globals['_ABORTREQUEST']._serialized_end=1039
-  _globals['_STREAMREQUEST']._serialized_start=1042
-  _globals['_STREAMREQUEST']._serialized_end=1181
-  _globals['_STREAMOUTPUT']._serialized_start=1184
-  _globals['_STREAMOUTPUT']._serialized_end=1312
-  _globals['_STREAMRESPONSE']._serialized_start=1314
-  _globals['_STREAMRESPONSE']._serialized_end=1376
-  _globals['_ABORTRESPONSE']._serialized_start=1378
-  _globals['_ABORTRESPONSE']._serialized_end=1408
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1410
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1431
-  _globals['_STEPHISTOGRAM']._serialized_start=1433
-  _globals['_STEPHISTOGRAM']._serialized_end=1532
-  _globals['_MODELINFO']._serialized_start=1535
-  _globals['_MODELINFO']._serialized_end=2353
-  _globals['_ENGINE']._serialized_start=2478
-  _globals['_ENGINE']._serialized_end=2859
+  _globals['_GENERATEREQUEST']._serialized_end=263
+  _globals['_TOKENLOGPROBS']._serialized_start=265
+  _globals['_TOKENLOGPROBS']._serialized_end=356
+  _globals['_GENERATERESPONSE']._serialized_start=359
+  _globals['_GENERATERESPONSE']._serialized_end=670
+  _globals['_POOLINGPARAMS']._serialized_start=672
+  _globals['_POOLINGPARAMS']._serialized_end=799
+  _globals['_POOLREQUEST']._serialized_start=802
+  _globals['_POOLREQUEST']._serialized_end=969
+  _globals['_POOLRESPONSE']._serialized_start=971
+  _globals['_POOLRESPONSE']._serialized_end=1022
+  _globals['_ABORTREQUEST']._serialized_start=1024
+  _globals['_ABORTREQUEST']._serialized_end=1058
+  _globals['_STREAMREQUEST']._serialized_start=1061
+  _globals['_STREAMREQUEST']._serialized_end=1200
+  _globals['_STREAMOUTPUT']._serialized_start=1203
+  _globals['_STREAMOUTPUT']._serialized_end=1331
+  _globals['_STREAMRESPONSE']._serialized_start=1333
+  _globals['_STREAMRESPONSE']._serialized_end=1395
+  _globals['_ABORTRESPONSE']._serialized_start=1397
+  _globals['_ABORTRESPONSE']._serialized_end=1427
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1429
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1450
+  _globals['_STEPHISTOGRAM']._serialized_start=1452
+  _globals['_STEPHISTOGRAM']._serialized_end=1551
+  _globals['_MODELINFO']._serialized_start=1554
+  _globals['_MODELINFO']._serialized_end=2392
+  _globals['_ENGINE']._serialized_start=2517
+  _globals['_ENGINE']._serialized_end=2898
 # @@protoc_insertion_point(module_scope)

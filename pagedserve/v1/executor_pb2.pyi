@@ -13,7 +13,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "dtype", "device", "vocab_size", "max_model_len", "eos_token_ids", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "runner", "pooling_tasks", "embedding_size", "matryoshka_dimensions", "is_matryoshka", "num_labels", "default_prompt", "mixed_graph_tokens", "labels", "kv_cache_dtype", "max_logprobs")
+    __slots__ = ("num_blocks", "block_size", "dtype", "device", "vocab_size", "max_model_len", "eos_token_ids", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "runner", "pooling_tasks", "embedding_size", "matryoshka_dimensions", "is_matryoshka", "num_labels", "default_prompt", "mixed_graph_tokens", "labels", "kv_cache_dtype", "max_logprobs", "lora_names", "max_loras")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class ExecutorInfo(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     dtype: str
@@ -56,10 +58,12 @@ class ExecutorInfo(_message.Message):
     labels: _containers.RepeatedScalarFieldContainer[str]
     kv_cache_dtype: str
     max_logprobs: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., gpu_memory_utilization: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., is_matryoshka: _Optional[bool] = ..., num_labels: _Optional[int] = ..., default_prompt: _Optional[str] = ..., mixed_graph_tokens: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache_dtype: _Optional[str] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    max_loras: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., gpu_memory_utilization: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., is_matryoshka: _Optional[bool] = ..., num_labels: _Optional[int] = ..., default_prompt: _Optional[str] = ..., mixed_graph_tokens: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache_dtype: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., lora_names: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "num_scheduled_tokens", "block_ids", "sampling", "num_prompt_tokens", "min_tokens_mask_ids", "pooling", "token_type_ids")
+    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "num_scheduled_tokens", "block_ids", "sampling", "num_prompt_tokens", "min_tokens_mask_ids", "pooling", "token_type_ids", "lora_name")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +74,7 @@ class NewRequest(_message.Message):
     MIN_TOKENS_MASK_IDS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TYPE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
@@ -80,7 +85,8 @@ class NewRequest(_message.Message):
     min_tokens_mask_ids: _containers.RepeatedScalarFieldContainer[int]
     pooling: _engine_pb2.PoolingParams
     token_type_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., min_tokens_mask_ids: _Optional[_Iterable[int]] = ..., pooling: _Optional[_Union[_engine_pb2.PoolingParams, _Mapping]] = ..., token_type_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., min_tokens_mask_ids: _Optional[_Iterable[int]] = ..., pooling: _Optional[_Union[_engine_pb2.PoolingParams, _Mapping]] = ..., token_type_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class ContinuingRequest(_message.Message):
     __slots__ = ("seq_id", "num_scheduled_tokens", "new_block_ids")
