@@ -30,6 +30,8 @@ class NewRequest:
     # data rather than a token; token_type_ids: one per prompt token (empty = all zeros).
     pooling: PoolingParams | None = None
     token_type_ids: list[int] = field(default_factory=list)
+    # Its LoRA adapter, one of ExecutorInfo.lora_names; empty: the base model.
+    lora_name: str = ""
 
 
 # A msgspec Struct rather than a dataclass: built in C at half the cost and untracked by the garbage
@@ -159,6 +161,9 @@ class ExecutorInfo:
     # The most top logprobs a request may ask for per token (--max-logprobs, -1 resolved to the
     # vocabulary's size): what the executor sized its logprob buffers for.
     max_logprobs: int = MAX_LOGPROBS
+    # The LoRA adapters served (--lora-modules names), and how many of them one step may use.
+    lora_names: list[str] = field(default_factory=list)
+    max_loras: int = 0
 
 
 def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
@@ -168,7 +173,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                            num_scheduled_tokens=r.num_scheduled_tokens, block_ids=r.block_ids,
                            sampling=sampling_to_proto(r.sampling), num_prompt_tokens=r.num_prompt_tokens,
                            min_tokens_mask_ids=r.min_tokens_mask_ids, token_type_ids=r.token_type_ids,
-                           pooling=None if r.pooling is None else pooling_to_proto(r.pooling))
+                           pooling=None if r.pooling is None else pooling_to_proto(r.pooling), lora_name=r.lora_name)
     # Runs once per running request per step: add() in place is 2x cheaper than building each
     # message and copying it in, and an empty repeated field passed as a keyword costs as much again.
     add = m.continuing.add
@@ -189,7 +194,7 @@ def plan_from_proto(m: pb.StepPlan) -> StepPlan:
                                  r.num_prompt_tokens if r.HasField("num_prompt_tokens") else None,
                                  r.min_tokens_mask_ids[:],
                                  pooling_from_proto(r.pooling) if r.HasField("pooling") else None,
-                                 r.token_type_ids[:])
+                                 r.token_type_ids[:], r.lora_name)
                       for r in m.new_requests],
         continuing=[ContinuingRequest(r.seq_id, r.num_scheduled_tokens, r.new_block_ids[:])
                     for r in m.continuing],
@@ -243,7 +248,8 @@ def info_to_proto(i: ExecutorInfo) -> pb.ExecutorInfo:
                            matryoshka_dimensions=p.matryoshka_dimensions, is_matryoshka=p.is_matryoshka,
                            num_labels=p.num_labels, default_prompt=p.default_prompt,
                            mixed_graph_tokens=i.mixed_graph_tokens, labels=p.labels,
-                           kv_cache_dtype=i.kv_cache_dtype, max_logprobs=i.max_logprobs)
+                           kv_cache_dtype=i.kv_cache_dtype, max_logprobs=i.max_logprobs, lora_names=i.lora_names,
+                           max_loras=i.max_loras)
 
 
 def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
@@ -252,4 +258,4 @@ def info_from_proto(m: pb.ExecutorInfo) -> ExecutorInfo:
     return ExecutorInfo(m.num_blocks, m.block_size, m.dtype, m.device, m.vocab_size,
                         m.max_model_len, list(m.eos_token_ids), m.max_num_seqs,
                         m.max_num_batched_tokens, m.gpu_memory_utilization, m.runner or "generate", pooling,
-                        m.mixed_graph_tokens, m.kv_cache_dtype, m.max_logprobs)
+                        m.mixed_graph_tokens, m.kv_cache_dtype, m.max_logprobs, list(m.lora_names), m.max_loras)
