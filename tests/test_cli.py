@@ -88,7 +88,7 @@ def test_a_deployment_guides_compat_flags_reach_no_process():
     (["--response-role", ""], "must be a name without surrounding white space"),
     (["--chat-template-content-format", "list"], "invalid choice"),
     (["--gpu", "0.5"], "unrecognized argument --gpu; did you mean --gpu-memory-utilization?"),
-    (["--enable-lora"], "--enable-lora: LoRA adapters are not built yet; merge the adapter into the model's weights"),
+    (["--fully-sharded-loras"], "--fully-sharded-loras: this LoRA option is not built"),
     (["-O3"], "-O3: pagedserve does not run torch.compile"),
     (["--revision", "main"], "--revision: pagedserve loads a local directory or GGUF file and never downloads"),
     (["--speculative-config", "{}"], "--speculative-config: speculative decoding is not built yet"),

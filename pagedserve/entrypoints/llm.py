@@ -48,6 +48,9 @@ class LLM(Pooling):
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
                  generation_config: str = "auto", override_generation_config: dict | None = None,
                  **kwargs) -> None:
+        if kwargs.get("enable_lora") or kwargs.get("lora_modules"):
+            raise ValueError("LLM(enable_lora=...): the offline LLM takes no LoRA adapters yet; serve them with "
+                             "`pagedserve serve MODEL --enable-lora --lora-modules NAME=PATH`")
         model = model or str(default_model())
         self.sampling_defaults = sampling_defaults(model, generation_config, override_generation_config)
         self.worker = Worker(config_from_kwargs(model, kwargs), offline=True)
