@@ -59,11 +59,11 @@ class EngineLoop:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue | None = None, cache_salt: str = "", pooling: PoolingParams | None = None,
             token_type_ids: list[int] | None = None, priority: int = 0,
-            background: bool = False) -> tuple[int, asyncio.Queue]:
-        """Queues a request (a pooling one with `pooling`, batch work with `background`) whose
-        outputs go to `queue` (a new one by default, which several requests may share); raises
-        ValueError for one the scheduler cannot take, QueueFull when the queue is full, and
-        ExecutorLost while the executor is away."""
+            background: bool = False, lora_name: str = "") -> tuple[int, asyncio.Queue]:
+        """Queues a request (a pooling one with `pooling`, batch work with `background`, run with the
+        LoRA adapter `lora_name`) whose outputs go to `queue` (a new one by default, which several
+        requests may share); raises ValueError for one the scheduler cannot take, QueueFull when the
+        queue is full, and ExecutorLost while the executor is away."""
         if self.error:
             raise self.error
         if request_id in self.seq_ids:
@@ -72,7 +72,7 @@ class EngineLoop:
         self.scheduler.add(Request(seq_id=seq_id, request_id=request_id, prompt_token_ids=prompt_token_ids,
                                    sampling=params, cache_salt=cache_salt, pooling=pooling,
                                    token_type_ids=token_type_ids or [], priority=priority,
-                                   background=background))
+                                   background=background, lora_name=lora_name))
         queue = asyncio.Queue() if queue is None else queue
         self.outputs[seq_id] = queue
         self.seq_ids[request_id] = seq_id

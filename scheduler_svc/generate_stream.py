@@ -55,7 +55,8 @@ class StreamCall:
         try:
             params = sampling_from_proto(request.params)
             self.loop.add(request.request_id, list(request.prompt_token_ids), params, self.queue,
-                          request.cache_salt, priority=request.priority, background=request.background)
+                          request.cache_salt, priority=request.priority, background=request.background,
+                          lora_name=request.lora_name)
         except (ValueError, QueueFull, ExecutorLost) as e:
             self._refuse(request.request_id, refusal_code(e), str(e))
             return

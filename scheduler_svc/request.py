@@ -56,6 +56,8 @@ class Request:
     background: bool = False
     # Set by Scheduler.add: the order of arrival, which breaks priority ties.
     arrival: int = 0
+    # Its LoRA adapter (one of the executor's lora_names); empty: the base model.
+    lora_name: str = ""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -86,7 +88,13 @@ class Request:
         """The plan's entry that admits this request, its first `num_cached` tokens cached."""
         return NewRequest(self.seq_id, list(self.token_ids), num_cached, num_scheduled, list(self.block_ids),
                           self.sampling, self.num_prompt_tokens, self.min_tokens_mask_ids(), self.pooling,
-                          self.token_type_ids)
+                          self.token_type_ids, self.lora_name)
+
+    @property
+    def prefix_salt(self) -> str:
+        """What the prefix cache's hash mixes in: the cache_salt, and the adapter, whose KV differs
+        from the base model's for the same tokens."""
+        return f"{self.cache_salt}\0lora:{self.lora_name}" if self.lora_name else self.cache_salt
 
 
 def drop_deferred(requests: dict[int, Request], result: StepResult) -> tuple[list[int], list[int]]:

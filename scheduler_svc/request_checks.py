@@ -21,3 +21,10 @@ def check_prompt(request: Request, max_model_len: int, max_len: int, kv_capacity
     if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise ValueError(f"cache_salt holds {len(request.cache_salt)} characters; at most "
                          f"{MAX_CACHE_SALT_CHARS} are allowed")
+
+
+def check_lora(lora_name: str, served: frozenset[str]) -> None:
+    """Raises ValueError for an adapter the executor does not serve."""
+    if lora_name and lora_name not in served:
+        names = ", ".join(sorted(served)) or "none (start it with --enable-lora --lora-modules NAME=PATH)"
+        raise ValueError(f"no LoRA adapter named {lora_name[:64]!r} is served here; served: {names}")

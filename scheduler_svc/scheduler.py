@@ -13,7 +13,7 @@ from pagedserve.scheduler_svc.policy import (admit, background_budget, backgroun
                                              check_priority, enqueue, num_interactive, prompt_budget, requeue)
 from pagedserve.scheduler_svc.pooling import check_pooling
 from pagedserve.scheduler_svc.request import Request, RequestDelta, RequestStatus, drop_deferred
-from pagedserve.scheduler_svc.request_checks import check_prompt
+from pagedserve.scheduler_svc.request_checks import check_lora, check_prompt
 from pagedserve.scheduler_svc.step_stats import StepStats
 
 log = get_logger(__name__)
@@ -54,6 +54,7 @@ class Scheduler:
         self.vocab_size = info.vocab_size
         self.max_logprobs = info.max_logprobs
         self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.lora_names, self.max_loras = frozenset(info.lora_names), info.max_loras
         # "pooling": every request is a pooling one (scheduler_svc/pooling.py), else none is.
         self.runner, self.pooling = info.runner, info.pooling
         self.block_manager = BlockManager(info.num_blocks, info.block_size, config.enable_prefix_caching)
@@ -116,6 +117,7 @@ class Scheduler:
                       min(self.max_num_batched_tokens, self.kv_capacity))
         check_request(request.prompt_token_ids, request.sampling, self.vocab_size, self.max_logprobs)
         check_priority(request.priority, self.policy)
+        check_lora(request.lora_name, self.lora_names)
         if request.seq_id in self.requests or request.request_id in self.request_ids:
             raise ValueError(f"request {request.request_id!r} (seq {request.seq_id}) is already queued")
         if self.max_num_queued_reqs is not None and self._num_queued(request) >= self.max_num_queued_reqs:
@@ -123,7 +125,7 @@ class Scheduler:
                             "--max-num-queued-reqs limit; retry shortly")
         request.set_stop_conditions(self.eos_token_ids, self.max_len)
         if self.block_manager.enable_prefix_caching and request.pooling is None:
-            hash_blocks(request.block_hashes, request.token_ids, self.block_size, request.cache_salt)
+            hash_blocks(request.block_hashes, request.token_ids, self.block_size, request.prefix_salt)
         request.status = RequestStatus.WAITING
         request.arrival = self.num_arrivals
         self.num_arrivals += 1
@@ -255,6 +257,10 @@ class Scheduler:
             if len(running) >= max_running and not self._make_room(waiting):
                 break
             request = waiting[0]
+            # In arrival order: a request whose adapter finds no slot holds back those behind it
+            # until a running adapter's requests end, as a prompt that finds no blocks does.
+            if not self._lora_fits(request):
+                break
             num_tokens = len(request.token_ids)
             if request.sampling.prompt_logprobs is None or request.prompt_logprobs_sent:
                 cached, num_cached = block_manager.lookup(request.block_hashes, num_tokens)
@@ -288,6 +294,13 @@ class Scheduler:
                 block_manager.cache_blocks(request)
             budget -= n
         return budget
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether a step may serve the request's adapter: it runs already, or fewer than max_loras do."""
+        if not request.lora_name:
+            return True
+        running = {r.lora_name for r in self.running if r.lora_name}
+        return request.lora_name in running or len(running) < self.max_loras
 
     def _make_room(self, waiting: deque[Request]) -> bool:
         """Preempts the most recent background request for an interactive one that does not fit."""
@@ -377,7 +390,7 @@ class Scheduler:
             token_ids.append(token_id)
             num_tokens = len(token_ids)
             if caching and num_tokens % block_size == 0:
-                hash_blocks(request.block_hashes, token_ids, block_size, request.cache_salt)
+                hash_blocks(request.block_hashes, token_ids, block_size, request.prefix_salt)
                 self.block_manager.cache_blocks(request)
             num_output_tokens = num_tokens - request.num_prompt_tokens
             if num_output_tokens == 1:

@@ -58,7 +58,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             params = sampling_from_proto(request.params)
             _, queue = self.loop.add(request.request_id, list(request.prompt_token_ids), params,
                                      cache_salt=request.cache_salt, priority=request.priority,
-                                     background=request.background)
+                                     background=request.background, lora_name=request.lora_name)
         except (ValueError, QueueFull, ExecutorLost) as e:
             await context.abort(refusal_code(e), str(e))
         finished = False
@@ -136,7 +136,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             enable_prefix_caching=self.config.enable_prefix_caching,
             gpu_memory_utilization=self.info.gpu_memory_utilization, max_logprobs=self.info.max_logprobs,
-            cache_dtype=self.config.kv_cache_dtype,
+            cache_dtype=self.config.kv_cache_dtype, lora_names=self.info.lora_names,
             step_schedule=histogram_to_proto(stats.scheduler),
             step_forward=histogram_to_proto(stats.forward), step_idle=histogram_to_proto(stats.idle),
             **_pooling_fields(self.info))
