@@ -18,10 +18,12 @@ from pagedserve.v1.engine_pb2_grpc import EngineStub
 class Routing:
     """What the scheduler uses to place a request besides its tokens: `cache_salt` keeps its
     prefix-cache blocks from requests with another salt; `priority` (vLLM's, lower first) and
-    `background` (batch work, which runs on the capacity interactive requests leave) rank it."""
+    `background` (batch work, which runs on the capacity interactive requests leave) rank it;
+    `lora_name` is the LoRA adapter it runs with (empty: the base model)."""
     cache_salt: str | None = None
     priority: int = 0
     background: bool = False
+    lora_name: str = ""
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,13 +43,15 @@ class ModelSpec:
     labels: tuple[str, ...] = ()
     # The most top logprobs a request may ask for per token (the engine's --max-logprobs).
     max_logprobs: int = MAX_LOGPROBS
+    # The LoRA adapters a request may name as its `model` (the engine's --lora-modules).
+    lora_names: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, info: pb.ModelInfo) -> "ModelSpec":
         return cls(info.served_model_name, info.max_model_len, info.vocab_size, info.runner or "generate",
                    tuple(info.pooling_tasks), info.embedding_size, tuple(info.matryoshka_dimensions),
                    info.is_matryoshka, info.num_labels, info.default_prompt, tuple(info.labels),
-                   info.max_logprobs)
+                   info.max_logprobs, tuple(info.lora_names))
 
 
 # A call the gateway cancels itself never raises (a client that leaves cancels the handler), so a
@@ -116,7 +120,7 @@ class EngineClient:
         HTTP X-Request-Id, which the scheduler logs with it."""
         request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
                                      cache_salt=routing.cache_salt or "", priority=routing.priority,
-                                     background=routing.background)
+                                     background=routing.background, lora_name=routing.lora_name)
         self._open_stream().open(request, trace_id, deliver,
                                  lambda failed: deliver(api_error(failed.code, failed.details)))
 

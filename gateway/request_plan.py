@@ -209,7 +209,8 @@ def _choices(rid: str, req: NeutralRequest, prompts: list[list[int]], served: Se
     params.check_logprobs(wanted, spec.max_logprobs)
     if keep_special_tokens:
         wanted.skip_special_tokens = False
-    choices = fan_out(rid, prompts, wanted, Routing(sampling.cache_salt, sampling.priority, req.background))
+    routing = Routing(sampling.cache_salt, sampling.priority, req.background, served.lora_name)
+    choices = fan_out(rid, prompts, wanted, routing)
     served.metrics.request_params_n.observe(sampling.n)
     served.metrics.request_params_max_tokens.observe(
         max_tokens or spec.max_model_len - max(len(p) for p in prompts))

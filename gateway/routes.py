@@ -14,17 +14,25 @@ from pagedserve.gateway.state import GATEWAY, Gateway, ServedModel
 from pagedserve.gateway.structured import request_constraint
 
 
-def _card(gateway: Gateway, served: ServedModel) -> Model:
-    return Model(id=served.name, created=gateway.started, max_model_len=served.spec.max_model_len)
+def _card(gateway: Gateway, served: ServedModel, parent: str | None = None) -> Model:
+    """A model's card; an adapter's names the model it runs on as `parent` (vLLM's)."""
+    return Model(id=served.name, created=gateway.started, max_model_len=served.spec.max_model_len,
+                 parent=parent)
 
 
 async def list_models(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
-    return json_response(ModelList([_card(gateway, served) for served in await gateway.served_models()]))
+    cards = []
+    for served in await gateway.served_models():
+        cards.append(_card(gateway, served))
+        cards += [_card(gateway, served.named(name), served.name) for name in served.spec.lora_names]
+    return json_response(ModelList(cards))
 
 
 async def get_model(request: web.Request) -> web.Response:
-    return json_response(_card(request.app[GATEWAY], await served_for(request, request.match_info["model"])))
+    served = await served_for(request, request.match_info["model"])
+    parent = served.aliases[0] if served.lora_name else None
+    return json_response(_card(request.app[GATEWAY], served, parent))
 
 
 @engine_route

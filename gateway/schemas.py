@@ -452,6 +452,8 @@ class Model(Struct):
     max_model_len: int
     object: str = "model"
     owned_by: str = "pagedserve"
+    # vLLM's: for a LoRA adapter, the model it runs on.
+    parent: str | None = None
 
 
 class ModelList(Struct):

@@ -4,7 +4,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from aiohttp import web
@@ -45,6 +45,10 @@ class ModelEngines:
             return tuple(self.served_model_names)
         return (self.engines.spec.served_model_name,) if self.engines.spec else ()
 
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters clients may name instead; none until its schedulers have answered."""
+        return self.engines.spec.lora_names if self.engines.spec else ()
+
 
 @dataclass(slots=True, frozen=True)
 class ServedModel:
@@ -58,6 +62,17 @@ class ServedModel:
     metrics: ModelMetrics
     sampling_defaults: dict
     max_tokens_cap: int | None
+    # The LoRA adapter the request named as its `model` (then `name`); empty: the model itself.
+    lora_name: str = ""
+
+    def named(self, requested: str | None) -> "ServedModel | None":
+        """This model as `requested` names it: itself for any of its names (or none), with the adapter
+        for an adapter's name; None for a name it does not have."""
+        if not requested or requested in self.aliases:
+            return self
+        if requested in self.spec.lora_names:
+            return replace(self, name=requested, lora_name=requested)
+        return None
 
 
 @dataclass(slots=True)
@@ -117,20 +132,20 @@ class Gateway:
         if len(self.models) > 1:
             raise bad_request("This server serves several models; name one in `model` (GET /v1/models lists "
                               "them).", param="model")
-        served = await self._served(self.models[0])
-        if requested and requested not in served.aliases:
+        served = (await self._served(self.models[0])).named(requested)
+        if served is None:
             raise model_not_found(requested)
         return served
 
     async def _named(self, requested: str) -> ServedModel:
         for model in self.models:
-            if requested in model.names():
-                return await self._served(model)
+            if requested in model.names() + model.lora_names():
+                return (await self._served(model)).named(requested)
         # Only now the models whose names are not known yet, since their schedulers have not answered:
         # the first of their 503s if none of them has the name either.
         unknown = [m for m in self.models if not m.names()]
         found = [await self._try_served(model) for model in unknown]
-        named = [s for s in found if isinstance(s, ServedModel) and requested in s.aliases]
+        named = [n for s in found if isinstance(s, ServedModel) and (n := s.named(requested)) is not None]
         if named:
             return named[0]
         raise next((e for e in found if isinstance(e, APIError)), model_not_found(requested))

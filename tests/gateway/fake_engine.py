@@ -134,6 +134,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.tokens_per_reply = 1
         self.max_model_len = MAX_MODEL_LEN
         self.max_logprobs = MAX_LOGPROBS
+        # The LoRA adapters it reports serving.
+        self.lora_names: list[str] = []
         self.fail_after: int | None = None
         self.reject: grpc.StatusCode | None = None
         self.requests: list[pb.GenerateRequest] = []
@@ -229,6 +231,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.info_calls += 1
         return pb.ModelInfo(served_model_name=self.model, max_model_len=self.max_model_len,
                             vocab_size=self.vocab_size, eos_token_ids=[self.eos], max_logprobs=self.max_logprobs,
+                            lora_names=self.lora_names,
                             **ENGINE_STATS,
                             **self.steps, runner=self.runner, **self.pooling)
 
