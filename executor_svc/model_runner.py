@@ -18,6 +18,7 @@ from pagedserve.executor_svc.host_slots import HostSlot
 from pagedserve.executor_svc.input_batch import InputBatch
 from pagedserve.executor_svc.kv_cache import KVCache, allocate_kv_cache
 from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.lora import LoraSlots
 from pagedserve.executor_svc.logits import (PROMPT_LOGPROBS_CHUNK, LogprobRows, SampledLogprobs,
                                             chunked_logprobs, step_logprobs)
 from pagedserve.executor_svc.model_config import ModelConfig
@@ -127,6 +128,8 @@ class ModelRunner:
                                                   mc.num_key_value_heads, mc.head_dim, dtype, kv_dtype)
                             for shape in self.shapes.all()}
         self.graphs = CudaGraphs(model, self.buffers, self.graph_metas)
+        # Set by the Worker under --enable-lora, before the profiling step and the graphs.
+        self.lora: LoraSlots | None = None
 
     def reset(self) -> None:
         """Forgets every request (the scheduler that sent them is gone)."""
@@ -254,8 +257,8 @@ class ModelRunner:
         full, rest = divmod(num_tokens, seq_len)
         lens = np.array([seq_len] * full + ([rest] if rest else []) + [1] * decode_rows, dtype=np.int64)
         # Negative ids: the scheduler's seq_ids start at 1.
-        rows = np.array([self.batch.add(NewRequest(-1 - i, [0] * n, 0, n, list(range(num_blocks)),
-                                                   SamplingParams()))
+        rows = np.array([self._add(NewRequest(-1 - i, [0] * n, 0, n, list(range(num_blocks)),
+                                              SamplingParams()))
                          for i, n in enumerate(lens.tolist())], dtype=np.int64)
         try:
             # Unpadded: its metadata is its own, not a graph's.
@@ -286,7 +289,7 @@ class ModelRunner:
         batch = self.batch
         for seq_id in plan.dropped:
             self._remove(seq_id)
-        new_rows = [batch.add(r) for r in plan.new_requests]
+        new_rows = [self._add(r) for r in plan.new_requests]
         for r in plan.new_requests:
             self.structured.add(r)
         continuing = plan.continuing
@@ -307,6 +310,15 @@ class ModelRunner:
         if not scheduled.all():
             return rows[scheduled], query_lens[scheduled], seq_ids[scheduled]
         return rows, query_lens, seq_ids
+
+    def _add(self, request: NewRequest) -> int:
+        row = self.batch.add(request)
+        if self.lora is not None:
+            self.lora.assign(row, request.lora_name, self.batch.rows.values())
+        elif request.lora_name:
+            raise ValueError(f"step plan asks for the LoRA adapter {request.lora_name!r}, but this executor "
+                             "runs without --enable-lora; the scheduler and executor are out of step")
+        return row
 
     def _remove(self, seq_id: int) -> None:
         self.batch.remove(seq_id)
@@ -330,6 +342,8 @@ class ModelRunner:
         rows, input_ids, late, graph = host.rows, host.input_ids, host.late, host.graph
         num_tokens, num_seqs = len(input_ids), len(rows)
         staging.reset()
+        if self.lora is not None:
+            self.lora.upload(rows[:len(host.query_lens)], host.query_lens, upload)
         updates = self.batch.take_block_updates()
         if updates is not None:
             updates = upload(updates)

@@ -20,6 +20,7 @@ from pagedserve.executor_svc.kv_cache import (allocate_kv_cache, bytes_per_block
 from pagedserve.executor_svc.layers.decoder import CausalLM, fold_norms
 from pagedserve.executor_svc.layers.encoder_attention import load_kernels
 from pagedserve.executor_svc.layers.linear import NarrowHead, narrow_linears
+from pagedserve.executor_svc.lora import LoraSlots, check_engine, load_adapters, parse_lora_modules
 from pagedserve.executor_svc.memory_profile import profile_peak_bytes, used_bytes
 from pagedserve.executor_svc.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pagedserve.executor_svc.model_runner import Launched, ModelRunner
@@ -67,6 +68,8 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device, self.quantization)
         self.linear_dtype = resolve_linear_dtype(config.dtype, self.model_config, self.device, self.dtype,
                                                  self.quantization)
+        check_engine(config, self.runner_kind, self.quantization)
+        self.lora_modules = parse_lora_modules(config)
         if self.quantization:
             check_fp8_device(self.device, self.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
@@ -93,8 +96,11 @@ class Worker:
         backend = get_backend(self.device)
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = build_model(self.rank_config, backend, self.max_model_len, self.tp)
+        # Checked before the weights load, which takes longer.
+        adapters = load_adapters(self.lora_modules, self.model, config.max_lora_rank) if config.enable_lora else []
         self._load_weights(backend.per_token_quant_fp8 if self.quantization else None)
-        if isinstance(self.model, CausalLM) and fold_norms(self.model):
+        # LoRA adds to each projection's own output, which a folded o_proj or down_proj has none of.
+        if isinstance(self.model, CausalLM) and not config.enable_lora and fold_norms(self.model):
             log.info("norms_folded", layers=len(self.model.model.layers))
         if isinstance(self.model, CausalLM) and self.device.type == "cuda":
             choose_projection_rows(self.model, self.tp)
@@ -104,6 +110,10 @@ class Worker:
             return
         self.runner = ModelRunner(self.model, config, self.model_config, self.max_model_len, self.device,
                                   self.dtype, self.kv_dtype, self.tp)
+        if config.enable_lora:
+            self.runner.lora = LoraSlots(self.model, adapters, config.max_loras, config.max_lora_rank,
+                                         self.runner.buffers.input_ids.numel(), self.runner.max_seqs, self.dtype,
+                                         self.device)
         block_bytes = bytes_per_block(self.rank_config, self.block_size, self.kv_dtype)
         self.num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device,
                                                partial(profile_peak_bytes, self), self.kv_dtype)
@@ -189,7 +199,8 @@ class Worker:
                             gpu_memory_utilization=self.config.gpu_memory_utilization,
                             runner=self.runner_kind, pooling=self.pooling,
                             mixed_graph_tokens=mixed_graph_tokens, kv_cache_dtype=dtype_name(self.kv_dtype),
-                            max_logprobs=self.config.max_logprobs)
+                            max_logprobs=self.config.max_logprobs, lora_names=list(self.lora_modules),
+                            max_loras=self.config.max_loras if self.config.enable_lora else 0)
 
     def launch(self, plan: StepPlan) -> Launched:
         """Queues the plan's step on the device (see ModelRunner.launch); every rank does too."""
