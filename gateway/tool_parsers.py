@@ -1,9 +1,9 @@
 """Tool calls read from the model's text: the `hermes` format (Qwen2.5, Qwen3, QwQ, Hermes),
 `llama3_json` (Llama 3.1/3.2; `llama4_json`, vLLM's other name for it), `mistral` (Mistral 7B
-v0.3, Nemo, Small, Magistral), `phi4_mini_json` (Phi-4-mini), `pythonic` and `llama4_pythonic` (Llama 3.2, Llama 4: Python call
-syntax, pythonic_calls.py), `qwen3_coder` and `qwen3_xml` (Qwen3-Coder's XML, xml_calls.py), and
-the two that structured outputs force for tool_choice `required` (a JSON array of calls) and named
-(the arguments alone).
+v0.3, Nemo, Small, Magistral), `phi4_mini_json` (Phi-4-mini), `pythonic` and `llama4_pythonic`
+(Llama 3.2, Llama 4: Python call syntax, pythonic_calls.py), `qwen3_coder` and `qwen3_xml`
+(Qwen3-Coder's XML, xml_calls.py), and the two that structured outputs force for tool_choice
+`required` (a JSON array of calls) and named (the arguments alone).
 
 Each parser is a scanner, made per choice, that reads the text as it grows (a stream's deltas, or
 the whole text at once) and keeps its place, so every character is read once and a stream costs

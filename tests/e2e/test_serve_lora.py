@@ -11,9 +11,9 @@ import transformers
 
 from pagedserve.common.model_shapes import write_tokenizer
 from pagedserve.entrypoints.launcher import http_ready
-from tests.executor_svc.test_lora import ADAPTERS, merged, write_adapter
+from tests.executor_svc.test_lora import ADAPTERS, adapted
 from tests.serving import free_port, pagedserve
-from tests.tiny_models import COMMON, hf_greedy, make_tiny_model, mixed_prompts
+from tests.tiny_models import COMMON, make_tiny_model, mixed_prompts
 
 NEW_TOKENS = 12
 BASE = "tiny"
@@ -25,11 +25,9 @@ def case(tmp_path_factory):
     path = make_tiny_model("LlamaForCausalLM", root / "model")
     write_tokenizer(path, COMMON["vocab_size"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    adapters = {name: write_adapter(root / name, hf, targets, rank, alpha, rslora, seed=seed)
-                for seed, (name, (targets, rank, alpha, rslora)) in enumerate(ADAPTERS.items())}
     prompts = mixed_prompts(1)[:4]
-    expected = {BASE: hf_greedy(hf, prompts, NEW_TOKENS)}
-    expected |= {name: hf_greedy(merged(hf, adapter), prompts, NEW_TOKENS) for name, adapter in adapters.items()}
+    adapters, expected = adapted(root, hf, prompts, NEW_TOKENS)
+    expected[BASE] = expected.pop("")
     port = free_port()
     argv = ["serve", str(path), "--served-model-name", BASE, "--port", str(port), "--device", "cpu",
             "--block-size", "4", "--num-gpu-blocks-override", "128", "--max-model-len", "128",

@@ -67,6 +67,17 @@ def merged(hf: transformers.PreTrainedModel, adapter: Path) -> transformers.PreT
     return model
 
 
+def adapted(root: Path, hf: transformers.PreTrainedModel, prompts: list[list[int]],
+            new_tokens: int) -> tuple[dict[str, Path], dict[str, list[list[int]]]]:
+    """ADAPTERS written for `hf` under `root`, and transformers' greedy tokens of each prompt under
+    each adapter merged (and under none: "")."""
+    adapters = {name: write_adapter(root / name, hf, targets, rank, alpha, rslora, seed=seed)
+                for seed, (name, (targets, rank, alpha, rslora)) in enumerate(ADAPTERS.items())}
+    expected = {"": hf_greedy(hf, prompts, new_tokens)}
+    expected |= {name: hf_greedy(merged(hf, adapter), prompts, new_tokens) for name, adapter in adapters.items()}
+    return adapters, expected
+
+
 class Driver:
     """Runs groups of requests on a Worker, each group's together in the same steps, every prompt
     whole in the first: the steps a scheduler would plan. A group's requests leave in the next
@@ -100,10 +111,7 @@ def case(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     path = make_tiny_model("LlamaForCausalLM", root / "model")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    adapters = {name: write_adapter(root / name, hf, targets, rank, alpha, rslora, seed=seed)
-                for seed, (name, (targets, rank, alpha, rslora)) in enumerate(ADAPTERS.items())}
-    expected = {"": hf_greedy(hf, PROMPTS, NEW_TOKENS)}
-    expected |= {name: hf_greedy(merged(hf, adapter), PROMPTS, NEW_TOKENS) for name, adapter in adapters.items()}
+    adapters, expected = adapted(root, hf, PROMPTS, NEW_TOKENS)
     worker = make_worker(path, enable_lora=True, max_loras=2, max_lora_rank=16,
                          lora_modules=[f"{name}={adapter}" for name, adapter in adapters.items()])
     return path, adapters, expected, Driver(worker)
@@ -212,3 +220,16 @@ def test_phi3_adapters_adapt_its_fused_projections_whole(tmp_path):
     assert expected[0] != hf_greedy(hf, PROMPTS[:1], NEW_TOKENS)[0]
     driver = Driver(make_worker(path, enable_lora=True, lora_modules=[f"phi={adapter}"]))
     assert driver.generate([(PROMPTS[0], "phi"), (PROMPTS[1], "phi")]) == expected
+
+
+@pytest.mark.parametrize("arch", ["Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"])
+def test_the_other_dense_families_take_adapters(arch, tmp_path):
+    # Gemma 3's sandwich norms and scaled embedding, Qwen3's q/k norms, Qwen2's qkv bias.
+    path = make_tiny_model(arch, tmp_path / "model")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    adapter = write_adapter(tmp_path / "adapter", hf, ALL, 8, 16)
+    base = hf_greedy(hf, PROMPTS[:2], NEW_TOKENS)
+    [with_adapter] = hf_greedy(merged(hf, adapter), PROMPTS[:1], NEW_TOKENS)
+    assert with_adapter != base[0]
+    driver = Driver(make_worker(path, enable_lora=True, lora_modules=[f"a={adapter}"]))
+    assert driver.generate([(PROMPTS[0], "a"), (PROMPTS[1], "")]) == [with_adapter, base[1]]

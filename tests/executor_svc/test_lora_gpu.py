@@ -5,8 +5,8 @@ import torch
 import transformers
 
 from tests.executor_svc.harness import make_worker
-from tests.executor_svc.test_lora import ADAPTERS, NEW_TOKENS, PROMPTS, Driver, merged, write_adapter
-from tests.tiny_models import hf_greedy, make_tiny_model
+from tests.executor_svc.test_lora import NEW_TOKENS, PROMPTS, Driver, adapted
+from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -14,10 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_adapters_through_cuda_graphs(tmp_path):
     path = make_tiny_model("LlamaForCausalLM", tmp_path / "model")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    adapters = {name: write_adapter(tmp_path / name, hf, targets, rank, alpha, rslora, seed=seed)
-                for seed, (name, (targets, rank, alpha, rslora)) in enumerate(ADAPTERS.items())}
-    expected = {"": hf_greedy(hf, PROMPTS, NEW_TOKENS)}
-    expected |= {name: hf_greedy(merged(hf, adapter), PROMPTS, NEW_TOKENS) for name, adapter in adapters.items()}
+    adapters, expected = adapted(tmp_path, hf, PROMPTS, NEW_TOKENS)
     worker = make_worker(path, device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
                          lora_modules=[f"{name}={adapter}" for name, adapter in adapters.items()])
     assert worker.runner.graphs.graphs
