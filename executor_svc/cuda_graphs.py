@@ -21,6 +21,7 @@ import torch
 from pagedserve.executor_svc.attention_backend import AttentionMetadata
 from pagedserve.executor_svc.kv_cache import KVCache
 from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.lora import LoraSwitch
 from pagedserve.executor_svc.step_buffers import StepBuffers
 from pagedserve.kernels.attention import default_num_splits
 from pagedserve.common.log import get_logger
@@ -187,6 +188,10 @@ class CudaGraphs:
         self.buffers = buffers
         self.metas = metas
         self.graphs: dict[GraphShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Under --enable-lora (set by ModelRunner.use_lora): the same shapes captured once more
+        # without the LoRA deltas, which a step without adapters replays.
+        self.lora: LoraSwitch | None = None
+        self.base_graphs: dict[GraphShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def fill_padding(self, shape: GraphShape) -> None:
         """Makes the first rows of the buffers a step of `shape` that is all padding."""
@@ -214,6 +219,18 @@ class CudaGraphs:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
+        if self.lora is not None:
+            self.lora.on = False
+            self._capture_all(self.base_graphs, kv_caches, pool)
+            self.lora.on = True
+        self._capture_all(self.graphs, kv_caches, pool)
+        torch.cuda.synchronize()
+        log.info("cuda_graphs_captured", shapes=len(self.graphs),
+                 largest=max(self.graphs).num_tokens,
+                 seconds=round(time.perf_counter() - start, 2),
+                 memory_gib=round((free_before - torch.cuda.mem_get_info()[0]) / 2**30, 3))
+
+    def _capture_all(self, graphs: dict, kv_caches: list[KVCache], pool: tuple) -> None:
         # Largest first: the smaller graphs then fit in the memory pool the largest one left.
         for shape in sorted(self.metas, reverse=True):
             self.fill_padding(shape)
@@ -224,18 +241,14 @@ class CudaGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.forward(shape, kv_caches)
-            self.graphs[shape] = (graph, out)
-        torch.cuda.synchronize()
-        log.info("cuda_graphs_captured", shapes=len(self.graphs),
-                 largest=max(self.graphs).num_tokens,
-                 seconds=round(time.perf_counter() - start, 2),
-                 memory_gib=round((free_before - torch.cuda.mem_get_info()[0]) / 2**30, 3))
+            graphs[shape] = (graph, out)
 
     def mixed_tokens(self) -> int:
         """The token count of the largest mixed step captured (0: none)."""
         return max((shape.num_tokens for shape in self.graphs if shape.mixed), default=0)
 
     def replay(self, shape: GraphShape) -> torch.Tensor:
-        graph, out = self.graphs[shape]
+        graphs = self.base_graphs if self.lora is not None and not self.lora.on else self.graphs
+        graph, out = graphs[shape]
         graph.replay()
         return out

@@ -192,6 +192,13 @@ def _weight(name: str, targets: list[dict[str, Target]], layer: int, module: str
     return target, a, b
 
 
+@dataclass(slots=True)
+class LoraSwitch:
+    """Whether the step running now has a token with an adapter: without one the projections skip
+    their LoRA delta, and a graph replay takes the graphs captured without it (cuda_graphs.py)."""
+    on: bool = True
+
+
 class LoraSlots:
     """The adapters on the host and their device slots: wraps each adapted projection's forward,
     holds every batch row's slot (`row_slots`, -1: none), and fills the step's per-token mask."""
@@ -206,8 +213,9 @@ class LoraSlots:
         self.token_slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.slot_ids = torch.arange(max_loras, device=device)
         self.mask = torch.zeros(rows, max_loras, dtype=dtype, device=device)
+        self.switch = LoraSwitch()
         modules = list(dict.fromkeys(t.module for adapter in adapters for t, _, _ in adapter.weights))
-        self.projections = [_wrap(m, max_loras, max_rank, self.mask) for m in modules]
+        self.projections = [_wrap(m, max_loras, max_rank, self.mask, self.switch) for m in modules]
         # Each adapter's slot of every projection, laid out on the host once (None: not adapted).
         self.blocks = {adapter.name: [_slot_block(adapter, m, max_rank, dtype) for m in modules]
                        for adapter in adapters}
@@ -251,34 +259,42 @@ class LoraSlots:
     def upload(self, rows: np.ndarray, query_lens: np.ndarray, upload: Callable) -> None:
         """Fills the step's mask: query_lens tokens of each batch row, then padding (no adapter)."""
         num_tokens = int(query_lens.sum())
-        upload(np.repeat(self.row_slots[rows], query_lens), self.token_slots[:num_tokens])
+        slots = self.row_slots[rows]
+        self.switch.on = bool((slots >= 0).any())
+        upload(np.repeat(slots, query_lens), self.token_slots[:num_tokens])
         self.token_slots[num_tokens:].fill_(-1)
         self.mask.copy_(self.token_slots[:, None] == self.slot_ids)
 
 
 @dataclass(slots=True)
 class LoraProjection:
-    """A projection's slots: a [S * n * r, K], b [N, S * n * r], and the step's mask [rows, S]."""
+    """A projection's slots: a [S * n * r, K], b [N, S * n * r], the step's mask [rows, S], and
+    whether the step has an adapter at all."""
     a: torch.Tensor
     b: torch.Tensor
     mask: torch.Tensor
+    switch: LoraSwitch
 
 
-def _wrap(module: Linear, slots: int, rank: int, mask: torch.Tensor) -> LoraProjection:
+def _wrap(module: Linear, slots: int, rank: int, mask: torch.Tensor, switch: LoraSwitch) -> LoraProjection:
     width = slots * len(getattr(module, "shards", (None,))) * rank
     weight = module.weight
     # The model's dtype, not a narrowed weight's (layers/linear.py's narrow_linears): the mask's.
     projection = LoraProjection(torch.zeros(width, module.in_features, dtype=mask.dtype, device=weight.device),
                                 torch.zeros(module.out_features, width, dtype=mask.dtype, device=weight.device),
-                                mask)
+                                mask, switch)
     module.forward = partial(_lora_forward, module.forward, projection)
     return projection
 
 
 def _lora_forward(base: Callable, lora: LoraProjection, x: torch.Tensor) -> torch.Tensor:
+    out = base(x)
+    if not lora.switch.on:
+        return out
     rows, slots = len(x), lora.mask.shape[1]
     h = (x @ lora.a.t()).view(rows, slots, -1) * lora.mask[:rows, :, None]
-    return torch.addmm(base(x), h.view(rows, -1), lora.b.t())
+    # In place: the projection's output is its own, fresh tensor.
+    return out.addmm_(h.view(rows, -1), lora.b.t())
 
 
 def _slot_block(adapter: Adapter, module: Linear, rank: int,

@@ -128,8 +128,13 @@ class ModelRunner:
                                                   mc.num_key_value_heads, mc.head_dim, dtype, kv_dtype)
                             for shape in self.shapes.all()}
         self.graphs = CudaGraphs(model, self.buffers, self.graph_metas)
-        # Set by the Worker under --enable-lora, before the profiling step and the graphs.
+        # Set by use_lora under --enable-lora, before the profiling step and the graphs.
         self.lora: LoraSlots | None = None
+
+    def use_lora(self, slots: LoraSlots) -> None:
+        """Serves LoRA adapters from `slots` (before the profiling step and the graph capture)."""
+        self.lora = slots
+        self.graphs.lora = slots.switch
 
     def reset(self) -> None:
         """Forgets every request (the scheduler that sent them is gone)."""

@@ -111,9 +111,9 @@ class Worker:
         self.runner = ModelRunner(self.model, config, self.model_config, self.max_model_len, self.device,
                                   self.dtype, self.kv_dtype, self.tp)
         if config.enable_lora:
-            self.runner.lora = LoraSlots(self.model, adapters, config.max_loras, config.max_lora_rank,
-                                         self.runner.buffers.input_ids.numel(), self.runner.max_seqs, self.dtype,
-                                         self.device)
+            self.runner.use_lora(LoraSlots(self.model, adapters, config.max_loras, config.max_lora_rank,
+                                           self.runner.buffers.input_ids.numel(), self.runner.max_seqs, self.dtype,
+                                           self.device))
         block_bytes = bytes_per_block(self.rank_config, self.block_size, self.kv_dtype)
         self.num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device,
                                                partial(profile_peak_bytes, self), self.kv_dtype)
