@@ -2,7 +2,7 @@
 
 from pagedserve.common.version import __version__
 
-__all__ = ["LLM", "PoolingParams", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -10,6 +10,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from pagedserve.entrypoints.llm import LLM
         return LLM
+    if name == "LoRARequest":
+        from pagedserve.common.lora_request import LoRARequest
+        return LoRARequest
     if name == "PoolingParams":
         from pagedserve.common.pooling_params import PoolingParams
         return PoolingParams

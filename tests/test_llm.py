@@ -25,7 +25,6 @@ def test_unset_batch_limits_take_vllms_offline_defaults_for_a_cpu(llm):
     (dict(dtype="int8"), "dtype='int8': choose from"),
     (dict(enforce_eager="yes"), "enforce_eager must be True or False"),
     (dict(max_model_length=4096), "LLM() takes no argument 'max_model_length'; did you mean max_model_len?"),
-    (dict(enable_lora=True), "LLM(enable_lora=...): the offline LLM takes no LoRA adapters yet"),
     (dict(fully_sharded_loras=True), "LLM(fully_sharded_loras=...): this LoRA option is not built"),
 ])
 def test_unsupported_arguments_are_clear_errors(kwargs, says):

@@ -3,6 +3,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Sequence
 
 from tqdm import tqdm
@@ -12,6 +13,7 @@ from pagedserve.common.bad_words import bad_words_token_ids
 from pagedserve.common.chat_template import CONTENT_FORMATS, continue_final, final_text, with_content_format
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.generation_config import sampling_defaults
+from pagedserve.common.lora_request import LoRARequest
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.config import config_from_kwargs
 from pagedserve.entrypoints.default_model import default_model
@@ -48,9 +50,6 @@ class LLM(Pooling):
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
                  generation_config: str = "auto", override_generation_config: dict | None = None,
                  **kwargs) -> None:
-        if kwargs.get("enable_lora") or kwargs.get("lora_modules"):
-            raise ValueError("LLM(enable_lora=...): the offline LLM takes no LoRA adapters yet; serve them with "
-                             "`pagedserve serve MODEL --enable-lora --lora-modules NAME=PATH`")
         model = model or str(default_model())
         self.sampling_defaults = sampling_defaults(model, generation_config, override_generation_config)
         self.worker = Worker(config_from_kwargs(model, kwargs), offline=True)
@@ -68,9 +67,12 @@ class LLM(Pooling):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; returns one RequestOutput per prompt, in order. With
-        `priority` (one per prompt; LLM(scheduling_policy="priority")), lower ones are served first."""
+        `priority` (one per prompt; LLM(scheduling_policy="priority")), lower ones are served first.
+        `lora_request` (one, or one per prompt) runs prompts with an adapter of LLM(enable_lora=True,
+        lora_modules=[...])."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -80,9 +82,10 @@ class LLM(Pooling):
         priority = [0] * len(prompts) if priority is None else priority
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        loras = self._lora_names(lora_request, len(prompts))
         results, children = [], {}
-        for prompt, params, rank in zip(prompts, sampling_params, priority):
-            output = self._start(prompt, params, children, rank)
+        for prompt, params, rank, lora in zip(prompts, sampling_params, priority, loras):
+            output = self._start(prompt, params, children, rank, lora)
             results.append(output)
         self._run(children, use_tqdm)
         return results
@@ -96,12 +99,13 @@ class LLM(Pooling):
              use_tqdm: bool = True, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generates a reply to each conversation (one list of {"role", "content"} messages, or
         several), rendered with the model's chat template or `chat_template`; one RequestOutput per
         conversation. The other arguments are vLLM's: how content reaches the template ("auto",
         "string" or "openai"), whether the prompt opens the assistant's turn or continues the final
-        message, and the template's `tools` and extra variables."""
+        message, the template's `tools` and extra variables, and generate()'s `lora_request`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model} has no tokenizer, so no chat template: use "
@@ -122,10 +126,30 @@ class LLM(Pooling):
                 text = continue_final(text, final_text(conversation[-1]["content"]))
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _lora_names(self, requests: LoRARequest | Sequence[LoRARequest | None] | None, count: int) -> list[str]:
+        """Each prompt's adapter name ("" for none), each request checked against those loaded."""
+        if requests is None or isinstance(requests, LoRARequest):
+            requests = [requests] * count
+        if len(requests) != count:
+            raise ValueError(f"got {count} prompts but {len(requests)} LoRA requests")
+        for request in filter(None, requests):
+            self._check_loaded(request)
+        return [request.lora_name if request else "" for request in requests]
+
+    def _check_loaded(self, request: LoRARequest) -> None:
+        # Adapters load at start (executor_svc/lora.py): a request names one of them, from the same path.
+        path = self.worker.lora_modules.get(request.lora_name)
+        if path is not None and (not request.lora_path or Path(request.lora_path).resolve() == Path(path).resolve()):
+            return
+        loaded = ", ".join(f"{name}={path}" for name, path in self.worker.lora_modules.items()) or "none"
+        raise ValueError(f"LoRA adapter {request.lora_name!r} ({request.lora_path or 'no path'}) is not among those "
+                         f"loaded at start ({loaded}); pass LLM(..., enable_lora=True, "
+                         f"lora_modules=['{request.lora_name}=PATH'])")
 
     def _start(self, prompt: Prompt, params: SamplingParams, children: dict[int, _Child],
-               priority: int) -> RequestOutput:
+               priority: int, lora_name: str = "") -> RequestOutput:
         text, token_ids = self._tokenize(prompt)
         keep = prompt_keep(params.truncate_prompt_tokens, self.max_model_len)
         if keep is not None:
@@ -136,7 +160,8 @@ class LLM(Pooling):
         for index, child_params in enumerate(choice_params(params)):
             seq_id = next(self._seq_ids)
             self.scheduler.add(Request(seq_id=seq_id, request_id=f"{request_id}-{index}",
-                                       prompt_token_ids=token_ids, sampling=child_params, priority=priority))
+                                       prompt_token_ids=token_ids, sampling=child_params, priority=priority,
+                                       lora_name=lora_name))
             completion = CompletionOutput(index, "", [], logprobs=None if params.logprobs is None else [])
             output.outputs.append(completion)
             children[seq_id] = _Child(output, completion, self._detokenizer(child_params),
