@@ -46,11 +46,13 @@ ENGINE_COUNTERS = (
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."))
 ENGINE_LABELS = ["model_name", "engine"]
 CACHE_CONFIG = ["block_size", "num_gpu_blocks", "gpu_memory_utilization", "enable_prefix_caching", "cache_dtype"]
+LORA_INFO = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
 # The series vLLM has too, by pagedserve name: their vllm: names (kv_cache_usage_perc also under the
 # name vLLM had before, which vLLM production-stack's router still reads).
 VLLM_TWINS = {name: (name,) for name in (
     "num_requests_running", "num_requests_waiting", "num_preemptions", "prefix_cache_queries",
-    "prefix_cache_hits", "cache_config_info", "time_to_first_token_seconds", "inter_token_latency_seconds",
+    "prefix_cache_hits", "cache_config_info", "lora_requests_info", "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
     "e2e_request_latency_seconds", "request_prompt_tokens", "request_generation_tokens", "request_params_n",
     "request_params_max_tokens", "prompt_tokens", "generation_tokens", "request_success")}
 VLLM_TWINS["kv_cache_usage_perc"] = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
@@ -204,6 +206,7 @@ class _EngineCollector:
         for model, engine, info in engines:
             family.add_metric([model, engine, *_cache_config(info)], 1)
         yield family
+        yield from _lora_info([e for e in engines if e[2].max_loras])
         for field, name, doc in STEP_HISTOGRAMS:
             # An Engine that does not time its steps leaves them out, and a histogram needs its buckets.
             timed = [(model, engine, info) for model, engine, info in engines if info.HasField(field)]
@@ -231,6 +234,20 @@ class _ModelSeries:
 def _cache_config(info: pb.ModelInfo) -> list[str]:
     return [str(info.block_size), str(info.num_blocks), str(round(info.gpu_memory_utilization, 4)),
             str(info.enable_prefix_caching), info.cache_dtype]
+
+
+def _lora_info(engines: list[tuple[str, str, pb.ModelInfo]]) -> Iterator[Metric]:
+    """vLLM's lora_requests_info of schedulers with LoRA on: the adapters running and waiting as
+    comma-joined labels, its value the time of the scrape (vLLM's, the time of its last update)."""
+    if not engines:
+        return
+    family = GaugeMetricFamily("pagedserve:lora_requests_info", "Running and waiting LoRA adapters.",
+                               labels=[*ENGINE_LABELS, *LORA_INFO])
+    now = time.time()
+    for model, engine, info in engines:
+        family.add_metric([model, engine, str(info.max_loras), ",".join(info.running_lora_adapters),
+                           ",".join(info.waiting_lora_adapters)], now)
+    yield family
 
 
 def _histogram(name: str, doc: str, engines: list[tuple[str, str, pb.ModelInfo]], field: str) -> Metric:

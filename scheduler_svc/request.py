@@ -1,4 +1,5 @@
 """A request's scheduling state, and what the scheduler reports for it after each step."""
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -138,3 +139,8 @@ class RequestDelta(msgspec.Struct, gc=False):
     error: str | None = None
     # A pooling request's result: its embedding or its scores, one per label.
     pooled: list[float] | None = None
+
+
+def lora_adapters(requests: Iterable[Request]) -> list[str]:
+    """The LoRA adapters `requests` run with, each once, sorted (vLLM's lora_requests_info labels)."""
+    return sorted({r.lora_name for r in requests if r.lora_name})

@@ -22,6 +22,7 @@ from pagedserve.v1 import engine_pb2, engine_pb2_grpc, executor_pb2, executor_pb
 from pagedserve.scheduler_svc.engine_loop import EngineLoop, ExecutorLost
 from pagedserve.scheduler_svc.generate_stream import StreamCall
 from pagedserve.scheduler_svc.policy import num_interactive
+from pagedserve.scheduler_svc.request import lora_adapters
 from pagedserve.scheduler_svc.responses import refusal_code, response_from_outputs, status_code
 from pagedserve.scheduler_svc.scheduler import QueueFull, Scheduler
 from pagedserve.scheduler_svc.stats_logger import StatsLogger, interval_from_env
@@ -136,7 +137,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             enable_prefix_caching=self.config.enable_prefix_caching,
             gpu_memory_utilization=self.info.gpu_memory_utilization, max_logprobs=self.info.max_logprobs,
-            cache_dtype=self.config.kv_cache_dtype, lora_names=self.info.lora_names,
+            cache_dtype=self.config.kv_cache_dtype, lora_names=self.info.lora_names, max_loras=self.info.max_loras,
+            running_lora_adapters=lora_adapters(s.running),
+            waiting_lora_adapters=lora_adapters([*s.waiting, *s.waiting_background]),
             step_schedule=histogram_to_proto(stats.scheduler),
             step_forward=histogram_to_proto(stats.forward), step_idle=histogram_to_proto(stats.idle),
             **_pooling_fields(self.info))

@@ -162,7 +162,7 @@ class StepHistogram(_message.Message):
     def __init__(self, bucket_upper_bounds_s: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., sum_s: _Optional[float] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching", "gpu_memory_utilization", "step_schedule", "step_forward", "step_idle", "runner", "pooling_tasks", "embedding_size", "matryoshka_dimensions", "is_matryoshka", "num_labels", "default_prompt", "num_background_running", "num_background_waiting", "labels", "max_logprobs", "cache_dtype", "lora_names")
+    __slots__ = ("served_model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching", "gpu_memory_utilization", "step_schedule", "step_forward", "step_idle", "runner", "pooling_tasks", "embedding_size", "matryoshka_dimensions", "is_matryoshka", "num_labels", "default_prompt", "num_background_running", "num_background_waiting", "labels", "max_logprobs", "cache_dtype", "lora_names", "max_loras", "running_lora_adapters", "waiting_lora_adapters")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,9 @@ class ModelInfo(_message.Message):
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     max_model_len: int
     vocab_size: int
@@ -225,4 +228,7 @@ class ModelInfo(_message.Message):
     max_logprobs: int
     cache_dtype: str
     lora_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., gpu_memory_utilization: _Optional[float] = ..., step_schedule: _Optional[_Union[StepHistogram, _Mapping]] = ..., step_forward: _Optional[_Union[StepHistogram, _Mapping]] = ..., step_idle: _Optional[_Union[StepHistogram, _Mapping]] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., is_matryoshka: _Optional[bool] = ..., num_labels: _Optional[int] = ..., default_prompt: _Optional[str] = ..., num_background_running: _Optional[int] = ..., num_background_waiting: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ..., max_logprobs: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_loras: int
+    running_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    waiting_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., gpu_memory_utilization: _Optional[float] = ..., step_schedule: _Optional[_Union[StepHistogram, _Mapping]] = ..., step_forward: _Optional[_Union[StepHistogram, _Mapping]] = ..., step_idle: _Optional[_Union[StepHistogram, _Mapping]] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., is_matryoshka: _Optional[bool] = ..., num_labels: _Optional[int] = ..., default_prompt: _Optional[str] = ..., num_background_running: _Optional[int] = ..., num_background_waiting: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ..., max_logprobs: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., running_lora_adapters: _Optional[_Iterable[str]] = ..., waiting_lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -134,8 +134,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.tokens_per_reply = 1
         self.max_model_len = MAX_MODEL_LEN
         self.max_logprobs = MAX_LOGPROBS
-        # The LoRA adapters it reports serving.
+        # The LoRA adapters it reports serving, and ModelInfo's LoRA fields (max_loras, running and
+        # waiting adapters).
         self.lora_names: list[str] = []
+        self.lora_info: dict = {}
         self.fail_after: int | None = None
         self.reject: grpc.StatusCode | None = None
         self.requests: list[pb.GenerateRequest] = []
@@ -231,7 +233,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.info_calls += 1
         return pb.ModelInfo(served_model_name=self.model, max_model_len=self.max_model_len,
                             vocab_size=self.vocab_size, eos_token_ids=[self.eos], max_logprobs=self.max_logprobs,
-                            lora_names=self.lora_names,
+                            lora_names=self.lora_names, **self.lora_info,
                             **ENGINE_STATS,
                             **self.steps, runner=self.runner, **self.pooling)
 

@@ -3,6 +3,7 @@ served ones, each reaches the executor with its adapter, and the prefix cache ke
 blocks apart from the base model's."""
 import pytest
 
+from pagedserve.scheduler_svc.request import lora_adapters
 from tests.scheduler_svc.helpers import add, make_scheduler, step
 
 
@@ -41,3 +42,11 @@ def test_the_prefix_cache_keeps_adapters_apart():
     s = make_scheduler(lora_names=("sql",), max_loras=1)
     base, adapted, again = add(s, 1, 8), add(s, 2, 8, lora_name="sql"), add(s, 3, 8, lora_name="sql")
     assert base.block_hashes != adapted.block_hashes and adapted.block_hashes == again.block_hashes
+
+
+def test_the_running_and_waiting_adapters_that_metrics_name():
+    s = make_scheduler(lora_names=("sql", "chat"), max_loras=1)
+    for seq_id, name in enumerate(["sql", "", "chat", "sql"], 1):
+        add(s, seq_id, 4, first_token=10 * seq_id, lora_name=name)
+    step(s)
+    assert (lora_adapters(s.running), lora_adapters(s.waiting)) == (["sql"], ["chat", "sql"])
