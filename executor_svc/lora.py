@@ -277,7 +277,7 @@ class LoraProjection:
 
 
 def _wrap(module: Linear, slots: int, rank: int, mask: torch.Tensor, switch: LoraSwitch) -> LoraProjection:
-    width = slots * len(getattr(module, "shards", (None,))) * rank
+    width = slots * _num_shards(module) * rank
     weight = module.weight
     # The model's dtype, not a narrowed weight's (layers/linear.py's narrow_linears): the mask's.
     projection = LoraProjection(torch.zeros(width, module.in_features, dtype=mask.dtype, device=weight.device),
@@ -297,6 +297,11 @@ def _lora_forward(base: Callable, lora: LoraProjection, x: torch.Tensor) -> torc
     return out.addmm_(h.view(rows, -1), lora.b.t())
 
 
+def _num_shards(module: Linear) -> int:
+    """The checkpoint projections a module fuses (qkv_proj's three), each a block of a slot's columns."""
+    return len(getattr(module, "shards", (None,)))
+
+
 def _slot_block(adapter: Adapter, module: Linear, rank: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(a, b) of one slot of `module` for `adapter`: its A rows and scaled B columns in each
@@ -304,7 +309,7 @@ def _slot_block(adapter: Adapter, module: Linear, rank: int,
     weights = [(t, a, b) for t, a, b in adapter.weights if t.module is module]
     if not weights:
         return None
-    blocks = len(getattr(module, "shards", (None,)))
+    blocks = _num_shards(module)
     a_slot = torch.zeros(blocks * rank, module.in_features)
     b_slot = torch.zeros(module.out_features, blocks * rank)
     for target, a, b in weights:

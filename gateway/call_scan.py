@@ -5,6 +5,7 @@ run of them (`Calls`), and the tag that starts a format's calls (`Tagged`).
 A longer text only extends what a scan found, so a stream sends the new suffixes and the fragments
 add up to the non-stream value. A format whose arguments are no JSON builds them (`ParsedCall.built`)
 and only appends to them."""
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -24,6 +25,16 @@ class ParsedCall:
     complete: bool = False
     # Arguments built as JSON, for a format whose own are no JSON; then start and end index this.
     built: str | None = None
+
+    def add_built(self, key: str, value_json: str) -> None:
+        """Appends one argument to the built JSON (left open until close_built)."""
+        self.built += ("{" if not self.built else ", ") + json.dumps(key, ensure_ascii=False) + ": " + value_json
+        self.end = len(self.built)
+
+    def close_built(self) -> None:
+        """Closes the built JSON object: the call is complete."""
+        self.built += "}" if self.built else "{}"
+        self.end, self.complete = len(self.built), True
 
     def arguments(self, text: str, sent: int = 0) -> str:
         """The arguments found so far in the model's `text`, from where those `sent` end."""

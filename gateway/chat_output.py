@@ -107,11 +107,11 @@ class ChoiceOutput:
             self.ids.append(_tool_call_id())
             self.args_sent.append(call.end)
             return ToolCallDelta(index, self.ids[index], call.name, call.arguments(self.text), choice)
-        sent = max(call.start, self.args_sent[index])
-        if call.end <= sent:
+        fragment = call.arguments(self.text, self.args_sent[index])
+        if not fragment:
             return None
         self.args_sent[index] = call.end
-        return ToolCallDelta(index, None, None, call.arguments(self.text, sent), choice)
+        return ToolCallDelta(index, None, None, fragment, choice)
 
     def message(self, text: str) -> Message:
         """The whole output as a message; calls get the ids a stream would have sent."""

@@ -130,12 +130,9 @@ class Pythonic:
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             self._ended = True
             return
-        call = self._calls[-1]
-        call.built += ("{" if not call.built else ", ") + json.dumps(self._key, ensure_ascii=False) + ": " + value
-        call.end, self._state = len(call.built), "arguments"
+        self._calls[-1].add_built(self._key, value)
+        self._state = "arguments"
 
     def _close_call(self) -> None:
-        call = self._calls[-1]
-        call.built += "}" if call.built else "{}"
-        call.end, call.complete = len(call.built), True
+        self._calls[-1].close_built()
         self._pos, self._state = self._pos + 1, "call"

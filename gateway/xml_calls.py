@@ -156,12 +156,8 @@ class Qwen3Coder(Tagged):
         except (TypeError, ValueError):
             # A literal JSON cannot hold (a set, bytes, an infinity) stays the model's text.
             typed_value = json.dumps(value, ensure_ascii=False)
-        pair = json.dumps(self._key, ensure_ascii=False) + ": " + typed_value
-        call.built += ("{" if not call.built else ", ") + pair
-        call.end = len(call.built)
+        call.add_built(self._key, typed_value)
 
     def _close_call(self) -> None:
-        call = self._calls[-1]
-        call.built += "}" if call.built else "{}"
-        call.end, call.complete = len(call.built), True
+        self._calls[-1].close_built()
         self._state = "between"
