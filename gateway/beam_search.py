@@ -1,17 +1,15 @@
-"""vLLM's `use_beam_search`: the n most likely continuations of a prompt, found as vLLM finds them.
+"""vLLM's `use_beam_search`: the n most likely continuations of a prompt, found as vLLM finds them
+(common/beam.py's rounds).
 
 Each round asks the engine for one greedy token of every live beam with its 2n most likely tokens'
-logprobs (one request per beam; the prefix cache holds what the beams share). Every candidate
-extends its beam's summed logprob; one that is the tokenizer's end of text completes a beam (unless
-ignore_eos), the others compete and the n best live on. After max_tokens rounds, or when no beam
-lives, the completed and live beams rank by summed logprob over their length (prompt included, end
-of text not) to the power length_penalty, and the best n are the choices. Nothing streams before
-the search ends: the choices come whole, as in vLLM. Stop strings and constraints play no part."""
+logprobs (one request per beam; the prefix cache holds what the beams share). After max_tokens
+rounds, or when no beam lives, the best n are the choices. Nothing streams before the search ends:
+the choices come whole, as in vLLM. Stop strings and constraints play no part."""
 import asyncio
-import heapq
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from pagedserve.common.beam import Beam, Candidates, Search, best, grow, output_tokens
 from pagedserve.common.sampling_params import SamplingParams, sampling_to_proto
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.gateway.engine_client import ModelSpec
@@ -21,37 +19,10 @@ from pagedserve.gateway.logprobs import TokenLogprob
 from pagedserve.gateway.schemas import SamplingFields, Usage
 
 
-@dataclass(slots=True)
-class Beam:
-    """A continuation: every token (prompt first), its summed logprob, each output token's logprobs."""
-    tokens: list[int]
-    logprob: float = 0.0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str = "length"
-
-
-def score(beam: Beam, eos: int | None, length_penalty: float) -> float:
-    """vLLM's ranking: summed logprob over the length (without a final end of text) ** length_penalty."""
-    length = len(beam.tokens) - (beam.tokens[-1] == eos)
-    return beam.logprob / length ** length_penalty
-
-
-def extend(beam: Beam, top: TokenLogprob, allowed: frozenset[int] | None) -> list[Beam]:
-    """The beam's continuations by the tokens of one round's top list (those allowed_token_ids allows)."""
-    return [Beam(beam.tokens + [token], beam.logprob + logprob,
-                 beam.logprobs + [TokenLogprob(token, text, logprob, rank, top.top)])
-            for rank, (token, text, logprob) in enumerate(top.top, 1) if allowed is None or token in allowed]
-
-
-@dataclass(frozen=True, slots=True)
-class Search:
-    """What one search keeps: `width` beams, for up to `max_tokens` rounds."""
-    width: int
-    max_tokens: int
-    eos: int | None
-    ignore_eos: bool = False
-    length_penalty: float = 1.0
-    allowed: frozenset[int] | None = None
+def candidates(top: TokenLogprob) -> Candidates:
+    """A round's top list as a beam's candidates, each keeping its own TokenLogprob."""
+    return [(token, logprob, TokenLogprob(token, text, logprob, rank, top.top))
+            for rank, (token, text, logprob) in enumerate(top.top, 1)]
 
 
 async def search(prompt: list[int], rule: Search,
@@ -60,19 +31,10 @@ async def search(prompt: list[int], rule: Search,
     token's top logprobs."""
     live, done = [Beam(list(prompt))], []
     for _ in range(rule.max_tokens):
-        candidates = []
-        for beam, top in zip(live, await step(live)):
-            for grown in extend(beam, top, rule.allowed):
-                if grown.tokens[-1] == rule.eos and not rule.ignore_eos:
-                    grown.finish_reason = "stop"
-                    done.append(grown)
-                else:
-                    candidates.append(grown)
-        live = heapq.nlargest(rule.width, candidates, key=lambda b: b.logprob)
+        live = grow(live, [candidates(top) for top in await step(live)], rule, done)
         if not live:
             break
-    ranked = sorted(done + live, key=lambda b: score(b, rule.eos, rule.length_penalty), reverse=True)
-    return ranked[:rule.width]
+    return best(live, done, rule)
 
 
 class BeamSearch:
@@ -121,7 +83,7 @@ class BeamSearch:
 
     def _event(self, index: int, beam: Beam, prompt_length: int) -> ChoiceEvent:
         out = beam.tokens[prompt_length:]
-        shown = out[:-1] if beam.finish_reason == "stop" and not self._params.include_stop_str_in_output else out
+        shown = output_tokens(beam, prompt_length, self._params.include_stop_str_in_output)
         text = self._tokenizer.decode(shown, self._params.skip_special_tokens)
         asked = self._params.logprobs
         logprobs = [] if asked is None else [replace(lp, top=lp.top[:asked]) for lp in beam.logprobs]
