@@ -2,7 +2,7 @@
 
 from pagedserve.common.version import __version__
 
-__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "__version__"]
+__all__ = ["BeamSearchParams", "LLM", "LoRARequest", "PoolingParams", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -19,4 +19,7 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from pagedserve.common.sampling_params import SamplingParams
         return SamplingParams
+    if name == "BeamSearchParams":
+        from pagedserve.common.sampling_params import BeamSearchParams
+        return BeamSearchParams
     raise AttributeError(name)

@@ -2,7 +2,7 @@
 n > 1, stop strings, progress of outputs."""
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, BeamSearchParams, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +167,21 @@ def test_priority_takes_one_per_prompt_and_needs_the_priority_policy(llm):
         llm.generate(["Hello", "Hi"], params, use_tqdm=False, priority=[0])
     out = llm.generate(["Hello"], params, use_tqdm=False, priority=[0])[0]
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_beam_search_ends_beams_at_the_end_of_text_and_ranks_them_by_length(llm):
+    messages = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    eos = llm.tokenizer.eos_token_id
+    for include in (False, True):
+        params = BeamSearchParams(beam_width=2, max_tokens=12, include_stop_str_in_output=include)
+        sequences = llm.beam_search({"prompt_token_ids": prompt}, params)[0].sequences
+        assert len(sequences) == 2
+        for seq in sequences:
+            assert seq.finish_reason == "stop" and seq.tokens[-1] == eos and eos not in seq.tokens[len(prompt):-1]
+            shown = seq.tokens[len(prompt):] if include else seq.tokens[len(prompt):-1]
+            assert seq.text == llm.tokenizer.decode(shown, skip_special_tokens=False)
+        # vLLM's ranking: summed logprob over the length, the prompt counted and the end of text not.
+        scores = [seq.cum_logprob / (len(seq.tokens) - 1) for seq in sequences]
+        assert scores == sorted(scores, reverse=True)
+    assert sequences[0].text.endswith(llm.tokenizer.decode([eos], skip_special_tokens=False))

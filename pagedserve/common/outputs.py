@@ -61,3 +61,22 @@ class PoolingRequestOutput:
 
 # vLLM's names of the one class above, by the output it holds.
 EmbeddingRequestOutput = ClassificationRequestOutput = ScoringRequestOutput = PoolingRequestOutput
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One of LLM.beam_search's continuations, with vLLM's names: every token (prompt first), per
+    output token its round's logprobs (as CompletionOutput.logprobs), their sum, the output's text
+    (a final end of text left out unless include_stop_str_in_output; None without a tokenizer) and
+    why it ended ("stop": the end of text, "length": max_tokens)."""
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float
+    text: str | None
+    finish_reason: str
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """A prompt's beam_width best continuations, best first."""
+    sequences: list[BeamSearchSequence]

@@ -145,6 +145,18 @@ class StructuredOutputsParams:
         return self.json if self.json is None or isinstance(self.json, str) else json.dumps(self.json)
 
 
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    """vLLM's BeamSearchParams for LLM.beam_search. Each round ranks by the model's raw logprobs, so
+    temperature changes no result (accepted as vLLM accepts it)."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from pagedserve.executor_svc.worker import Worker
 from pagedserve.common.bad_words import bad_words_token_ids
+from pagedserve.common.beam import Beam, Candidates, Search, best, grow, output_tokens
 from pagedserve.common.chat_template import CONTENT_FORMATS, continue_final, final_text, with_content_format
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.generation_config import sampling_defaults
@@ -17,8 +18,8 @@ from pagedserve.common.lora_request import LoRARequest
 from pagedserve.common.tokenizer import Tokenizer
 from pagedserve.common.config import config_from_kwargs
 from pagedserve.entrypoints.default_model import default_model
-from pagedserve.common.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.common.sampling_params import SamplingParams, choice_params, prompt_keep
+from pagedserve.common.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+from pagedserve.common.sampling_params import BeamSearchParams, SamplingParams, choice_params, prompt_keep
 from pagedserve.scheduler_svc.request import Request, RequestDelta, TokenLogprobs
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.step_loop import RunnerTransport, StepLoop
@@ -128,15 +129,58 @@ class LLM(Pooling):
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
-    def _lora_names(self, requests: LoRARequest | Sequence[LoRARequest | None] | None, count: int) -> list[str]:
-        """Each prompt's adapter name ("" for none), each request checked against those loaded."""
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: each prompt's params.beam_width best continuations, best first
+        (common/beam.py). Each round generates one greedy token of every prompt's live beams, with
+        its 2 x beam_width likeliest tokens' logprobs, in one batch."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not 1 <= 2 * params.beam_width <= self.config.max_logprobs:
+            raise ValueError(f"beam_width {params.beam_width} needs the {2 * params.beam_width} likeliest tokens a "
+                             f"step; it must be 1 to {self.config.max_logprobs // 2} (LLM(max_logprobs=...))")
+        loras = self._lora_requests(lora_request, len(prompts))
+        token_ids = [self._tokenize(prompt)[1] for prompt in prompts]
+        eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        rules = [Search(params.beam_width, min(params.max_tokens, self.max_model_len - len(ids)), eos,
+                        params.ignore_eos, params.length_penalty) for ids in token_ids]
+        live, done = [[Beam(list(ids))] for ids in token_ids], [[] for _ in prompts]
+        one_token = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width)
+        for step in tqdm(range(max(rule.max_tokens for rule in rules)), desc="Beam search", disable=not use_tqdm):
+            active = [i for i, rule in enumerate(rules) if live[i] and step < rule.max_tokens]
+            if not active:
+                break
+            outputs = iter(self.generate([{"prompt_token_ids": b.tokens} for i in active for b in live[i]],
+                                         one_token, use_tqdm=False,
+                                         lora_request=[loras[i] for i in active for _ in live[i]]))
+            for i in active:
+                candidates = [_candidates(next(outputs).outputs[0].logprobs[0]) for _ in live[i]]
+                live[i] = grow(live[i], candidates, rules[i], done[i])
+        return [BeamSearchOutput([self._beam_sequence(beam, len(ids), params)
+                                  for beam in best(beams, ended, rule)])
+                for ids, beams, ended, rule in zip(token_ids, live, done, rules)]
+
+    def _beam_sequence(self, beam: Beam, prompt_length: int, params: BeamSearchParams) -> BeamSearchSequence:
+        shown = output_tokens(beam, prompt_length, params.include_stop_str_in_output)
+        # As vLLM decodes it: special tokens kept (the end of text too, with include_stop_str_in_output).
+        text = None if self.tokenizer is None else self.tokenizer.decode(shown, skip_special_tokens=False)
+        return BeamSearchSequence(beam.tokens, beam.logprobs, beam.logprob, text, beam.finish_reason)
+
+    def _lora_requests(self, requests: LoRARequest | Sequence[LoRARequest | None] | None,
+                       count: int) -> list[LoRARequest | None]:
+        """Each prompt's adapter request (None for none), each checked against those loaded."""
         if requests is None or isinstance(requests, LoRARequest):
             requests = [requests] * count
         if len(requests) != count:
             raise ValueError(f"got {count} prompts but {len(requests)} LoRA requests")
         for request in filter(None, requests):
             self._check_loaded(request)
-        return [request.lora_name if request else "" for request in requests]
+        return list(requests)
+
+    def _lora_names(self, requests: LoRARequest | Sequence[LoRARequest | None] | None, count: int) -> list[str]:
+        """Each prompt's adapter name ("" for none)."""
+        return [request.lora_name if request else "" for request in self._lora_requests(requests, count)]
 
     def _check_loaded(self, request: LoRARequest) -> None:
         # Adapters load at start (executor_svc/lora.py): a request names one of them, from the same path.
@@ -242,6 +286,11 @@ class LLM(Pooling):
         child.completion.stop_reason = stop_reason
         child.output.finished = all(c.finish_reason for c in child.output.outputs)
         bar.update(1)
+
+
+def _candidates(logprobs: dict[int, Logprob]) -> Candidates:
+    """A round's logprobs as a beam's next-token candidates, likeliest first; each keeps the whole dict."""
+    return [(token, lp.logprob, logprobs) for token, lp in sorted(logprobs.items(), key=lambda kv: kv[1].rank)]
 
 
 def _load_tokenizer(path: str) -> Tokenizer | None:
