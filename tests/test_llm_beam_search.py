@@ -67,3 +67,12 @@ def test_a_beam_of_one_is_greedy_decoding(llm):
 def test_a_beam_width_past_max_logprobs_is_refused(llm):
     with pytest.raises(ValueError, match=r"beam_width 11 needs the 22 likeliest tokens a step; it must be 1 to 10"):
         llm.beam_search({"prompt_token_ids": PROMPTS[0]}, BeamSearchParams(beam_width=11, max_tokens=2))
+
+
+def test_beams_stop_at_the_context_and_a_prompt_past_it_is_refused(llm):
+    room = 3
+    prompt = [7] * (llm.max_model_len - room)
+    sequences = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=2, max_tokens=10))[0].sequences
+    assert [len(s.tokens) for s in sequences] == [llm.max_model_len] * 2
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.beam_search({"prompt_token_ids": [7] * llm.max_model_len}, BeamSearchParams(beam_width=2, max_tokens=4))

@@ -143,7 +143,9 @@ class LLM(Pooling):
         loras = self._lora_requests(lora_request, len(prompts))
         token_ids = [self._tokenize(prompt)[1] for prompt in prompts]
         eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
-        rules = [Search(params.beam_width, min(params.max_tokens, self.max_model_len - len(ids)), eos,
+        # Beams stop at the context's end; a prompt that leaves no room still runs a round, whose
+        # generate raises the scheduler's error.
+        rules = [Search(params.beam_width, min(params.max_tokens, max(1, self.max_model_len - len(ids))), eos,
                         params.ignore_eos, params.length_penalty) for ids in token_ids]
         live, done = [[Beam(list(ids))] for ids in token_ids], [[] for _ in prompts]
         one_token = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width)
