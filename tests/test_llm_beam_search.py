@@ -44,6 +44,9 @@ def test_beams_are_those_of_a_search_over_transformers_logprobs(path, llm, width
     params = BeamSearchParams(beam_width=width, max_tokens=4, length_penalty=length_penalty)
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert len(outputs) == len(PROMPTS)
+    # One prompt at a time, the same beams.
+    one_by_one = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params, concurrency_limit=1)
+    assert [[s.tokens for s in o.sequences] for o in one_by_one] == [[s.tokens for s in o.sequences] for o in outputs]
     for prompt, output in zip(PROMPTS, outputs):
         expected = reference(hf, prompt, width, 4, length_penalty)
         assert [s.tokens for s in output.sequences] == [tokens for tokens, _ in expected]

@@ -131,10 +131,11 @@ class LLM(Pooling):
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's offline beam search: each prompt's params.beam_width best continuations, best first
-        (common/beam.py). Each round generates one greedy token of every prompt's live beams, with
-        its 2 x beam_width likeliest tokens' logprobs, in one batch."""
+        (common/beam.py). Each round generates one greedy token of every live beam of the prompts
+        searched together (concurrency_limit at a time; default all), with its 2 x beam_width
+        likeliest tokens' logprobs, in one batch."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not 1 <= 2 * params.beam_width <= self.config.max_logprobs:
@@ -142,12 +143,19 @@ class LLM(Pooling):
                              f"step; it must be 1 to {self.config.max_logprobs // 2} (LLM(max_logprobs=...))")
         loras = self._lora_requests(lora_request, len(prompts))
         token_ids = [self._tokenize(prompt)[1] for prompt in prompts]
+        limit = concurrency_limit or len(prompts)
+        return [output for start in range(0, len(prompts), limit)
+                for output in self._beam_rounds(token_ids[start:start + limit], loras[start:start + limit],
+                                                params, use_tqdm)]
+
+    def _beam_rounds(self, token_ids: list[list[int]], loras: list[LoRARequest | None], params: BeamSearchParams,
+                     use_tqdm: bool) -> list[BeamSearchOutput]:
         eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
         # Beams stop at the context's end; a prompt that leaves no room still runs a round, whose
         # generate raises the scheduler's error.
         rules = [Search(params.beam_width, min(params.max_tokens, max(1, self.max_model_len - len(ids))), eos,
                         params.ignore_eos, params.length_penalty) for ids in token_ids]
-        live, done = [[Beam(list(ids))] for ids in token_ids], [[] for _ in prompts]
+        live, done = [[Beam(list(ids))] for ids in token_ids], [[] for _ in token_ids]
         one_token = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width)
         for step in tqdm(range(max(rule.max_tokens for rule in rules)), desc="Beam search", disable=not use_tqdm):
             active = [i for i, rule in enumerate(rules) if live[i] and step < rule.max_tokens]
@@ -157,10 +165,9 @@ class LLM(Pooling):
                                          one_token, use_tqdm=False,
                                          lora_request=[loras[i] for i in active for _ in live[i]]))
             for i in active:
-                candidates = [_candidates(next(outputs).outputs[0].logprobs[0]) for _ in live[i]]
-                live[i] = grow(live[i], candidates, rules[i], done[i])
-        return [BeamSearchOutput([self._beam_sequence(beam, len(ids), params)
-                                  for beam in best(beams, ended, rule)])
+                live[i] = grow(live[i], [_candidates(next(outputs).outputs[0].logprobs[0]) for _ in live[i]],
+                               rules[i], done[i])
+        return [BeamSearchOutput([self._beam_sequence(beam, len(ids), params) for beam in best(beams, ended, rule)])
                 for ids, beams, ended, rule in zip(token_ids, live, done, rules)]
 
     def _beam_sequence(self, beam: Beam, prompt_length: int, params: BeamSearchParams) -> BeamSearchSequence:
