@@ -91,7 +91,7 @@ class ModelRunner:
         self.max_model_len, self.block_size = max_model_len, config.block_size
         self.device, self.kv_dtype, self.tp = device, kv_dtype, tp
         self.kv_caches: list[KVCache] = []
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.logprobs_mode)
         self.stats = RunnerStats()
         self.clock = StepClock(device)
         self.launched: deque[Launched] = deque()

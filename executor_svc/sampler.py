@@ -71,13 +71,19 @@ class Sampler:
     """Samples one token per row of float32 logits [N, vocab] under each row's options.
 
     A seeded row draws its noise from its own generator, so a seed gives the same tokens whatever
-    else is in the batch. Logprobs come from the logits as given (vLLM's raw logprobs), which the
-    stop mask and penalties then change in place."""
+    else is in the batch. Logprobs hold what `logprobs_mode` (vLLM's --logprobs-mode) names: raw
+    ones come from the logits as given, which the stop mask and penalties then change in place;
+    processed ones from the logits a row samples from."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        self.processed = logprobs_mode.startswith("processed")
+        self.as_logits = logprobs_mode.endswith("logits")
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = None
-        if batch.logprobs is not None:
-            raw = logits[batch.logprobs.device_index].log_softmax(dim=-1)
+        if batch.logprobs is not None and not self.processed:
+            # Indexing copies the rows: the processors below change `logits` in place.
+            raw = self._values(logits[batch.logprobs.device_index])
         if batch.token_mask is not None:
             mask_tokens(logits, batch.token_mask[0], batch.token_mask[1])
         if batch.grammar is not None:
@@ -88,16 +94,21 @@ class Sampler:
             batch.logit_bias.apply(logits)
         if batch.penalties is not None:
             batch.penalties.apply(logits)
-        tokens = self._sample(logits, batch)
-        if raw is None:
-            return SamplerOutput(tokens)
+        tokens, processed = self._sample(logits, batch)
         rows = batch.logprobs
-        logprobs = gather_logprobs(raw, tokens[rows.device_index], rows.max_top)
-        return SamplerOutput(tokens, logprobs)
+        if rows is None:
+            return SamplerOutput(tokens)
+        values = raw if raw is not None else self._values(processed[rows.device_index])
+        return SamplerOutput(tokens, gather_logprobs(values, tokens[rows.device_index], rows.max_top))
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _values(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.as_logits else logits.log_softmax(dim=-1)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled tokens and the logits they were sampled from (temperature, min_p, top_k and
+        top_p applied; greedy rows at temperature 1)."""
         if batch.all_greedy:
-            return row_argmax(logits)
+            return row_argmax(logits), logits
         greedy = row_argmax(logits) if batch.greedy is not None else None
         if batch.temperature is not None:
             logits = logits / batch.temperature[:, None]
@@ -109,8 +120,8 @@ class Sampler:
             logits = apply_top_k(logits, batch.top_k, batch.max_top_k)
         sampled = sample_rows(logits, batch.generators)
         if greedy is None:
-            return sampled
-        return torch.where(batch.greedy, greedy, sampled)
+            return sampled, logits
+        return torch.where(batch.greedy, greedy, sampled), logits
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

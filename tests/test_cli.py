@@ -187,10 +187,10 @@ def test_help_shows_defaults_and_says_no_remote_code_runs(capsys):
 def test_each_child_gets_its_own_flags():
     config = config_from_args(parse("--max-num-seqs", "16", "--max-model-len", "4k", "--no-enable-prefix-caching",
                                     "--served-model-name", "a", "b", "-q", "FP8", "--max-logprobs", "-1",
-                                    "--long-prefill-token-threshold", "512"))
+                                    "--logprobs-mode", "processed_logprobs", "--long-prefill-token-threshold", "512"))
     executor, scheduler = config_to_argv(config, EXECUTOR_FLAGS), config_to_argv(config, SCHEDULER_FLAGS)
     assert executor == ["--max-model-len", "4000", "--max-num-seqs", "16", "--quantization", "fp8",
-                        "--max-logprobs", "-1"]
+                        "--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs"]
     assert scheduler == ["--served-model-name", "a", "b", "--no-enable-prefix-caching",
                          "--long-prefill-token-threshold", "512"]
     build_parser().parse_args(["executor", *executor])

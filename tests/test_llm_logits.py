@@ -107,6 +107,30 @@ def test_max_logprobs_bounds_what_a_request_may_ask_for_and_minus_one_is_the_who
         assert abs(sum(math.exp(e.logprob) for e in entries.values()) - 1) < 1e-4
 
 
+def test_logprobs_mode_returns_raw_logits_or_the_processed_distribution(path, hf):
+    prompt = PROMPTS[1]
+    with torch.inference_mode():
+        first = hf(torch.tensor([prompt])).logits[0, -1].float()
+    llm = LLM(str(path), logprobs_mode="raw_logits")
+    atol = 1e-4 if llm.worker.device.type == "cpu" else 3e-2
+    raw = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                       use_tqdm=False)
+    for t, entry in raw[0].outputs[0].logprobs[0].items():
+        torch.testing.assert_close(entry.logprob, first[t].item(), atol=atol, rtol=0)
+    # Sampled at temperature 0.5 from the top 3: those 3 carry log_softmax(logits / 0.5) over
+    # themselves, the rest -inf.
+    params = SamplingParams(temperature=0.5, top_k=3, seed=0, max_tokens=1, logprobs=5)
+    out = LLM(str(path), logprobs_mode="processed_logprobs").generate(
+        {"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    top3 = first.topk(3).indices
+    expected = torch.full_like(first, -math.inf)
+    expected[top3] = (first[top3] / 0.5).log_softmax(-1)
+    assert out.token_ids[0] in top3.tolist()
+    for t, entry in out.logprobs[0].items():
+        torch.testing.assert_close(entry.logprob, expected[t].item(), atol=atol, rtol=0)
+    assert sum(math.isfinite(e.logprob) for e in out.logprobs[0].values()) == 3
+
+
 def test_no_logprobs_unless_asked(path):
     out = LLM(str(path)).generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2),
                                   use_tqdm=False)[0].outputs[0]

@@ -51,6 +51,8 @@ class EngineConfig:
     hf_overrides: dict | None = None
     # The most top logprobs a request may ask for per token; -1: the vocabulary's size.
     max_logprobs: int = MAX_LOGPROBS
+    # vLLM's: what sampled tokens' logprobs hold (LOGPROBS_MODES).
+    logprobs_mode: str = "raw_logprobs"
     # LoRA adapters (vLLM's flags): each --lora-modules entry name=path or a JSON object with
     # "name" and "path"; max_loras of them may serve one step, each of rank max_lora_rank at most.
     enable_lora: bool = False
@@ -70,7 +72,7 @@ EXECUTOR_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "bl
                   "gpu_memory_utilization", "num_gpu_blocks_override", "kv_cache_memory_bytes", "dtype",
                   "kv_cache_dtype", "seed", "load_format", "quantization", "device", "enforce_eager",
                   "tensor_parallel_size", "runner", "task", "pooler_config", "hf_overrides", "max_logprobs",
-                  "enable_lora", "lora_modules", "max_loras", "max_lora_rank")
+                  "logprobs_mode", "enable_lora", "lora_modules", "max_loras", "max_lora_rank")
 # Executor flags whose value Describe reports back; a scheduler given one checks it against that.
 GEOMETRY_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "num_gpu_blocks_override", "dtype")
@@ -88,6 +90,7 @@ TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "poolin
                 "classify": "pooling", "reward": "pooling"}
 KV_CACHE_DTYPES = ("auto", "fp8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 _LORA = ("this LoRA option is not built: adapters here are the --lora-modules given at start, in the model's "
@@ -115,7 +118,6 @@ UNBUILT_VLLM_FLAGS = {
     "--guided-decoding-backend": "structured outputs always run on llguidance here; drop the flag",
     "--structured-outputs-config": "structured outputs always run on llguidance here; drop the flag",
     "--tool-parser-plugin": _PARSER_PLUGINS, "--reasoning-parser-plugin": _PARSER_PLUGINS,
-    "--logprobs-mode": "logprobs are always the raw logits' (vLLM's default, raw_logprobs); drop the flag",
     "--model-impl": "pagedserve runs its own model code only; drop the flag",
     "--root-path": "a path prefix is not built; serve at / behind a proxy that strips the prefix",
     "--api-server-count": "one gateway process serves the API here; run more gateways behind a load balancer",
@@ -217,6 +219,11 @@ def _flag_specs() -> dict[str, dict]:
                                   "top_logprobs, prompt_logprobs); -1: the whole vocabulary. The "
                                   "executor holds pinned host memory of max_num_seqs x (1 + N) x 24 "
                                   "bytes for them"),
+        "logprobs_mode": dict(choices=LOGPROBS_MODES, default=d.logprobs_mode,
+                              help="what sampled tokens' logprobs hold (vLLM's): raw_ before any "
+                                   "processor, processed_ after penalties, bias, masks, temperature, "
+                                   "min_p, top_k and top_p; _logprobs log-softmaxed, _logits as they "
+                                   "are. Prompt logprobs are always raw logprobs"),
         "enable_lora": dict(action="store_true",
                             help="serve the --lora-modules adapters: a request whose `model` names one "
                                  "runs the base model with it"),

@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -185,6 +187,28 @@ def test_stop_mask_and_penalties_steer_the_sample_but_logprobs_stay_raw():
     assert out.logprobs.ids[:, 0].tolist() == [2, 2]
     assert out.logprobs.ids[:, 1:].tolist() == [[0, 1], [1, 2]]
     torch.testing.assert_close(out.logprobs.values[:, 1:], raw[[[0], [1]], [[0, 1], [1, 2]]])
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_mode_picks_raw_or_processed_logprobs_or_logits(mode):
+    # Row 0 is greedy under a repetition penalty of 4 on token 1; row 1 samples at temperature 0.5
+    # from its top 2 (tokens 3 and 2).
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0], [1.0, 2.0, 3.0, 4.0]])
+    batch = make_sampling_batch(np.array([0.0, 0.5], np.float32), np.ones(2, np.float32), np.array([0, 2]),
+                                np.zeros(2, np.float32), {1: seeded(1)}, lambda a: torch.from_numpy(a))
+    batch.penalties = Penalties(torch.tensor([0]), torch.tensor([[1]]), torch.tensor([0]), torch.tensor([4.0]),
+                                None, None)
+    batch.logprobs = LogprobRows(np.array([0, 1]), torch.tensor([0, 1]), np.array([4, 4]))
+    out = Sampler(mode)(logits.clone(), batch)
+    processed = torch.tensor([[5.0, 1.0, 1.0, 0.0], [-math.inf, -math.inf, 6.0, 8.0]])
+    expected = {"raw_logprobs": logits.log_softmax(-1), "raw_logits": logits,
+                "processed_logprobs": processed.log_softmax(-1), "processed_logits": processed}[mode]
+    tokens = out.tokens.tolist()
+    assert tokens[0] == 0 and tokens[1] in (2, 3)
+    torch.testing.assert_close(out.logprobs.values[:, 0], expected[[0, 1], tokens])
+    torch.testing.assert_close(out.logprobs.values[:, 1:], expected.sort(-1, descending=True).values)
+    # vLLM's rank: how many tokens are at least as likely as the sampled one.
+    assert out.logprobs.ids[:, 0].tolist() == [int((row >= row[t]).sum()) for row, t in zip(expected, tokens)]
 
 
 def test_without_logprobs_asked_none_come_back(logits):
