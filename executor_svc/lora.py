@@ -257,10 +257,14 @@ class LoraSlots:
         self.slot_names[slot] = name
 
     def upload(self, rows: np.ndarray, query_lens: np.ndarray, upload: Callable) -> None:
-        """Fills the step's mask: query_lens tokens of each batch row, then padding (no adapter)."""
-        num_tokens = int(query_lens.sum())
+        """Sets the switch, and for a step with an adapter fills its mask: query_lens tokens of each
+        batch row, then padding (no adapter)."""
         slots = self.row_slots[rows]
         self.switch.on = bool((slots >= 0).any())
+        if not self.switch.on:
+            # Such a step's projections and graphs skip the deltas and read no mask.
+            return
+        num_tokens = int(query_lens.sum())
         upload(np.repeat(slots, query_lens), self.token_slots[:num_tokens])
         self.token_slots[num_tokens:].fill_(-1)
         self.mask.copy_(self.token_slots[:, None] == self.slot_ids)
