@@ -4,10 +4,10 @@ the host, up to --max-loras of them at once in device slots that the decoder's p
 Each adapted projection keeps every slot's A and B stacked: a [S * n * r, K] and b [N, S * n * r]
 for S slots, the n checkpoint projections it fuses (qkv_proj's q, k and v) and r = --max-lora-rank,
 zero past an adapter's own rank and for what it does not target, the scaling folded into b. A
-step's per-token slot (-1: the base model) becomes a one-hot mask [rows, S] in a persistent
-buffer, so that a CUDA graph's replay reads each step's; the delta is
-((x @ a.T) * mask per slot) @ b.T, added to the projection's output. Every token pays for every
-slot's rank: a first version without a kernel of its own (vLLM's punica gathers each token's)."""
+step's per-token slot (-1: the base model) goes into a persistent buffer, so that a CUDA graph's
+replay reads each step's, and each token's delta (x @ a_s.T) @ b_s.T of its slot s is added to the
+projection's output: on a GPU by kernels/lora.py, on the CPU through a one-hot mask [rows, S]
+(kernels/reference.py's lora_delta_ref, where every token pays for every slot's rank)."""
 import json
 import math
 import re
@@ -25,6 +25,8 @@ from pagedserve.common.config import EngineConfig
 from pagedserve.executor_svc.layers.decoder import CausalLM
 from pagedserve.executor_svc.layers.linear import FUSED_ROWS, Linear
 from pagedserve.executor_svc.layers.mlp import GatedMLP
+from pagedserve.kernels.lora import add_lora
+from pagedserve.kernels.reference import lora_delta_ref
 
 # The checkpoint projections an adapter may adapt, and the fused ones of checkpoints that fuse them
 # (Phi-3's qkv_proj and gate_up_proj), which its adapters target whole.
@@ -212,10 +214,12 @@ class LoraSlots:
         rows = max(max_rows, FUSED_ROWS)
         self.token_slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.slot_ids = torch.arange(max_loras, device=device)
-        self.mask = torch.zeros(rows, max_loras, dtype=dtype, device=device)
+        # The CPU's form of the slots; a GPU's kernel reads token_slots itself.
+        self.mask = None if device.type == "cuda" else torch.zeros(rows, max_loras, dtype=dtype, device=device)
         self.switch = LoraSwitch()
         modules = list(dict.fromkeys(t.module for adapter in adapters for t, _, _ in adapter.weights))
-        self.projections = [_wrap(m, max_loras, max_rank, self.mask, self.switch) for m in modules]
+        self.projections = [_wrap(m, max_loras, max_rank, dtype, self.token_slots, self.mask, self.switch)
+                            for m in modules]
         # Each adapter's slot of every projection, laid out on the host once (None: not adapted).
         self.blocks = {adapter.name: [_slot_block(adapter, m, max_rank, dtype) for m in modules]
                        for adapter in adapters}
@@ -267,26 +271,30 @@ class LoraSlots:
         num_tokens = int(query_lens.sum())
         upload(np.repeat(slots, query_lens), self.token_slots[:num_tokens])
         self.token_slots[num_tokens:].fill_(-1)
-        self.mask.copy_(self.token_slots[:, None] == self.slot_ids)
+        if self.mask is not None:
+            self.mask.copy_(self.token_slots[:, None] == self.slot_ids)
 
 
 @dataclass(slots=True)
 class LoraProjection:
-    """A projection's slots: a [S * n * r, K], b [N, S * n * r], the step's mask [rows, S], and
-    whether the step has an adapter at all."""
+    """A projection's S slots: a [S * n * r, K], b [N, S * n * r]; the step's slot of each token, the
+    CPU's one-hot mask of them [rows, S] (None on a GPU), and whether the step has an adapter at all."""
     a: torch.Tensor
     b: torch.Tensor
-    mask: torch.Tensor
+    token_slots: torch.Tensor
+    mask: torch.Tensor | None
     switch: LoraSwitch
+    num_slots: int
 
 
-def _wrap(module: Linear, slots: int, rank: int, mask: torch.Tensor, switch: LoraSwitch) -> LoraProjection:
+def _wrap(module: Linear, slots: int, rank: int, dtype: torch.dtype, token_slots: torch.Tensor,
+          mask: torch.Tensor | None, switch: LoraSwitch) -> LoraProjection:
     width = slots * _num_shards(module) * rank
-    weight = module.weight
-    # The model's dtype, not a narrowed weight's (layers/linear.py's narrow_linears): the mask's.
-    projection = LoraProjection(torch.zeros(width, module.in_features, dtype=mask.dtype, device=weight.device),
-                                torch.zeros(module.out_features, width, dtype=mask.dtype, device=weight.device),
-                                mask, switch)
+    device = module.weight.device
+    # The model's dtype, not a narrowed weight's (layers/linear.py's narrow_linears).
+    projection = LoraProjection(torch.zeros(width, module.in_features, dtype=dtype, device=device),
+                                torch.zeros(module.out_features, width, dtype=dtype, device=device),
+                                token_slots, mask, switch, slots)
     module.forward = partial(_lora_forward, module.forward, projection)
     return projection
 
@@ -295,10 +303,10 @@ def _lora_forward(base: Callable, lora: LoraProjection, x: torch.Tensor) -> torc
     out = base(x)
     if not lora.switch.on:
         return out
-    rows, slots = len(x), lora.mask.shape[1]
-    h = (x @ lora.a.t()).view(rows, slots, -1) * lora.mask[:rows, :, None]
     # In place: the projection's output is its own, fresh tensor.
-    return out.addmm_(h.view(rows, -1), lora.b.t())
+    if lora.mask is None:
+        return add_lora(out, x, lora.a, lora.b, lora.token_slots, lora.num_slots)
+    return lora_delta_ref(out, x, lora.a, lora.b, lora.mask)
 
 
 def _num_shards(module: Linear) -> int:

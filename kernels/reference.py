@@ -223,3 +223,12 @@ def gelu_tanh_and_mul_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torc
     scale [T, 1])."""
     out = gelu_tanh_and_mul_ref(x)
     return per_token_quant_fp8_ref(out.reshape(-1, out.shape[-1]))
+
+
+def lora_delta_ref(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """out [M, N] += ((x @ a.T) per slot * mask) @ b.T in place: a [S * W, K] and b [N, S * W] hold
+    S slots' blocks, mask [>= M, S] each row's one-hot slot (all zero for none)."""
+    rows, slots = len(x), mask.shape[1]
+    h = (x @ a.t()).view(rows, slots, -1) * mask[:rows, :, None]
+    return out.addmm_(h.view(rows, -1), b.t())
