@@ -129,6 +129,20 @@ def test_requests_with_and_without_adapters_in_the_same_steps(case):
     assert got == [expected["full"][0], expected[""][1], expected["part"][2]]
 
 
+def test_the_gpus_kernel_path_gives_the_same_tokens(case):
+    """A GPU's LoraSlots keep no mask, and each projection adds its delta through kernels/lora.py,
+    reading the tokens' slots: here that path runs in the Triton interpreter."""
+    path, adapters, expected, _ = case
+    worker = make_worker(path, enable_lora=True, max_loras=2, max_lora_rank=16,
+                         lora_modules=[f"{name}={adapter}" for name, adapter in adapters.items()])
+    lora = worker.runner.lora
+    lora.mask = None
+    for projection in lora.projections:
+        projection.mask = None
+    got = Driver(worker).generate([(PROMPTS[0], "full"), (PROMPTS[1], ""), (PROMPTS[2], "part")])
+    assert got == [expected["full"][0], expected[""][1], expected["part"][2]]
+
+
 def test_slots_serve_more_adapters_than_max_loras_over_time(case):
     _, _, expected, driver = case
     lora = driver.worker.runner.lora
