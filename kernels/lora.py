@@ -10,11 +10,12 @@ The second keeps each row's own slot of those sums and adds the product with tha
 the output. A slot that no row of a block uses is neither read nor multiplied there.
 
 The torch form it replaces on a GPU (lora_delta_ref: x @ a.T for every slot, a mask, an addmm)
-ran x @ a.T as cuBLAS runs a GEMM of a few dozen columns, in one program that streams all of A
-through one multiprocessor. On an H100 (Llama-3.1-8B shape, rank 16, the four projections of 32
+gives cuBLAS a GEMM of a few dozen columns over all of K, which it tiles into few programs (not
+profiled). On an H100 (Llama-3.1-8B shape, rank 16, the four projections of 32
 layers in one CUDA graph, 2026-12-06) this took 25.2 / 30.8 / 34.3 / 38.7 us a layer for 1 / 16 /
 32 / 64 rows of one adapter against 38.7 / 42.6 / 44.8 / 46.7; with four adapters mixed in every
 block of rows, 46.7 against 46.4 at 16 rows and 96.4 against 69.2 at 256 (BENCHMARKS.md)."""
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,7 @@ class Tiling:
     k_per_split: int  # a multiple of block_k
 
 
+@functools.cache
 def tiling(rows: int, k: int, width: int) -> Tiling:
     width_pad = max(16, triton.next_power_of_2(width))
     block_m = min(64, ACC_ELEMENTS // width_pad, max(16, triton.next_power_of_2(rows)))
