@@ -117,7 +117,7 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     return out
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class Tiling:
     block_m: int
     block_k: int
