@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedserve.common.config import LOGPROBS_MODES
 from pagedserve.executor_svc.logits import (GrammarMask, LogitBias, LogprobRows, Penalties, SampledLogprobs,
                                             gather_logprobs, mask_tokens)
 from pagedserve.kernels.argmax import argmax
@@ -75,7 +76,7 @@ class Sampler:
     ones come from the logits as given, which the stop mask and penalties then change in place;
     processed ones from the logits a row samples from."""
 
-    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+    def __init__(self, logprobs_mode: str = LOGPROBS_MODES[0]) -> None:
         self.processed = logprobs_mode.startswith("processed")
         self.as_logits = logprobs_mode.endswith("logits")
 

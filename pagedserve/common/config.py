@@ -13,6 +13,9 @@ from dataclasses import dataclass, fields
 from pagedserve.common import arg_types
 from pagedserve.common.sampling_params import MAX_LOGPROBS
 
+# vLLM's --logprobs-mode values, its default first.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -52,7 +55,7 @@ class EngineConfig:
     # The most top logprobs a request may ask for per token; -1: the vocabulary's size.
     max_logprobs: int = MAX_LOGPROBS
     # vLLM's: what sampled tokens' logprobs hold (LOGPROBS_MODES).
-    logprobs_mode: str = "raw_logprobs"
+    logprobs_mode: str = LOGPROBS_MODES[0]
     # LoRA adapters (vLLM's flags): each --lora-modules entry name=path or a JSON object with
     # "name" and "path"; max_loras of them may serve one step, each of rank max_lora_rank at most.
     enable_lora: bool = False
@@ -90,7 +93,6 @@ TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "poolin
                 "classify": "pooling", "reward": "pooling"}
 KV_CACHE_DTYPES = ("auto", "fp8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 _LORA = ("this LoRA option is not built: adapters here are the --lora-modules given at start, in the model's "
