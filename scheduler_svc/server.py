@@ -180,11 +180,11 @@ class ExecutorLink:
     expected: dict[str, int | str]
     planned: ExecutorInfo | None = None
 
-    async def describe(self, timeout: float) -> ExecutorInfo:
+    async def describe(self) -> ExecutorInfo:
         """The executor's Describe once it is serving; raises ExecutorMismatch if it disagrees with
         the flags or, after a restart, with what the scheduler and its gateways planned with."""
         while True:
-            await service.wait_serving(self.address, timeout)
+            await service.wait_serving(self.address, math.inf)
             try:
                 info = info_from_proto(await self.stub.Describe(executor_pb2.DescribeRequest(), timeout=10,
                                                                 metadata=service.call_metadata()))
@@ -200,21 +200,21 @@ class ExecutorLink:
 
 
 async def serve(config: EngineConfig, address: str, executor_address: str,
-                expected: dict[str, int | str] | None = None, executor_timeout: float = 600.0) -> None:
-    """Attaches to the executor, then serves the Engine service at `address` until a signal. When
-    the executor is lost it fails what was running, reports NOT_SERVING and reattaches once the
-    executor is back. `expected` holds geometry flags the scheduler was given."""
+                expected: dict[str, int | str] | None = None) -> None:
+    """Attaches to the executor once it serves, however long it takes to load, then serves the
+    Engine service at `address` until a signal. When the executor is lost it fails what was running,
+    reports NOT_SERVING and reattaches once the executor is back. `expected` holds geometry flags
+    the scheduler was given."""
     try:
-        await _serve(config, address, executor_address, expected or {}, executor_timeout)
+        await _serve(config, address, executor_address, expected or {})
     except ExecutorMismatch as e:
         raise SystemExit(f"scheduler: {e}") from None
 
 
-async def _serve(config: EngineConfig, address: str, executor_address: str, expected: dict[str, int | str],
-                 executor_timeout: float) -> None:
+async def _serve(config: EngineConfig, address: str, executor_address: str, expected: dict[str, int | str]) -> None:
     async with service.channel(executor_address) as channel:
         link = ExecutorLink(executor_pb2_grpc.ExecutorStub(channel), executor_address, expected)
-        info = await link.describe(executor_timeout)
+        info = await link.describe()
         loop = EngineLoop(serving_scheduler(config, info), link.stub, config.async_scheduling)
         # The block pool and everything loaded so far live as long as the process: frozen, they
         # leave the collector's full passes, which took ~30 ms (a stalled step) at 18k blocks.
@@ -249,7 +249,7 @@ async def step_and_reattach(loop: EngineLoop, link: ExecutorLink, config: Engine
         await loop.run()
         await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         log.warning("executor_reattaching", address=link.address)
-        info = await link.describe(math.inf)
+        info = await link.describe()
         loop.reset(serving_scheduler(config, info))
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info("executor_reattached", address=link.address, num_blocks=info.num_blocks)

@@ -20,7 +20,7 @@ OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000),
            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
            ("grpc.so_reuseport", 0)]
-POLL_MIN_S, POLL_MAX_S = 0.05, 1.0
+POLL_MIN_S, POLL_MAX_S = 0.05, 0.25
 # Beyond this many calls in flight a server answers RESOURCE_EXHAUSTED instead of queueing them
 # without bound. A gateway holds one GenerateStream call per scheduler and a scheduler one Run
 # call per executor; backend services calling Generate hold one per request, and more than

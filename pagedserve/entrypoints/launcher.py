@@ -188,16 +188,17 @@ def engine_devices(data_parallel_size: int, gpus_per_engine: int, visible: str |
 
 def start_also(launcher: Launcher, index: int, engine: AlsoEngine, env: dict[str, str],
                timeout: float) -> tuple[Child, str]:
-    """Starts an --also-serve engine's executor and, once it is ready, its scheduler; returns the
-    scheduler and its address. Called once the executors before it are up: an executor sizes its KV
-    cache from the memory that the GPU's other engines leave, which must hold still while it measures."""
+    """Starts an --also-serve engine's executor and its scheduler, and waits for the executor;
+    returns the scheduler and its address. Called once the executors before it are up: an executor
+    sizes its KV cache from the memory that the GPU's other engines leave, which must hold still
+    while it measures."""
     name = f"{index} ({engine.model})"
     executor, scheduler = launcher.socket(f"also{index}-executor"), launcher.socket(f"also{index}-scheduler")
-    launcher.wait_ready(launcher.spawn(f"executor {name}", ["executor", engine.model, "--address", executor,
-                                                            *engine.argv["executor"]], env=env),
-                        grpc_ready(executor), timeout)
+    started = launcher.spawn(f"executor {name}", ["executor", engine.model, "--address", executor,
+                                                  *engine.argv["executor"]], env=env)
     child = launcher.spawn(f"scheduler {name}", ["scheduler", engine.model, "--address", scheduler,
                                                  "--executor-address", executor, *engine.argv["scheduler"]])
+    launcher.wait_ready(started, grpc_ready(executor), timeout)
     return child, scheduler
 
 
@@ -230,11 +231,13 @@ def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, sched
         executors = [launcher.spawn(f"executor{names[i]}", ["executor", model, "--address", executor_addresses[i],
                                                             *argv["executor"]],
                                     env=devices[i], restart=data_parallel_size > 1) for i in engines]
-        for child, address in zip(executors, executor_addresses):
-            launcher.wait_ready(child, grpc_ready(address), startup_timeout)
+        # A scheduler waits for its executor itself: started now, its imports overlap the model's
+        # load rather than follow it.
         schedulers = [launcher.spawn(f"scheduler{names[i]}", ["scheduler", model, "--address", scheduler_addresses[i],
                                                               "--executor-address", executor_addresses[i],
                                                               *argv["scheduler"]]) for i in engines]
+        for child, address in zip(executors, executor_addresses):
+            launcher.wait_ready(child, grpc_ready(address), startup_timeout)
         extras = [start_also(launcher, i + 1, engine, devices[0], startup_timeout) for i, engine in enumerate(also)]
         for child, address in [*zip(schedulers, scheduler_addresses), *extras]:
             launcher.wait_ready(child, grpc_ready(address), startup_timeout)
