@@ -14,7 +14,7 @@ from pagedserve.executor_svc.attention_backend import AttentionMetadata, with_ro
 from pagedserve.executor_svc.fp8 import Fp8Linear, takes_quantized
 from pagedserve.executor_svc.kv_cache import KVCache
 from pagedserve.executor_svc.layers.attention import Attention
-from pagedserve.executor_svc.layers.linear import Linear, MergedLinear, NarrowHead, embedding, input_rows, shard
+from pagedserve.executor_svc.layers.linear import CheckpointLinear, Linear, MergedLinear, NarrowHead, embedding, input_rows, shard
 from pagedserve.executor_svc.layers.mlp import GatedMLP
 from pagedserve.executor_svc.layers.norm import Norm, RMSNorm
 from pagedserve.executor_svc.layers.rotary import RotaryEmbedding
@@ -123,7 +123,7 @@ class CausalLM(nn.Module):
         self.tp = tp
         self.model = self.decoder_model(config, tp, make_layer, norm, rotary)
         if not config.tie_word_embeddings:
-            self.lm_head = shard(nn.Linear(config.hidden_size, config.vocab_size, bias=False), tp, 0)
+            self.lm_head = shard(CheckpointLinear(config.hidden_size, config.vocab_size, bias=False), tp, 0)
         # Set by the worker where it narrows the projections (executor_svc/worker.py).
         self.narrow_head: NarrowHead | None = None
 

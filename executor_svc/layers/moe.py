@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
-from pagedserve.executor_svc.layers.linear import shard
+from pagedserve.executor_svc.layers.linear import CheckpointLinear, shard
 from pagedserve.executor_svc.layers.mlp import GatedMLP
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
@@ -88,14 +88,14 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, shape: MoeShape, backend: TorchAttentionBackend,
                  tp: TensorParallel | None) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.hidden_size, shape.num_experts, bias=False)
+        self.gate = CheckpointLinear(config.hidden_size, shape.num_experts, bias=False)
         self.experts = FusedExperts(shape.num_experts, config.hidden_size, shape.intermediate_size,
                                     backend, tp)
         self.shared_expert = None
         if shape.shared_intermediate_size:
             shared = replace(config, intermediate_size=shape.shared_intermediate_size)
             self.shared_expert = GatedMLP(shared, backend, tp, reduce_results=False)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate = CheckpointLinear(config.hidden_size, 1, bias=False)
         self.route = backend.route
         self.top_k, self.renormalize = shape.top_k, shape.renormalize
         self.tp = tp

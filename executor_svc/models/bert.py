@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from pagedserve.common.log import get_logger
 from pagedserve.executor_svc.layers.encoder_attention import PackedSequences, attend, pack_sequences
-from pagedserve.executor_svc.layers.linear import MergedLinear
+from pagedserve.executor_svc.layers.linear import CheckpointLinear, Embedding, MergedLinear
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.pooler_config import num_labels
 
@@ -43,9 +43,9 @@ class Embeddings(nn.Module):
     def __init__(self, config: ModelConfig, position_offset: int) -> None:
         super().__init__()
         hf, hidden = config.hf_config, config.hidden_size
-        self.word_embeddings = nn.Embedding(config.vocab_size, hidden)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings + position_offset, hidden)
-        self.token_type_embeddings = nn.Embedding(hf["type_vocab_size"], hidden)
+        self.word_embeddings = Embedding(config.vocab_size, hidden)
+        self.position_embeddings = Embedding(config.max_position_embeddings + position_offset, hidden)
+        self.token_type_embeddings = Embedding(hf["type_vocab_size"], hidden)
         self.LayerNorm = nn.LayerNorm(hidden, eps=hf["layer_norm_eps"])
         self.position_offset = position_offset
 
@@ -59,7 +59,7 @@ class DenseNorm(nn.Module):
 
     def __init__(self, in_features: int, hidden: int, eps: float) -> None:
         super().__init__()
-        self.dense = nn.Linear(in_features, hidden)
+        self.dense = CheckpointLinear(in_features, hidden)
         self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ class Dense(nn.Module):
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
-        self.dense = nn.Linear(in_features, out_features)
+        self.dense = CheckpointLinear(in_features, out_features)
 
 
 class SelfAttention(nn.Module):
@@ -185,7 +185,7 @@ class BertForSequenceClassification(BertModel):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.pooler = Dense(config.hidden_size, config.hidden_size)
-        self.classifier = nn.Linear(config.hidden_size, num_labels(config.hf_config))
+        self.classifier = CheckpointLinear(config.hidden_size, num_labels(config.hf_config))
 
     def classify(self, first_token_hidden: torch.Tensor) -> torch.Tensor:
         """Each sequence's first-token hidden state [B, hidden] -> its scores [B, num_labels],
@@ -198,8 +198,8 @@ class ClassificationHead(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.out_proj = nn.Linear(config.hidden_size, num_labels(config.hf_config))
+        self.dense = CheckpointLinear(config.hidden_size, config.hidden_size)
+        self.out_proj = CheckpointLinear(config.hidden_size, num_labels(config.hf_config))
 
 
 class XLMRobertaForSequenceClassification(XLMRobertaModel):

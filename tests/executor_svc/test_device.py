@@ -48,9 +48,16 @@ def test_linear_weights_keep_the_model_dtype(monkeypatch, config, name, dtype, c
 
 
 @native_bf16
+def random_linear(in_features: int, out_features: int) -> Linear:
+    """A Linear with torch's random init, which the class skips (the weight loader fills it)."""
+    layer = Linear(in_features, out_features)
+    torch.nn.Linear.reset_parameters(layer)
+    return layer
+
+
 def test_narrowed_linear_takes_and_gives_float32():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Linear(64, 32), torch.nn.Linear(32, 8))
+    model = torch.nn.Sequential(random_linear(64, 32), torch.nn.Linear(32, 8))
     x = torch.randn(5, 64)
     expected = model[0](x)
     narrow_linears(model, torch.bfloat16)
@@ -88,10 +95,10 @@ def q4_grid_weight(n: int, k: int) -> torch.Tensor:
 @native_bf16
 def test_a_4_bit_grid_runs_the_int4_kernel_at_few_rows_and_bfloat16_at_many():
     torch.manual_seed(0)
-    layer = Linear(128, 64)
+    layer = random_linear(128, 64)
     with torch.no_grad():
         layer.weight.copy_(q4_grid_weight(64, 128))
-    model = torch.nn.Sequential(copy.deepcopy(layer), Linear(128, 64))
+    model = torch.nn.Sequential(copy.deepcopy(layer), random_linear(128, 64))
     narrow_linears(model, torch.bfloat16)
     assert model[0].int4 is not None and model[1].int4 is None
     for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1):

@@ -10,6 +10,7 @@ from pagedserve.executor_svc.layers import decoder
 from pagedserve.executor_svc.layers.decoder import fold_norms
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.models import build_model
+from pagedserve.executor_svc.weight_loader import load_weights
 from tests.executor_svc.harness import paged_prefill_logits
 from tests.kernels.kernel_testing import DEVICE, assert_close
 from tests.tiny_models import ARCHITECTURES, make_tiny_model, mixed_prompts
@@ -35,10 +36,12 @@ def test_folded_logits_equal_the_unfolded_ones(monkeypatch, tmp_path, arch: str,
 
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "Gemma3ForConditionalGeneration"])
 def test_fold_norms_folds_where_every_layer_allows_it(tmp_path, arch: str) -> None:
-    config = load_model_config(make_tiny_model(arch, tmp_path))
+    path = make_tiny_model(arch, tmp_path)
+    config = load_model_config(path)
     with default_dtype(torch.float32):
         model = build_model(config, TritonAttentionBackend(), 64)
         unfolding = build_model(config, TorchAttentionBackend(), 64)
+    load_weights(model, path, "auto")
     norm = model.model.layers[0].input_layernorm.weight.detach().clone()
     attn = model.model.layers[0].self_attn
     qkv, bias = attn.qkv_proj.weight.detach().clone(), attn.qkv_proj.bias

@@ -43,6 +43,8 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.qkv_proj = MergedLinear(64, {"q_proj": 32, "k_proj": 16, "v_proj": 16}, bias=True)
+        # torch's random init, which a MergedLinear skips (the weight loader fills it).
+        nn.Linear.reset_parameters(self.qkv_proj)
         self.o_proj = nn.Linear(64, 48, bias=False)
         self.other = nn.Linear(64, 8)
 
