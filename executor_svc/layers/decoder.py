@@ -14,7 +14,8 @@ from pagedserve.executor_svc.attention_backend import AttentionMetadata, with_ro
 from pagedserve.executor_svc.fp8 import Fp8Linear, takes_quantized
 from pagedserve.executor_svc.kv_cache import KVCache
 from pagedserve.executor_svc.layers.attention import Attention
-from pagedserve.executor_svc.layers.linear import CheckpointLinear, Linear, MergedLinear, NarrowHead, embedding, input_rows, shard
+from pagedserve.executor_svc.layers.linear import (CheckpointLinear, Linear, MergedLinear, NarrowHead, embedding,
+                                                   input_rows, shard)
 from pagedserve.executor_svc.layers.mlp import GatedMLP
 from pagedserve.executor_svc.layers.norm import Norm, RMSNorm
 from pagedserve.executor_svc.layers.rotary import RotaryEmbedding
