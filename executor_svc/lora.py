@@ -213,7 +213,6 @@ class LoraSlots:
         # The projections' padding rows (layers/linear.py's input_rows) read the mask too.
         rows = max(max_rows, FUSED_ROWS)
         self.token_slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
-        self.slot_ids = torch.arange(max_loras, device=device)
         # The CPU's form of the slots; a GPU's kernel reads token_slots itself.
         self.mask = None if device.type == "cuda" else torch.zeros(rows, max_loras, dtype=dtype, device=device)
         self.switch = LoraSwitch()
@@ -272,7 +271,7 @@ class LoraSlots:
         upload(np.repeat(slots, query_lens), self.token_slots[:num_tokens])
         self.token_slots[num_tokens:].fill_(-1)
         if self.mask is not None:
-            self.mask.copy_(self.token_slots[:, None] == self.slot_ids)
+            self.mask.copy_(self.token_slots[:, None] == torch.arange(self.mask.shape[1]))
 
 
 @dataclass(slots=True)
