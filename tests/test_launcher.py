@@ -1,15 +1,17 @@
 """The launcher's children: SEC-19, `pagedserve serve` gives the API key to the gateway alone (the
-scheduler and the executor never see it in their environment); and they die with the launcher."""
+scheduler and the executor never see it in their environment); they die with the launcher; a
+killed launcher's socket folder is removed by the next."""
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
 
 from pagedserve.common.process import PARENT_PID_ENV
-from pagedserve.entrypoints.launcher import Launcher
+from pagedserve.entrypoints.launcher import SOCKET_DIR_PREFIX, Launcher
 from tests.gateway.fake_engine import build_tiny_tokenizer
 from tests.serving import free_port
 
@@ -59,3 +61,18 @@ def test_a_child_whose_launcher_is_gone_exits_at_once():
     run = subprocess.run([sys.executable, "-m", "pagedserve", "--help"], capture_output=True,
                          env={**os.environ, PARENT_PID_ENV: "1"})
     assert run.returncode == 1 and not run.stdout
+
+
+def test_a_launcher_removes_the_socket_folders_of_launchers_that_are_gone():
+    script = "import time; from pagedserve.entrypoints.launcher import Launcher; print(Launcher().socket_dir, flush=True); time.sleep(600)"
+    killed = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    gone = Path(killed.stdout.readline().strip())
+    killed.kill()
+    killed.wait()
+    alive = Path(tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-"))
+    launcher = Launcher()
+    try:
+        assert gone.parent == alive.parent and not gone.exists() and alive.exists()
+    finally:
+        launcher.stop()
+        alive.rmdir()

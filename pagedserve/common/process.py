@@ -26,6 +26,17 @@ def die_with(parent: int) -> bool:
     return os.getppid() == parent
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def environment_without_secrets() -> dict[str, str]:
     """This process's environment less SECRET_VARIABLES, for a child that needs none of them."""
     return {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}

@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -23,12 +24,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.common import service
 from pagedserve.common.log import get_logger
-from pagedserve.common.process import PARENT_PID_ENV, environment_without_secrets
+from pagedserve.common.process import PARENT_PID_ENV, environment_without_secrets, process_alive
 from pagedserve.entrypoints.preflight import connect_host
 from pagedserve.gateway import uds
 
 log = get_logger(__name__)
 STOP_TIMEOUT_S = 5.0
+# Followed by the launcher's pid: a later launcher removes the folders of launchers that are gone.
+SOCKET_DIR_PREFIX = "pagedserve-sockets-"
 
 
 @dataclass(slots=True)
@@ -45,6 +48,16 @@ class AlsoEngine:
         return ",".join([self.model, *(f"{key}={value}" for key, value in options.items())])
 
 
+def new_socket_dir() -> str:
+    """A new folder for a launcher's sockets, made after removing those of launchers that are gone:
+    one killed outright (SIGKILL) leaves its folder behind."""
+    for path in Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}*"):
+        pid = path.name.removeprefix(SOCKET_DIR_PREFIX).partition("-")[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+
+
 @dataclass(slots=True)
 class Child:
     name: str
@@ -59,7 +72,7 @@ class Launcher:
         self.shutdown_timeout = shutdown_timeout
         self.children: list[Child] = []
         self.stopping = False
-        self.socket_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        self.socket_dir = new_socket_dir()
 
     def socket(self, name: str) -> str:
         return f"unix://{self.socket_dir}/{name}.sock"
