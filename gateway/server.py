@@ -28,6 +28,7 @@ from pagedserve.gateway.response_store import DEFAULT_STORE_MB, DEFAULT_STORE_TT
 from pagedserve.common.tokenizer import Tokenizer, read_chat_template
 from pagedserve.gateway.state import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_CLIENT_BATCH_SIZE, GATEWAY, ModelEngines
 from pagedserve.common.log import get_logger
+from pagedserve.common.process import pass_start_gate
 
 log = get_logger(__name__)
 # vLLM's --uvicorn-log-level names, as logging levels of the HTTP server's own logs.
@@ -349,6 +350,9 @@ async def serve(tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     sock = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else (
         uds.bind_unix(args.uds) if bound_here else None)
     context = tls.server_context(args)
+    # Under `pagedserve serve`, waits here until every scheduler serves. It blocks the event loop,
+    # which runs nothing yet: the engine pool starts with the app.
+    pass_start_gate()
     runner = await start(app, args.host, args.port, sock, args.timeout_keep_alive, context)
     where = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
     log.info("gateway_listening", **where, https=context is not None,

@@ -1,6 +1,6 @@
 """The launcher's children: SEC-19, `pagedserve serve` gives the API key to the gateway alone (the
 scheduler and the executor never see it in their environment); they die with the launcher; a
-killed launcher's socket folder is removed by the next."""
+killed launcher's socket folder is removed by the next; a child started gated waits for its gate."""
 import os
 import subprocess
 import sys
@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
-from pagedserve.common.process import PARENT_PID_ENV
+from pagedserve.common.process import PARENT_PID_ENV, START_GATE_ENV
 from pagedserve.entrypoints.launcher import SOCKET_DIR_PREFIX, Launcher
 from tests.gateway.fake_engine import build_tiny_tokenizer
 from tests.serving import free_port
@@ -64,7 +65,8 @@ def test_a_child_whose_launcher_is_gone_exits_at_once():
 
 
 def test_a_launcher_removes_the_socket_folders_of_launchers_that_are_gone():
-    script = "import time; from pagedserve.entrypoints.launcher import Launcher; print(Launcher().socket_dir, flush=True); time.sleep(600)"
+    script = ("import time; from pagedserve.entrypoints.launcher import Launcher; "
+              "print(Launcher().socket_dir, flush=True); time.sleep(600)")
     killed = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     gone = Path(killed.stdout.readline().strip())
     killed.kill()
@@ -76,3 +78,18 @@ def test_a_launcher_removes_the_socket_folders_of_launchers_that_are_gone():
     finally:
         launcher.stop()
         alive.rmdir()
+
+
+@pytest.mark.parametrize("opened", [True, False], ids=["opened", "closed"])
+def test_a_gated_child_goes_on_only_once_its_gate_opens(opened):
+    read, write = os.pipe()
+    script = "from pagedserve.common.process import pass_start_gate; pass_start_gate(); print('went on')"
+    child = subprocess.Popen([sys.executable, "-c", script], pass_fds=(read,),
+                             env={**os.environ, START_GATE_ENV: str(read)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    os.close(read)
+    if opened:
+        os.write(write, b"1")
+    os.close(write)
+    out, err = child.communicate(timeout=60)
+    assert (child.returncode, out, err) == (0, "went on\n" if opened else "", "")

@@ -8,6 +8,8 @@ import sys
 SECRET_VARIABLES = frozenset({"PAGEDSERVE_API_KEY"})
 # Set by the launcher to its pid: the child then asks to die with it (die_with_launcher).
 PARENT_PID_ENV = "PAGEDSERVE_DIE_WITH_PARENT"
+# Set by the launcher to the read end of a pipe for a child it starts before its own checks end.
+START_GATE_ENV = "PAGEDSERVE_START_GATE"
 
 
 def die_with_parent() -> None:
@@ -51,3 +53,13 @@ def die_with_launcher() -> None:
     parent = os.environ.pop(PARENT_PID_ENV, None)
     if parent is not None and not die_with(int(parent)):
         os._exit(1)
+
+
+def pass_start_gate() -> None:
+    """In a child the launcher started gated (START_GATE_ENV): waits until the launcher lets it go
+    on, and exits quietly if the launcher closes the gate instead (its checks failed, or it died)."""
+    fd = os.environ.pop(START_GATE_ENV, None)
+    if fd is not None:
+        with os.fdopen(int(fd), "rb") as gate:
+            if not gate.read(1):
+                raise SystemExit(0)

@@ -13,6 +13,7 @@ from pagedserve.common.config import (COMPAT_FLAGS, EXECUTOR_FLAGS, GEOMETRY_FLA
                                       config_from_args, config_to_argv, flag_name, flags_given)
 from pagedserve.common.generation_config import sampling_defaults
 from pagedserve.common.log import configure, get_logger
+from pagedserve.common.process import pass_start_gate
 from pagedserve.common.model_shapes import SHAPES, write_shape
 from pagedserve.entrypoints import default_model
 from pagedserve.entrypoints.arg_parser import Parser
@@ -204,36 +205,50 @@ def run_run_batch(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace, listener: socket.socket | None = None) -> int:
     """Serves until a signal; on `listener` when given (bound already), else on --host and --port."""
-    from pagedserve.entrypoints import preflight
     if args.model and args.model_path and args.model != args.model_path:
         raise ValueError(f"two models given, {args.model_path} and --model {args.model}: pass one")
     args.model = args.model or args.model_path
     args.model = _model_dir(args)
+    scheduler_addresses = _scheduler_addresses(args)
+    config = config_from_args(args)
+    share_grpc_token(scheduler_addresses)
+    # Every child's: logging, and gRPC TLS.
+    shared = ["--log-level", args.log_level, "--log-format", args.log_format, *grpc_tls_argv(args)]
+    from pagedserve.entrypoints.launcher import Launcher, serve, start_executors
+    launcher = Launcher(args.shutdown_timeout)
+    engines = start_executors(launcher, args.model, config_to_argv(config, EXECUTOR_FLAGS) + shared,
+                              args.data_parallel_size, config.tensor_parallel_size)
+    try:
+        also, listener = _check_serve(args, config, listener)
+        from pagedserve.gateway import tls
+        https = tls.server_context(args) is not None
+        from pagedserve.gateway.server import api_key
+        # The gateway gets the key in its environment: in its argv the key would show in process listings.
+        key = api_key(args)
+        argv = {"scheduler": config_to_argv(config, SCHEDULER_FLAGS) + shared,
+                "gateway": _gateway_argv(args, config) + shared}
+        also_engines = [also_engine(extra, shared) for extra in also]
+    except BaseException:
+        launcher.stop()
+        raise
+    return serve(launcher, engines, args.model, argv, listener, scheduler_addresses, args.startup_timeout, key,
+                 also_engines, https)
+
+
+def _check_serve(args: argparse.Namespace, config: EngineConfig,
+                 listener: socket.socket | None) -> tuple[list[argparse.Namespace], socket.socket]:
+    """What `serve` checks while its executors import their modules: the model, its generation
+    config, each --also-serve engine, and the gateway's port, which it binds unless given
+    `listener`; returns the --also-serve engines' arguments and the gateway's socket."""
+    from pagedserve.entrypoints import preflight
     preflight.check_model(args.model, args.max_model_len)
     sampling_defaults(args.model, args.generation_config, args.override_generation_config)
     also = [also_serve_args(spec, args) for spec in args.also_serve]
     for extra in also:
         preflight.check_model(extra.model, extra.max_model_len)
-    scheduler_addresses = _scheduler_addresses(args)
-    config = config_from_args(args)
     check_memory_shares(config, [config_from_args(extra) for extra in also])
-    from pagedserve.gateway import tls
-    https = tls.server_context(args) is not None
     from pagedserve.gateway import uds
-    listener = listener or (uds.bind_unix(args.uds) if args.uds else preflight.bind(args.host, args.port))
-    from pagedserve.gateway.server import api_key
-    # The gateway gets the key in its environment: in its argv the key would show in process listings.
-    key = api_key(args)
-    share_grpc_token(scheduler_addresses)
-    # Every child's: logging, and gRPC TLS.
-    shared = ["--log-level", args.log_level, "--log-format", args.log_format, *grpc_tls_argv(args)]
-    argv = {"executor": config_to_argv(config, EXECUTOR_FLAGS) + shared,
-            "scheduler": config_to_argv(config, SCHEDULER_FLAGS) + shared,
-            "gateway": _gateway_argv(args, config) + shared}
-    from pagedserve.entrypoints.launcher import serve
-    return serve(args.model, argv, listener, scheduler_addresses, args.startup_timeout,
-                 args.shutdown_timeout, args.data_parallel_size, config.tensor_parallel_size, key,
-                 [also_engine(extra, shared) for extra in also], https)
+    return also, listener or (uds.bind_unix(args.uds) if args.uds else preflight.bind(args.host, args.port))
 
 
 def also_serve_arg(value: str) -> AlsoServe:
@@ -388,6 +403,7 @@ def run_scheduler(args: argparse.Namespace) -> None:
 
 def run_executor(args: argparse.Namespace) -> None:
     from pagedserve.executor_svc.server import serve
+    pass_start_gate()
     args.model = _model_dir(args)
     aio.run(serve(config_from_args(args), args.address))
 

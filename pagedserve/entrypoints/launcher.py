@@ -5,7 +5,13 @@ gateway; with --also-serve, an engine of each other model too, sharing engine 0'
 If any child exits, all stop, except a data-parallel engine's executor: it is started again, its
 scheduler reattaches, and meanwhile the other engines serve. SIGINT/SIGTERM stop the gateway first (it refuses new requests and
 gives running ones --shutdown-timeout to finish), then the scheduler, then the executor. Children
-die with the launcher even if it is killed (PDEATHSIG)."""
+die with the launcher even if it is killed (PDEATHSIG).
+
+The executors start before the launcher has checked the model, and the gateway before the
+schedulers serve, each held after its imports at a gate (a pipe; common/process.py's
+pass_start_gate) that the launcher opens when it may go on: on a 2-core machine their imports then
+overlap other work, 14.3 -> 12.6 s from `serve` to /health (BENCHMARKS.md)."""
+import contextlib
 import os
 import shutil
 import signal
@@ -24,7 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.common import service
 from pagedserve.common.log import get_logger
-from pagedserve.common.process import PARENT_PID_ENV, environment_without_secrets, process_alive
+from pagedserve.common.process import (PARENT_PID_ENV, START_GATE_ENV, environment_without_secrets,
+                                       process_alive)
 from pagedserve.entrypoints.preflight import connect_host
 from pagedserve.gateway import uds
 
@@ -64,6 +71,8 @@ class Child:
     process: subprocess.Popen
     # Starts it again when it exits, for a child that is restarted rather than stopping all.
     restart: Callable[[], subprocess.Popen] | None = None
+    # The write end of the pipe that a gated child waits on once it has imported its modules.
+    gate: int | None = None
 
 
 class Launcher:
@@ -77,25 +86,40 @@ class Launcher:
     def socket(self, name: str) -> str:
         return f"unix://{self.socket_dir}/{name}.sock"
 
-    def start(self, name: str, argv: list[str], ready: Callable[[], bool], timeout: float,
-              pass_fds: tuple[int, ...] = (), env: dict[str, str] | None = None) -> None:
-        """Starts `pagedserve <argv>` and waits until `ready()` holds or the child dies."""
-        self.wait_ready(self.spawn(name, argv, pass_fds, env), ready, timeout)
-
     def spawn(self, name: str, argv: list[str], pass_fds: tuple[int, ...] = (),
-              env: dict[str, str] | None = None, restart: bool = False) -> Child:
+              env: dict[str, str] | None = None, restart: bool = False, gated: bool = False) -> Child:
         """Starts `pagedserve <argv>`, with `env` added to this process's environment less its
         secrets (the gateway gets the API key in its own `env`); with `restart`, supervise() starts
-        it again whenever it exits."""
+        it again whenever it exits (ungated); with `gated`, the child waits after its imports until
+        open_gate() lets it go on, and exits quietly if stop() closes its gate instead."""
         command = [sys.executable, "-m", "pagedserve", *argv]
         environment = environment_without_secrets() | (env or {}) | {PARENT_PID_ENV: str(os.getpid())}
 
-        def start() -> subprocess.Popen:
+        def start(gate: tuple[int, ...] = ()) -> subprocess.Popen:
             # No preexec_fn: the child asks to die with this process itself (die_with_launcher).
-            return subprocess.Popen(command, start_new_session=True, pass_fds=pass_fds, env=environment)
-        child = Child(name, start(), start if restart else None)
+            return subprocess.Popen(command, start_new_session=True, pass_fds=pass_fds + gate,
+                                    env=environment | {START_GATE_ENV: str(fd) for fd in gate})
+        if not gated:
+            child = Child(name, start(), start if restart else None)
+        else:
+            read, write = os.pipe()
+            child = Child(name, start((read,)), start if restart else None, write)
+            os.close(read)
         self.children.append(child)
         return child
+
+    def open_gate(self, child: Child) -> None:
+        """Lets a gated child go on past its imports."""
+        if child.gate is not None:
+            # A child that died meanwhile is reported by wait_ready.
+            with contextlib.suppress(BrokenPipeError):
+                os.write(child.gate, b"1")
+            self.close_gate(child)
+
+    def close_gate(self, child: Child) -> None:
+        if child.gate is not None:
+            os.close(child.gate)
+            child.gate = None
 
     def wait_ready(self, child: Child, ready: Callable[[], bool], timeout: float) -> None:
         """Waits until `ready()` holds; exits if the child dies or the timeout passes first."""
@@ -136,9 +160,10 @@ class Launcher:
         self.stopping = True
 
     def stop(self) -> None:
-        """Stops children in reverse start order (gateway, scheduler, executor), then removes
-        their sockets' folder."""
-        for child in reversed(self.children):
+        """Stops the gateway first (it drains), then the other children in reverse start order
+        (schedulers before their executors), then removes their sockets' folder."""
+        for child in sorted(reversed(self.children), key=lambda child: child.name != "gateway"):
+            self.close_gate(child)
             if child.process.poll() is None:
                 child.process.terminate()
                 drain = self.shutdown_timeout if child.name == "gateway" else 0.0
@@ -199,69 +224,93 @@ def engine_devices(data_parallel_size: int, gpus_per_engine: int, visible: str |
     return [",".join(gpus[i * gpus_per_engine:(i + 1) * gpus_per_engine]) for i in range(data_parallel_size)]
 
 
-def start_also(launcher: Launcher, index: int, engine: AlsoEngine, env: dict[str, str],
-               timeout: float) -> tuple[Child, str]:
-    """Starts an --also-serve engine's executor and its scheduler, and waits for the executor;
-    returns the scheduler and its address. Called once the executors before it are up: an executor
+def start_also(launcher: Launcher, index: int, engine: AlsoEngine, scheduler: str, env: dict[str, str],
+               timeout: float) -> Child:
+    """Starts an --also-serve engine's executor and its scheduler (at `scheduler`), and waits for
+    the executor; returns the scheduler. Called once the executors before it are up: an executor
     sizes its KV cache from the memory that the GPU's other engines leave, which must hold still
     while it measures."""
     name = f"{index} ({engine.model})"
-    executor, scheduler = launcher.socket(f"also{index}-executor"), launcher.socket(f"also{index}-scheduler")
+    executor = launcher.socket(f"also{index}-executor")
     started = launcher.spawn(f"executor {name}", ["executor", engine.model, "--address", executor,
                                                   *engine.argv["executor"]], env=env)
     child = launcher.spawn(f"scheduler {name}", ["scheduler", engine.model, "--address", scheduler,
                                                  "--executor-address", executor, *engine.argv["scheduler"]])
     launcher.wait_ready(started, grpc_ready(executor), timeout)
-    return child, scheduler
+    return child
 
 
-def serve(model: str, argv: dict[str, list[str]], listener: socket.socket, scheduler_addresses: list[str] | None,
-          startup_timeout: float, shutdown_timeout: float = 0.0, data_parallel_size: int = 1,
-          tensor_parallel_size: int = 1, api_key: str | None = None, also: Sequence[AlsoEngine] = (),
-          https: bool = False) -> int:
-    """Runs the whole stack on this machine until a signal; returns the exit code. `argv` holds each
-    child's own flags, by child ("executor", "scheduler", "gateway"); the gateway serves on
-    `listener`, bound already, so that only it can answer on that port, and drains for
-    `shutdown_timeout` (its --shutdown-timeout) on a signal. `data_parallel_size` engines (executor
-    and scheduler, each on `tensor_parallel_size` GPUs) start side by side, the schedulers at
-    `scheduler_addresses` when given. The gateway alone receives `api_key`, in its environment.
-    Each of `also` (--also-serve) starts after them, one at a time, on engine 0's GPUs. With
-    `https` the gateway serves HTTPS (its --ssl-* flags are in its argv)."""
+@dataclass(slots=True)
+class Engine:
+    """An engine's executor, started gated by start_executors, and where it listens."""
+    executor: Child
+    address: str
+    # Its environment beyond the launcher's: the GPUs it may see.
+    env: dict[str, str]
+    # After its children's names: "" for one engine, else " <index>".
+    suffix: str
+
+
+def start_executors(launcher: Launcher, model: str, argv: list[str], data_parallel_size: int = 1,
+                    tensor_parallel_size: int = 1) -> list[Engine]:
+    """Starts the executor of each of `data_parallel_size` engines (each on `tensor_parallel_size`
+    GPUs) behind its gate, which serve() opens: its imports, about 2 s on a 2-core machine, overlap
+    the launcher's own checks of the model rather than follow them."""
+    indices = range(data_parallel_size)
+    suffixes = [""] if data_parallel_size == 1 else [f" {i}" for i in indices]
+    # One engine keeps the GPUs it is given, as before data parallelism.
+    envs = ([{}] if data_parallel_size == 1 else
+            [{"CUDA_VISIBLE_DEVICES": d} for d in engine_devices(data_parallel_size, tensor_parallel_size,
+                                                                 os.environ.get("CUDA_VISIBLE_DEVICES"))])
+    addresses = [launcher.socket(f"executor{i}") for i in indices]
+    return [Engine(launcher.spawn(f"executor{suffixes[i]}", ["executor", model, "--address", addresses[i], *argv],
+                                  env=envs[i], restart=data_parallel_size > 1, gated=True),
+                   addresses[i], envs[i], suffixes[i]) for i in indices]
+
+
+def serve(launcher: Launcher, engines: list[Engine], model: str, argv: dict[str, list[str]],
+          listener: socket.socket, scheduler_addresses: list[str] | None, startup_timeout: float,
+          api_key: str | None = None, also: Sequence[AlsoEngine] = (), https: bool = False) -> int:
+    """Runs the whole stack on this machine until a signal, then stops `launcher`; returns the exit
+    code. `engines` (start_executors) go on past their gates and a scheduler starts beside each, at
+    `scheduler_addresses` when given; `argv` holds the scheduler's and the gateway's own flags. The
+    gateway serves on `listener`, bound already, so that only it can answer on that port, and alone
+    receives `api_key`, in its environment. Each of `also` (--also-serve) starts after them, one at
+    a time, on engine 0's GPUs. With `https` the gateway serves HTTPS (its --ssl-* flags are in its
+    argv)."""
     gateway_address, ready, url = gateway_listener(listener, https)
     socket_file = listener.getsockname() if listener.family == socket.AF_UNIX else None
-    launcher = Launcher(shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, launcher.request_stop)
-    engines = range(data_parallel_size)
-    names = [""] if data_parallel_size == 1 else [f" {i}" for i in engines]
-    executor_addresses = [launcher.socket(f"executor{i}") for i in engines]
-    scheduler_addresses = scheduler_addresses or [launcher.socket(f"scheduler{i}") for i in engines]
-    # One engine keeps the GPUs it is given, as before data parallelism.
-    devices = ([{}] if data_parallel_size == 1 else
-               [{"CUDA_VISIBLE_DEVICES": d} for d in engine_devices(data_parallel_size, tensor_parallel_size,
-                                                                    os.environ.get("CUDA_VISIBLE_DEVICES"))])
+    scheduler_addresses = scheduler_addresses or [launcher.socket(f"scheduler{i}") for i in range(len(engines))]
+    also_addresses = [launcher.socket(f"also{i + 1}-scheduler") for i in range(len(also))]
+    routes = [f"--also-serve={extra.gateway_spec(address)}" for extra, address in zip(also, also_addresses)]
     try:
-        executors = [launcher.spawn(f"executor{names[i]}", ["executor", model, "--address", executor_addresses[i],
-                                                            *argv["executor"]],
-                                    env=devices[i], restart=data_parallel_size > 1) for i in engines]
+        # The gateway imports its modules and loads the tokenizer while the engines start; its gate
+        # opens once every scheduler serves, so it listens with all of them in rotation.
+        gateway = launcher.spawn("gateway", ["gateway", model, *gateway_address, "--listen-fd", str(listener.fileno()),
+                                             "--scheduler-address", ",".join(scheduler_addresses), *routes,
+                                             *argv["gateway"]], pass_fds=(listener.fileno(),),
+                                 env={"PAGEDSERVE_API_KEY": api_key} if api_key else None, gated=True)
+        for engine in engines:
+            launcher.open_gate(engine.executor)
         # A scheduler waits for its executor itself: started now, its imports overlap the model's
         # load rather than follow it.
-        schedulers = [launcher.spawn(f"scheduler{names[i]}", ["scheduler", model, "--address", scheduler_addresses[i],
-                                                              "--executor-address", executor_addresses[i],
-                                                              *argv["scheduler"]]) for i in engines]
-        for child, address in zip(executors, executor_addresses):
+        schedulers = [launcher.spawn(f"scheduler{engine.suffix}", ["scheduler", model, "--address", address,
+                                                                    "--executor-address", engine.address,
+                                                                    *argv["scheduler"]])
+                      for engine, address in zip(engines, scheduler_addresses)]
+        for engine in engines:
+            launcher.wait_ready(engine.executor, grpc_ready(engine.address), startup_timeout)
+        schedulers += [start_also(launcher, i + 1, extra, address, engines[0].env, startup_timeout)
+                       for i, (extra, address) in enumerate(zip(also, also_addresses))]
+        for child, address in zip(schedulers, [*scheduler_addresses, *also_addresses]):
             launcher.wait_ready(child, grpc_ready(address), startup_timeout)
-        extras = [start_also(launcher, i + 1, engine, devices[0], startup_timeout) for i, engine in enumerate(also)]
-        for child, address in [*zip(schedulers, scheduler_addresses), *extras]:
-            launcher.wait_ready(child, grpc_ready(address), startup_timeout)
-        routes = [f"--also-serve={engine.gateway_spec(address)}" for engine, (_, address) in zip(also, extras)]
-        launcher.start("gateway", ["gateway", model, *gateway_address, "--listen-fd", str(listener.fileno()),
-                                   "--scheduler-address", ",".join(scheduler_addresses), *routes, *argv["gateway"]],
-                       ready, startup_timeout,
-                       pass_fds=(listener.fileno(),), env={"PAGEDSERVE_API_KEY": api_key} if api_key else None)
+        launcher.open_gate(gateway)
+        launcher.wait_ready(gateway, ready, startup_timeout)
         if not launcher.stopping:
-            log.info("pagedserve_ready", url=url, data_parallel_size=data_parallel_size,
-                     also_serve=[engine.model for engine in also])
+            log.info("pagedserve_ready", url=url, data_parallel_size=len(engines),
+                     also_serve=[extra.model for extra in also])
         return launcher.supervise()
     finally:
         listener.close()

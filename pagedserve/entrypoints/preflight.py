@@ -9,8 +9,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pagedserve.executor_svc.model_config import load_model_config, resolve_max_model_len
-
 # owner/name, as Hugging Face writes model ids.
 HF_ID = re.compile(r"[\w.-]+/[\w.-]+")
 LAYOUT = "a model directory holding config.json (and *.safetensors, tokenizer.json) or a .gguf file"
@@ -18,6 +16,9 @@ LAYOUT = "a model directory holding config.json (and *.safetensors, tokenizer.js
 
 def check_model(path: str, max_model_len: int | None) -> None:
     """Raises ValueError when `path` is no model pagedserve can serve at `max_model_len`."""
+    # Imported here: it imports torch (about 2 s on a 2-core machine), which the launcher's other
+    # uses of this module (connect_host) and its executors' start need not wait for.
+    from pagedserve.executor_svc.model_config import load_model_config, resolve_max_model_len
     model = Path(path)
     if not model.exists():
         if HF_ID.fullmatch(path) and not path.startswith("."):
