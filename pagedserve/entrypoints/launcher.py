@@ -10,7 +10,7 @@ die with the launcher even if it is killed (PDEATHSIG).
 The executors start before the launcher has checked the model, and the gateway before the
 schedulers serve, each held after its imports at a gate (a pipe; common/process.py's
 pass_start_gate) that the launcher opens when it may go on: on a 2-core machine their imports then
-overlap other work, 14.3 -> 12.6 s from `serve` to /health (BENCHMARKS.md)."""
+overlap other work, 12.6 -> 11.4 s from `serve` to /health (BENCHMARKS.md)."""
 import contextlib
 import os
 import shutil
