@@ -2,6 +2,7 @@
 scheduler and the executor never see it in their environment); they die with the launcher; a
 killed launcher's socket folder is removed by the next; a child started gated waits for its gate."""
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -12,7 +13,7 @@ import psutil
 import pytest
 
 from pagedserve.common.process import PARENT_PID_ENV, START_GATE_ENV
-from pagedserve.entrypoints.launcher import SOCKET_DIR_PREFIX, Launcher
+from pagedserve.entrypoints.launcher import OWNER_FILE, SOCKET_DIR_PREFIX, Launcher
 from tests.gateway.fake_engine import build_tiny_tokenizer
 from tests.serving import free_port
 
@@ -71,13 +72,14 @@ def test_a_launcher_removes_the_socket_folders_of_launchers_that_are_gone():
     gone = Path(killed.stdout.readline().strip())
     killed.kill()
     killed.wait()
-    alive = Path(tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-"))
+    alive = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
+    (alive / OWNER_FILE).write_text(str(os.getpid()))
     launcher = Launcher()
     try:
         assert gone.parent == alive.parent and not gone.exists() and alive.exists()
     finally:
         launcher.stop()
-        alive.rmdir()
+        shutil.rmtree(alive)
 
 
 @pytest.mark.parametrize("opened", [True, False], ids=["opened", "closed"])

@@ -37,8 +37,10 @@ from pagedserve.gateway import uds
 
 log = get_logger(__name__)
 STOP_TIMEOUT_S = 5.0
-# Followed by the launcher's pid: a later launcher removes the folders of launchers that are gone.
-SOCKET_DIR_PREFIX = "pagedserve-sockets-"
+SOCKET_DIR_PREFIX = "pagedserve-"
+# In a launcher's socket folder, its pid: a later launcher removes the folders of launchers that are
+# gone. In a file, not the folder's name, which a socket's path (107 bytes at most) has no room for.
+OWNER_FILE = "launcher.pid"
 
 
 @dataclass(slots=True)
@@ -58,11 +60,13 @@ class AlsoEngine:
 def new_socket_dir() -> str:
     """A new folder for a launcher's sockets, made after removing those of launchers that are gone:
     one killed outright (SIGKILL) leaves its folder behind."""
-    for path in Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}*"):
-        pid = path.name.removeprefix(SOCKET_DIR_PREFIX).partition("-")[0]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+    for owner in Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}*/{OWNER_FILE}"):
+        with contextlib.suppress(OSError, ValueError):
+            if not process_alive(int(owner.read_text())):
+                shutil.rmtree(owner.parent, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
+    (Path(path) / OWNER_FILE).write_text(str(os.getpid()))
+    return path
 
 
 @dataclass(slots=True)

@@ -82,18 +82,40 @@ async def test_sigterm_drains_in_flight_stream(engine, tokenizer_dir, http):
         assert await asyncio.wait_for(process.wait(), 10) == 0
 
 
-def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch, tmp_path):
-    from pagedserve.common.model_shapes import write_shape
-    from pagedserve.entrypoints import cli, launcher
+def launches(monkeypatch) -> list[dict]:
+    """The launcher's start_executors and serve replaced, so that `serve` starts no process: each
+    start's arguments by name, appended as it is served."""
+    from pagedserve.entrypoints import launcher
 
     calls = []
-    monkeypatch.setattr(launcher, "serve", lambda *a: calls.append(a) or a[2].close() or 0)
+
+    def start_executors(_, model, argv, data_parallel_size=1, tensor_parallel_size=1):
+        calls.append(dict(executor=argv, data_parallel_size=data_parallel_size))
+        return []
+
+    def serve(started, engines, model, argv, listener, scheduler_addresses, startup_timeout, api_key=None,
+              also=(), https=False):
+        listener.close()
+        started.stop()
+        calls[-1].update(argv=argv, scheduler_addresses=scheduler_addresses, api_key=api_key,
+                         shutdown_timeout=started.shutdown_timeout)
+        return 0
+    monkeypatch.setattr(launcher, "start_executors", start_executors)
+    monkeypatch.setattr(launcher, "serve", serve)
+    return calls
+
+
+def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch, tmp_path):
+    from pagedserve.common.model_shapes import write_shape
+    from pagedserve.entrypoints import cli
+
+    calls = launches(monkeypatch)
     monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
     model = write_shape("llama-3.1-8b", str(tmp_path))
     assert cli.main(["serve", model, "--port", "0", "--api-key", "sk-secret", "--protect-metrics",
                      "--allowed-origins", "https://a.example,https://b.example", "--allowed-hosts", "a.example",
                      "--trust-request-chat-template"]) == 0
-    gateway_argv, key = calls[0][1]["gateway"], calls[0][8]
+    gateway_argv, key = calls[0]["argv"]["gateway"], calls[0]["api_key"]
     assert "sk-secret" not in " ".join(gateway_argv) and key == "sk-secret"
     assert "PAGEDSERVE_API_KEY" not in os.environ
     # The launcher gives the gateway the key in its environment.
@@ -106,15 +128,14 @@ def test_serve_passes_access_flags_and_keeps_the_key_out_of_argv(monkeypatch, tm
 
 def test_serve_passes_the_reliability_flags_to_their_owners(monkeypatch, tmp_path):
     from pagedserve.common.model_shapes import write_shape
-    from pagedserve.entrypoints import cli, launcher
+    from pagedserve.entrypoints import cli
 
-    calls = []
-    monkeypatch.setattr(launcher, "serve", lambda *a: calls.append(a) or a[2].close() or 0)
+    calls = launches(monkeypatch)
     model = write_shape("llama-3.1-8b", str(tmp_path))
     assert cli.main(["serve", model, "--port", "0", "--shutdown-timeout", "7", "--max-num-queued-reqs", "3",
                      "--max-client-batch-size", "64", "--timeout-keep-alive", "9",
                      "--body-read-timeout", "11", "--max-concurrent-requests", "5"]) == 0
-    argv, shutdown_timeout = calls[0][1], calls[0][5]
+    argv, shutdown_timeout = calls[0]["argv"], calls[0]["shutdown_timeout"]
     gateway = cli.build_parser().parse_args(["gateway", model, *argv["gateway"]])
     assert (gateway.shutdown_timeout, gateway.max_client_batch_size, gateway.max_concurrent_requests) == (7, 64, 5)
     assert (gateway.timeout_keep_alive, gateway.body_read_timeout) == (9, 11)
@@ -124,13 +145,12 @@ def test_serve_passes_the_reliability_flags_to_their_owners(monkeypatch, tmp_pat
 
 def test_serve_data_parallel_gives_the_launcher_one_address_per_engine(monkeypatch, tmp_path, capsys):
     from pagedserve.common.model_shapes import write_shape
-    from pagedserve.entrypoints import cli, launcher
+    from pagedserve.entrypoints import cli
 
-    calls = []
-    monkeypatch.setattr(launcher, "serve", lambda *a: calls.append(a) or a[2].close() or 0)
+    calls = launches(monkeypatch)
     model = write_shape("llama-3.1-8b", str(tmp_path))
     assert cli.main(["serve", model, "--port", "0", "-dp", "2", "--scheduler-address", "127.0.0.1:1,127.0.0.1:2"]) == 0
-    assert calls[0][3] == ["127.0.0.1:1", "127.0.0.1:2"] and calls[0][6] == 2
+    assert calls[0]["scheduler_addresses"] == ["127.0.0.1:1", "127.0.0.1:2"] and calls[0]["data_parallel_size"] == 2
     assert cli.main(["serve", model, "--port", "0", "-dp", "2", "--scheduler-address", "127.0.0.1:1"]) == 1
     assert "lists 1 addresses for --data-parallel-size 2; list one per engine" in capsys.readouterr().err
 
