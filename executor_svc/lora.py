@@ -215,6 +215,8 @@ class LoraSlots:
         self.token_slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
         # The CPU's form of the slots; a GPU's kernel reads token_slots itself.
         self.mask = None if device.type == "cuda" else torch.zeros(rows, max_loras, dtype=dtype, device=device)
+        # What each token's slot is compared with to fill the mask, made once rather than each step.
+        self.slot_ids = None if self.mask is None else torch.arange(max_loras, device=device)
         self.switch = LoraSwitch()
         modules = list(dict.fromkeys(t.module for adapter in adapters for t, _, _ in adapter.weights))
         self.projections = [_wrap(m, max_loras, max_rank, dtype, self.token_slots, self.mask, self.switch)
@@ -271,7 +273,7 @@ class LoraSlots:
         upload(np.repeat(slots, query_lens), self.token_slots[:num_tokens])
         self.token_slots[num_tokens:].fill_(-1)
         if self.mask is not None:
-            self.mask.copy_(self.token_slots[:, None] == torch.arange(self.mask.shape[1]))
+            self.mask.copy_(self.token_slots[:, None] == self.slot_ids)
 
 
 @dataclass(slots=True)

