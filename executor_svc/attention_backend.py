@@ -21,8 +21,8 @@ import torch
 from pagedserve.kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_quant_fp8,
                                            silu_and_mul, silu_and_mul_quant_fp8)
 from pagedserve.kernels.attention import paged_attention
-from pagedserve.kernels.cpu_attention import (DecodePlan, decode_attention_cpu, decode_plan,
-                                              prefill_attention_cpu, rotate, rotation, write_kv_cpu)
+from pagedserve.kernels.cpu_attention import (DecodeContexts, DecodePlan, decode_attention_cpu, decode_plan,
+                                              gather, prefill_attention_cpu, rotate, rotation, write_kv_cpu)
 from pagedserve.kernels.fused_moe import fused_moe
 from pagedserve.kernels.moe_routing import route
 from pagedserve.kernels.norm import rms_norm, rms_norm_quant_fp8
@@ -124,13 +124,15 @@ class TorchAttentionBackend:
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """The references, but a decode step's attention in one SDPA call for the whole batch over a
-    plan its first layer makes (kernels/cpu_attention.py), its cache write without a mask, and
+    plan its first layer makes and the rows' contexts kept between decode steps
+    (kernels/cpu_attention.py), its cache write without a mask, and
     float32 norms in torch's one call: on a CPU a decode step's small ops cost more than its
     arithmetic. Prefill chunks and sliding windows take the references' rotary and cache write,
     then an SDPA call a sequence; soft caps and fp8 caches the references throughout."""
 
     def __init__(self) -> None:
         self._plan: tuple[AttentionMetadata, torch.Tensor, DecodePlan] | None = None
+        self._contexts = DecodeContexts()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None,
@@ -149,15 +151,24 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 sliding_window: int | None = None, softcap: float | None = None,
                 out_rows: int = 0, qk_norm: QKNorm | None = None) -> torch.Tensor:
         q, k = self.qk_normed(q, k, qk_norm)
+        if meta.max_query_len > 1:
+            # A prefill can rewrite a kept row's blocks and leave it one token past its copy (a
+            # preempted request recomputed into the blocks it had).
+            self._contexts.forget()
         if meta.max_query_len > 1 or sliding_window or softcap or is_fp8(k_cache):
             return super().forward(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, scale,
                                    kv_scales, sliding_window=sliding_window, softcap=softcap,
                                    out_rows=out_rows)
-        plan = self._decode_plan(positions, meta, k_cache.shape[1])
+        plan = self._decode_plan(positions, meta, k_cache)
         n = plan.rows
         cos, sin = rotation(plan, cos_sin_cache)
-        write_kv_cpu(rotate(_first(k, n), cos, sin), _first(v, n), k_cache, v_cache, plan.slots)
-        out = decode_attention_cpu(rotate(_first(q, n), cos, sin), k_cache, v_cache, plan, scale)
+        key, value = rotate(_first(k, n), cos, sin), _first(v, n)
+        write_kv_cpu(key, value, k_cache, v_cache, plan.slots)
+        if plan.copy_slots is None:
+            context = gather(k_cache, plan), gather(v_cache, plan)
+        else:
+            context = self._contexts.contexts(key, value, k_cache, v_cache, plan)
+        out = decode_attention_cpu(rotate(_first(q, n), cos, sin), *context, plan, scale)
         return with_rows(out if n == len(q) else torch.cat((out, q[n:])), out_rows)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -168,11 +179,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return prefill_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, scale, sliding_window)
 
-    def _decode_plan(self, positions: torch.Tensor, meta: AttentionMetadata, block_size: int) -> DecodePlan:
+    def _decode_plan(self, positions: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor) -> DecodePlan:
         """The step's plan, made by its first layer: every layer of a forward gets the same
         positions and metadata objects (held here, so that a new step's cannot reuse their ids)."""
         if self._plan is None or self._plan[0] is not meta or self._plan[1] is not positions:
+            num_blocks, block_size = k_cache.shape[:2]
             plan = decode_plan(positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, block_size)
+            self._contexts.prepare(plan, num_blocks * block_size)
             self._plan = (meta, positions, plan)
         return self._plan[2]
 

@@ -65,6 +65,34 @@ def test_cpu_backend_decode_steps_padded_to_a_graph_size() -> None:
             assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
+def test_cpu_backend_decodes_after_a_mixed_step_as_the_references() -> None:
+    # Decode, a step where the first sequence takes two tokens (the reference path, which the
+    # contexts kept between decode steps must not miss), then decode again.
+    seq_lens, block_size, heads = [20, 31, 9], 8, (4, 2, 2)
+    # Spare blocks: the contexts are kept in copies of up to a quarter of the cache's tokens.
+    k_cache, v_cache, table = random_paged_kv([n + 4 for n in seq_lens], 2, 32, block_size, torch.float32,
+                                              spare_blocks=100)
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    table = table.masked_fill(table >= len(k_cache), 0)
+    rope = cos_sin_cache(Rope(32), 64)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    backends = CpuAttentionBackend(), TorchAttentionBackend()
+    lens = list(seq_lens)
+    for new in ([1, 1, 1], [2, 1, 1], [1, 1, 1], [1, 1, 1]):
+        lens = [n + t for n, t in zip(lens, new)]
+        positions = torch.cat([torch.arange(n - t, n) for n, t in zip(lens, new)])
+        rows = torch.cat([torch.full((t,), i) for i, t in enumerate(new)])
+        slots = table[rows, positions // block_size].long() * block_size + positions % block_size
+        meta = AttentionMetadata(slots, torch.tensor([0, *new], dtype=torch.int32).cumsum(0).int(),
+                                 torch.tensor(lens, dtype=torch.int32), table,
+                                 max_query_len=max(new), max_seq_len=4096)
+        q, k, v = (torch.randn(len(positions), h, 32) for h in heads)
+        outs = [backend.forward(positions, q.clone(), k.clone(), v, rope, *cache, meta, 32 ** -0.5, None)
+                for backend, cache in zip(backends, caches)]
+        assert_close(outs[0], outs[1])
+    assert backends[0]._contexts.buffers
+
+
 def test_cpu_backend_norm_is_the_reference() -> None:
     x, residual, weight = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
     cpu, ref = CpuAttentionBackend(), TorchAttentionBackend()
