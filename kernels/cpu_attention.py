@@ -79,9 +79,9 @@ def decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan
     kv_heads, head_dim]: `gather`'s or DecodeContexts'), padded to the longest context and masked
     past each one's length, in one SDPA call (SmolLM2's shape, two threads: 49 us a layer for one
     sequence of 64 keys, against 96 us for a bmm per KV head). A KV head's query heads attend as
-    that head's queries, so its keys are read once for them all: 280 against 367 us at 16 rows of
-    192 keys with SDPA's enable_gqa (which reads them once a query head), 196 against 250 at one
-    row of 1,024 (SmolLM2's 9 heads on 3 KV heads; each after a weight-streaming GEMM)."""
+    that head's queries, one pass over its keys for them all: 280 us at 16 rows of 192 keys
+    against 367 with SDPA's enable_gqa, 196 against 250 at one row of 1,024 (SmolLM2's 9 heads on
+    3 KV heads; each call after a weight-streaming GEMM)."""
     rows, heads, head_dim = q.shape
     grouped = q.view(rows, k.shape[2], heads // k.shape[2], head_dim)
     out = F.scaled_dot_product_attention(grouped, k.transpose(1, 2), v.transpose(1, 2),
