@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from pagedserve.executor_svc.layers.rotary import Rope, cos_sin_cache
-from pagedserve.kernels.cpu_attention import (CONTEXT_GROWTH, DecodeContexts, decode_attention_cpu, decode_plan,
-                                              gather, prefill_attention_cpu, rotate, rotation, write_kv_cpu)
+from pagedserve.kernels.cpu_attention import (CONTEXT_GROWTH, DecodeContexts, DecodePlan, decode_attention_cpu,
+                                              decode_plan, gather, prefill_attention_cpu, rotate, rotation,
+                                              write_kv_cpu)
 from pagedserve.kernels.reference import paged_attention_ref, rotary_ref, write_kv_ref
 from tests.kernels.kernel_testing import assert_close, random_paged_kv
 
@@ -134,7 +135,7 @@ class Sequences:
         self.free += self.blocks.pop(name)
         del self.lens[name]
 
-    def step(self, rows: list[str]):
+    def step(self, rows: list[str]) -> tuple[DecodePlan, torch.Tensor, torch.Tensor]:
         """A decode step of `rows`: each writes one token; (plan, key, value) of that token."""
         key, value = torch.randn(2, len(rows), NUM_KV_HEADS, HEAD_DIM)
         slots = torch.cat([self.append(name) for name in rows])
@@ -153,15 +154,17 @@ def test_decode_contexts_hold_what_a_gather_reads_as_rows_change():
     for name, prompt in (("a", 40), ("b", 3), ("c", 16), ("long", CONTEXT_GROWTH - 3)):
         seqs.append(name, prompt)
     batches = ([["a", "b", "c"]] * 4 + [["a", "d", "c"]] * 2 + [["a", "d", "c", "e"]] * 2 + [["d", "c", "e"]] * 2
-               + [["d", "e", "c"]] + [["d", "e", "c", "long"]] * 6)
+               + [["d", "e", "c"]] + [["d", "e", "c", "long"]] * 2 + [["d", "e", "f", "long"]] * 4)
     stale = []
     for i, rows in enumerate(batches):
+        if i in (4, 8):
+            seqs.end("b" if i == 4 else "a")    # its blocks go to the sequences after it
         if i == 7:
             seqs.append("c", 2)      # a step outside the plans: c is two tokens longer
         if i == 9:
             contexts.forget()
-        for name in rows:
-            seqs.lens.setdefault(name, 0)
+        if i == 13:
+            seqs.append("f", seqs.lens["c"])    # one token past c's context, in other blocks
         plan, key, value = seqs.step(rows)
         contexts.prepare(plan, cache_tokens=4 * 4 * 2 * CONTEXT_GROWTH)
         assert plan.copy_slots is not None
@@ -176,8 +179,8 @@ def test_decode_contexts_hold_what_a_gather_reads_as_rows_change():
                            decode_attention_cpu(q, *gathered, plan, HEAD_DIM ** -0.5))
     # Gathered anew (None: every row): the first step; b's row taken by d; e's row past the
     # copies' shape; c two tokens on; a gone and the rest shifted up; after forget(); c and e
-    # swapped; long joining; long past CONTEXT_GROWTH tokens.
-    assert stale == [None, [], [], [], [1], [], None, [2], [0, 1, 2], None, [1, 2], [3], [], [], None, [], []]
+    # swapped; long joining; f in c's row; long past CONTEXT_GROWTH tokens.
+    assert stale == [None, [], [], [], [1], [], None, [2], [0, 1, 2], None, [1, 2], [3], [], [2], None, [], []]
 
 
 def test_decode_contexts_leave_a_batch_past_their_budget_to_gather():
