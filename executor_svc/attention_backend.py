@@ -22,7 +22,7 @@ from pagedserve.kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_
                                            silu_and_mul, silu_and_mul_quant_fp8)
 from pagedserve.kernels.attention import paged_attention
 from pagedserve.kernels.cpu_attention import (DecodeContexts, DecodePlan, decode_attention_cpu, decode_plan,
-                                              gather, prefill_attention_cpu, rotate, rotation, write_kv_cpu)
+                                              prefill_attention_cpu, rotate, rotation, write_kv_cpu)
 from pagedserve.kernels.fused_moe import fused_moe
 from pagedserve.kernels.moe_routing import route
 from pagedserve.kernels.norm import rms_norm, rms_norm_quant_fp8
@@ -164,10 +164,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         cos, sin = rotation(plan, cos_sin_cache)
         key, value = rotate(_first(k, n), cos, sin), _first(v, n)
         write_kv_cpu(key, value, k_cache, v_cache, plan.slots)
-        if plan.copy_slots is None:
-            context = gather(k_cache, plan), gather(v_cache, plan)
-        else:
-            context = self._contexts.contexts(key, value, k_cache, v_cache, plan)
+        context = self._contexts.contexts(key, value, k_cache, v_cache, plan)
         out = decode_attention_cpu(rotate(_first(q, n), cos, sin), *context, plan, scale)
         return with_rows(out if n == len(q) else torch.cat((out, q[n:])), out_rows)
 

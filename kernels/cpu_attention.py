@@ -25,14 +25,20 @@ class DecodePlan:
     slots: torch.Tensor       # [rows] each row's cache slot
     table: torch.Tensor       # [rows, blocks] each row's blocks in order, the longest context's count
     lens: torch.Tensor        # [rows] each row's context length, this step's token included
-    visible: torch.Tensor     # [rows, 1, 1, blocks * block_size] bool: the keys within each context
+    visible: torch.Tensor     # [rows, 1, 1, tokens] bool: the keys within each context
     positions: torch.Tensor   # [rows] int64
+    block_size: int
     # id(cos_sin_cache) -> (cos, sin) in `rotate`'s form: a layer's table is a buffer of the model.
     rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Set by DecodeContexts.prepare where the rows' contexts are kept between steps: each row's
     # slot in the copies, and the rows to gather anew (None: all of them).
     copy_slots: torch.Tensor | None = None
     stale: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Keys a row's context spans: its table's blocks, the longest context's count."""
+        return self.table.shape[1] * self.block_size
 
 
 def decode_plan(positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -42,7 +48,8 @@ def decode_plan(positions: torch.Tensor, slot_mapping: torch.Tensor, block_table
     lens = seq_lens[:rows]
     table = block_tables[:rows, :-(-int(lens.max()) // block_size)]
     visible = torch.arange(table.shape[1] * block_size) < lens[:, None]
-    return DecodePlan(rows, slot_mapping[:rows], table, lens, visible[:, None, None], positions[:rows].long())
+    return DecodePlan(rows, slot_mapping[:rows], table, lens, visible[:, None, None], positions[:rows].long(),
+                      block_size)
 
 
 def rotation(plan: DecodePlan, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,15 +135,14 @@ class DecodeContexts:
     def prepare(self, plan: DecodePlan, cache_tokens: int) -> None:
         """Sets the plan's copy slots and stale rows, or leaves them None where the plan's batch
         does not fit the copies' budget (its layers then gather)."""
-        rows, tokens = plan.rows, plan.visible.shape[-1]
+        rows, tokens = plan.rows, plan.tokens
         if rows > self.shape[0] or tokens > self.shape[1]:
             shape = (rows, -(-tokens // CONTEXT_GROWTH) * CONTEXT_GROWTH)
             self.buffers.clear()
             self.held = None
-            self.shape = (0, 0)
-            if shape[0] * shape[1] > cache_tokens // 4:
+            self.shape = shape if shape[0] * shape[1] <= cache_tokens // 4 else (0, 0)
+            if not self.shape[0]:
                 return
-            self.shape = shape
         plan.copy_slots = torch.arange(rows) * self.shape[1] + plan.positions
         plan.stale = None if self.held is None else _stale_rows(*self.held, plan)
         self.held = (plan.table.clone(), plan.lens.clone())
@@ -144,34 +150,37 @@ class DecodeContexts:
     def contexts(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """The plan's rows' keys and values as `gather` returns them, this step's (key, value
-        [rows, kv_heads, head_dim], already in the cache) written in."""
+        [rows, kv_heads, head_dim], already in the cache) written in: gathered where the plan
+        has no copies."""
+        if plan.copy_slots is None:
+            return gather(k_cache, plan), gather(v_cache, plan)
         copies = self.buffers.get(id(k_cache))
         if copies is None:
             # Zeros: the slots past a context meet their zero weights in SDPA, finite.
             copies = tuple(torch.zeros(*self.shape, *k_cache.shape[2:], dtype=k_cache.dtype) for _ in range(2))
             self.buffers[id(k_cache)] = copies
-        tokens = plan.visible.shape[-1]
-        return tuple(_updated(copy, new, cache, plan)[:plan.rows, :tokens]
+        return tuple(_updated(copy, new, cache, plan)[:plan.rows, :plan.tokens]
                      for copy, new, cache in zip(copies, (key, value), (k_cache, v_cache)))
 
 
 def _updated(copy: torch.Tensor, new: torch.Tensor, cache: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
-    copy.view(-1, *copy.shape[2:]).index_copy_(0, plan.copy_slots, new.to(copy.dtype))
-    tokens = plan.visible.shape[-1]
+    """`copy` with the plan's rows' contexts: stale rows gathered (this step's token in the cache
+    already), the others given this step's token."""
     if plan.stale is None:
-        copy[:plan.rows, :tokens] = gather(cache, plan)
-    elif len(plan.stale):
-        copy[:, :tokens].index_copy_(0, plan.stale, gather(cache, plan, plan.stale))
+        copy[:plan.rows, :plan.tokens] = gather(cache, plan)
+        return copy
+    copy.view(-1, *copy.shape[2:]).index_copy_(0, plan.copy_slots, new.to(copy.dtype))
+    if len(plan.stale):
+        copy[:, :plan.tokens].index_copy_(0, plan.stale, gather(cache, plan, plan.stale))
     return copy
 
 
 def _stale_rows(held_table: torch.Tensor, held_lens: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
     """The plan's rows whose copies do not hold their context: rows past those held, and rows
     whose blocks under the context held differ or whose context is not one token longer."""
-    rows, block_size = min(len(held_lens), plan.rows), plan.visible.shape[-1] // plan.table.shape[1]
-    cols = min(held_table.shape[1], plan.table.shape[1])
+    rows, cols = min(len(held_lens), plan.rows), min(held_table.shape[1], plan.table.shape[1])
     held_lens = held_lens[:rows]
-    under = torch.arange(cols) * block_size < held_lens[:, None]
+    under = torch.arange(cols) * plan.block_size < held_lens[:, None]
     same = ((plan.table[:rows, :cols] == held_table[:rows, :cols]) | ~under).all(1)
     kept = same & (plan.lens[:rows] == held_lens + 1)
     return torch.cat((torch.nonzero(~kept).flatten(), torch.arange(rows, plan.rows)))
