@@ -16,9 +16,6 @@ LAYOUT = "a model directory holding config.json (and *.safetensors, tokenizer.js
 
 def check_model(path: str, max_model_len: int | None) -> None:
     """Raises ValueError when `path` is no model pagedserve can serve at `max_model_len`."""
-    # Imported here: it imports torch (about 2 s on a 2-core machine), which the launcher's other
-    # uses of this module (connect_host) and its executors' start need not wait for.
-    from pagedserve.executor_svc.model_config import load_model_config, resolve_max_model_len
     model = Path(path)
     if not model.exists():
         if HF_ID.fullmatch(path) and not path.startswith("."):
@@ -33,6 +30,9 @@ def check_model(path: str, max_model_len: int | None) -> None:
             found = (f"and {len(ggufs)} .gguf files, so which to serve is unclear" if ggufs
                      else "nor a .gguf file")
             raise ValueError(f"{path} has no config.json {found}: pass {LAYOUT}")
+    # Imported after the checks above: it imports torch (about 2 s on a 2-core machine), which a
+    # wrong path, the launcher's other uses of this module and its executors' start need not wait for.
+    from pagedserve.executor_svc.model_config import load_model_config, resolve_max_model_len
     resolve_max_model_len(load_model_config(model), max_model_len)
 
 
