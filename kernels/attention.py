@@ -498,10 +498,10 @@ class AttentionConfig:
 
 def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len: int,
                    fresh_kv: bool = False, kv_bytes: int | None = None,
-                   num_tokens: int | None = None) -> AttentionConfig:
+                   num_tokens: int | None = None, device: torch.device | None = None) -> AttentionConfig:
     """The tiling `paged_attention` picks when given none for a launch of num_tokens queries (None:
-    as many as a prefill tiling suits); `fresh_kv` when it is given k_new; elem_bytes is the
-    query's element size, kv_bytes the cache's (default: the same)."""
+    as many as a prefill tiling suits) on `device`; `fresh_kv` when it is given k_new; elem_bytes
+    is the query's element size, kv_bytes the cache's (default: the same)."""
     # Decode rows fill BLOCK_M with the GQA group (16 rows is the smallest tensor-core tile)
     # and stream 16 KiB KV tiles, K loaded [head_dim, tile]. A sweep on an H200 (Llama-3.1-8B
     # shape, batch 64-512 x context 1k-16k) measured bf16 fastest with 64-token tiles and 2
@@ -526,9 +526,15 @@ def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len
         # 2 x 246 prompt tokens), and so did Gemma 2 9B's windowed, soft-capped layers (32-token
         # tiles): 13.93 ms a decode step at 16 rows x 6,000 keys against 13.24 in spans, which
         # such launches keep. End to end: BENCHMARKS.md.
+        # fp8 launches of 256 rows or more keep 5 tiles in flight on Hopper: on an H200, 187.0
+        # against 193.5 us at 512 rows x 150-1,100 keys, 148.4 against 153.9 at 256 x 1,024; at
+        # 16-42 rows in graphs and 64 x 4,096 the same or up to 8% slower (BENCHMARKS.md,
+        # 2026-12-06). Five stages of 16 KiB K and V tiles need 160 KiB of shared memory, which
+        # Hopper's 227 KiB holds and Ada's 99 (L4, L40S) does not.
+        deep = kv_bytes < 2 and num_tokens is not None and num_tokens >= 256 and _hopper(device)
         return AttentionConfig(max(rows, group_pad), tile, num_warps=4,
-                               num_stages=2 if kv_bytes >= 2 else 3, k_transposed=True,
-                               one_loop=rows == 16)
+                               num_stages=2 if kv_bytes >= 2 else 5 if deep else 3,
+                               k_transposed=True, one_loop=rows == 16)
     # Prefill: 128-row tiles so a KV tile is reused by many queries, 128-token KV tiles (32 KiB),
     # longest q blocks first (FlashAttention-2's order), the step's own keys through TMA when
     # given. `python -m pagedserve.bench.kernels --prefill-sweep` on an H200 (torch 2.11,
@@ -568,7 +574,7 @@ def default_num_splits(num_tokens: int, num_seqs: int, num_heads: int, num_kv_he
     for its batch size at capture."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     cfg = default_config(group_pad, head_dim, elem_bytes, max_query_len, kv_bytes=kv_bytes,
-                         num_tokens=num_tokens)
+                         num_tokens=num_tokens, device=device)
     return _num_splits(cfg, group_pad, num_tokens, num_seqs, num_kv_heads, max_query_len,
                        max_seq_len, device)
 
@@ -608,6 +614,10 @@ def _rows_descriptor(x: torch.Tensor, tile: int) -> TensorDescriptor:
         raise ValueError(f"k_new and v_new need contiguous heads, got strides {x.stride()}")
     return TensorDescriptor(x, [num_tokens, num_kv_heads * head_dim], [x.stride(0), 1],
                             [tile, head_dim])
+
+
+def _hopper(device: torch.device | None) -> bool:
+    return device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _num_sms(device: torch.device) -> int:
@@ -669,7 +679,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     capped = bool(softcap)
     cfg = config or default_config(group_pad, head_dim, q.element_size(), max_query_len,
                                    fresh_kv=k_new is not None, kv_bytes=k_cache.element_size(),
-                                   num_tokens=num_tokens)
+                                   num_tokens=num_tokens, device=q.device)
     if cfg.block_m < group_pad:
         raise ValueError(f"block_m {cfg.block_m} is below the padded GQA group {group_pad}")
     block_q = cfg.block_m // group_pad

@@ -350,3 +350,16 @@ def test_split_heuristic() -> None:
     # Short contexts keep at least 2 KV tiles per segment.
     assert choose_num_splits(4, 8, 256, 64, num_sms=132) == 2
     assert choose_num_splits(4, 8, 64, 64, num_sms=132) == 1
+
+
+@pytest.mark.parametrize("hopper", [True, False], ids=["hopper", "other"])
+def test_large_fp8_decode_launches_pipeline_deeper_on_hopper_only(monkeypatch: pytest.MonkeyPatch,
+                                                                   hopper: bool) -> None:
+    monkeypatch.setattr(attention, "_hopper", lambda device: hopper)
+
+    def stages(rows: int, kv_bytes: int) -> int:
+        return attention.default_config(8, 128, 2, 1, kv_bytes=kv_bytes, num_tokens=rows,
+                                        device=torch.device("cuda")).num_stages
+
+    assert [stages(rows, 1) for rows in (16, 255, 256, 512)] == [3, 3] + [5 if hopper else 3] * 2
+    assert [stages(rows, 2) for rows in (16, 512)] == [2, 2]
