@@ -526,11 +526,12 @@ def default_config(group_pad: int, head_dim: int, elem_bytes: int, max_query_len
         # 2 x 246 prompt tokens), and so did Gemma 2 9B's windowed, soft-capped layers (32-token
         # tiles): 13.93 ms a decode step at 16 rows x 6,000 keys against 13.24 in spans, which
         # such launches keep. End to end: BENCHMARKS.md.
-        # fp8 launches of 256 rows or more keep 5 tiles in flight on Hopper: on an H200, 187.0
-        # against 193.5 us at 512 rows x 150-1,100 keys, 148.4 against 153.9 at 256 x 1,024; at
-        # 16-42 rows in graphs and 64 x 4,096 the same or up to 8% slower (BENCHMARKS.md,
-        # 2026-12-06). Five stages of 16 KiB K and V tiles need 160 KiB of shared memory, which
-        # Hopper's 227 KiB holds and Ada's 99 (L4, L40S) does not.
+        # A decode step's fp8 launch of 256 rows or more keeps 5 tiles in flight on Hopper: on an
+        # H200, 187.0 against 193.5 us at 512 rows x 150-1,100 keys, 148.4 against 153.9 at 256 x
+        # 1,024; at 16-42 rows in graphs and 64 x 4,096 the same or up to 8% slower (BENCHMARKS.md,
+        # 2026-12-06). A mixed step's decode launch, not measured so, keeps 3. Five stages of
+        # 16 KiB K and V tiles need 160 KiB of shared memory, which Hopper's 227 KiB holds and
+        # Ada's 99 (L4, L40S) does not.
         deep = kv_bytes < 2 and num_tokens is not None and num_tokens >= 256 and _hopper(device)
         return AttentionConfig(max(rows, group_pad), tile, num_warps=4,
                                num_stages=2 if kv_bytes >= 2 else 5 if deep else 3,

@@ -29,9 +29,9 @@ def test_folded_logits_equal_the_unfolded_ones(monkeypatch, tmp_path, arch: str,
         monkeypatch.setattr(decoder, "input_rows", lambda projection, num_tokens: num_tokens + 5)
     path = make_tiny_model(arch, tmp_path)
     prompts = mixed_prompts(seed=3)[:4]
-    # The unfolded model on the same kernels on a GPU (torch's float32 attention is not within the
-    # tolerance of their tf32 products for certain), on torch's on a CPU: interpreted, the Triton
-    # kernels would double the test's time, and other tests hold them to torch's.
+    # The unfolded model on the same kernels on a GPU, whose tf32 products need not agree with
+    # torch's float32 attention within the tolerance; on torch's on a CPU, where the interpreted
+    # Triton kernels would double the test's time and other tests hold them to torch's.
     unfolded = TritonAttentionBackend() if DEVICE.type == "cuda" else TorchAttentionBackend()
     plain = torch.cat(paged_prefill_logits(path, prompts, unfolded, DEVICE))
     folded = torch.cat(paged_prefill_logits(path, prompts, TritonAttentionBackend(), DEVICE, fold=True))
