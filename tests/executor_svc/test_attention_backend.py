@@ -69,16 +69,19 @@ def test_cpu_backend_decodes_after_a_mixed_step_as_the_references() -> None:
     # Decode, a step where the first sequence takes two tokens (the reference path, which the
     # contexts kept between decode steps must not miss), then decode again.
     seq_lens, block_size, heads = [20, 31, 9], 8, (4, 2, 2)
-    # Spare blocks: the contexts are kept in copies of up to a quarter of the cache's tokens.
-    k_cache, v_cache, table = random_paged_kv([n + 4 for n in seq_lens], 2, 32, block_size, torch.float32,
-                                              spare_blocks=100)
+    steps = ([1, 1, 1], [2, 1, 1], [1, 1, 1], [1, 1, 1])
+    # Blocks for every token the steps add (the table's padding, mapped to block 0 below, would
+    # land a write past them in another sequence's block); spare ones because the contexts are
+    # kept in copies of up to a quarter of the cache's tokens.
+    grown = [n + sum(step[i] for step in steps) for i, n in enumerate(seq_lens)]
+    k_cache, v_cache, table = random_paged_kv(grown, 2, 32, block_size, torch.float32, spare_blocks=100)
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     table = table.masked_fill(table >= len(k_cache), 0)
     rope = cos_sin_cache(Rope(32), 64)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     backends = CpuAttentionBackend(), TorchAttentionBackend()
     lens = list(seq_lens)
-    for new in ([1, 1, 1], [2, 1, 1], [1, 1, 1], [1, 1, 1]):
+    for new in steps:
         lens = [n + t for n, t in zip(lens, new)]
         positions = torch.cat([torch.arange(n - t, n) for n, t in zip(lens, new)])
         rows = torch.cat([torch.full((t,), i) for i, t in enumerate(new)])
