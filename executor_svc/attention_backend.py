@@ -162,10 +162,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         plan = self._decode_plan(positions, meta, k_cache)
         n = plan.rows
         cos, sin = rotation(plan, cos_sin_cache)
-        key, value = rotate(_first(k, n), cos, sin), _first(v, n)
+        key, value = rotate(first_rows(k, n), cos, sin), first_rows(v, n)
         write_kv_cpu(key, value, k_cache, v_cache, plan.slots)
         context = self._contexts.contexts(key, value, k_cache, v_cache, plan)
-        out = decode_attention_cpu(rotate(_first(q, n), cos, sin), *context, plan, scale)
+        out = decode_attention_cpu(rotate(first_rows(q, n), cos, sin), *context, plan, scale)
         return with_rows(out if n == len(q) else torch.cat((out, q[n:])), out_rows)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -238,9 +238,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return out
 
 
-def _first(x: torch.Tensor, rows: int) -> torch.Tensor:
+def first_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x's first rows, without a slicing op where that is all of them (a CPU decode step's ops
-    are most of its time)."""
+    are most of its time: a slice of one row took 3.9 us on the 2-core machine)."""
     return x if rows == len(x) else x[:rows]
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.reference import visible_keys
+from pagedserve.kernels.reference import cast, visible_keys
 
 
 @dataclass(slots=True)
@@ -68,16 +68,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     width, half = cos.shape[-1], cos.shape[-1] // 2
     # A whole head rotates in every model but partial-rotary ones: no slicing op for it then.
     whole = width == x.shape[-1]
-    xf = (x if whole else x[..., :width]).float()
-    out = (xf * cos + torch.cat((xf[..., half:], xf[..., :half]), dim=-1) * sin).to(x.dtype)
+    xf = cast(x if whole else x[..., :width], torch.float32)
+    # roll(half) is cat((x2, x1)) in one op, not three: 11 against 25 us a rotation of 12 heads
+    # of one row (the 2-core machine).
+    out = cast(xf * cos + xf.roll(half, -1) * sin, x.dtype)
     return out if whole else torch.cat((out, x[..., width:]), dim=-1)
 
 
 def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Writes each token's k, v at its slot (none may be -1)."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, cast(key, k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, cast(value, v_cache.dtype))
 
 
 def decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan,
@@ -169,7 +171,7 @@ def _updated(copy: torch.Tensor, new: torch.Tensor, cache: torch.Tensor, plan: D
     if plan.stale is None:
         copy[:plan.rows, :plan.tokens] = gather(cache, plan)
         return copy
-    copy.view(-1, *copy.shape[2:]).index_copy_(0, plan.copy_slots, new.to(copy.dtype))
+    copy.view(-1, *copy.shape[2:]).index_copy_(0, plan.copy_slots, cast(new, copy.dtype))
     if len(plan.stale):
         copy[:, :plan.tokens].index_copy_(0, plan.stale, gather(cache, plan, plan.stale))
     return copy

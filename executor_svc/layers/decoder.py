@@ -10,7 +10,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from pagedserve.executor_svc.attention_backend import AttentionMetadata, with_rows
+from pagedserve.executor_svc.attention_backend import AttentionMetadata, first_rows, with_rows
 from pagedserve.executor_svc.fp8 import Fp8Linear, takes_quantized
 from pagedserve.executor_svc.kv_cache import KVCache
 from pagedserve.executor_svc.layers.attention import Attention
@@ -55,7 +55,7 @@ class DecoderLayer(nn.Module):
         num_tokens = len(residual)
         x, residual = self.post_attention_layernorm(x, residual, quantize and self.quantize_mlp_input,
                                                     self.mlp.input_rows(num_tokens))
-        return self.mlp(x, quantize)[:num_tokens], residual
+        return first_rows(self.mlp(x, quantize), num_tokens), residual
 
     def attend(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                kv_cache: KVCache, meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
@@ -186,7 +186,7 @@ def _keep_bias_out(attn: Attention) -> None:
     # The bias goes on after the norm, which the folded GEMM no longer has applied.
     bias = attn.qkv_proj.bias
     if bias is not None:
-        attn.folded_bias = tuple(bias.data.split(attn.sizes))
+        attn.folded_bias = tuple(bias.data.split([heads * attn.head_dim for heads in attn.heads]))
         attn.qkv_proj.bias = None
 
 

@@ -3,7 +3,7 @@ down_proj (row parallel, all-reduced here)."""
 import torch
 from torch import nn
 
-from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
+from pagedserve.executor_svc.attention_backend import TorchAttentionBackend, first_rows
 from pagedserve.executor_svc.fp8 import Quantized
 from pagedserve.executor_svc.layers.activation import ACTIVATIONS
 from pagedserve.executor_svc.layers.linear import add_projection, column_linear, input_rows, row_linear
@@ -44,7 +44,7 @@ class GatedMLP(nn.Module):
             h = self.act_and_mul_quant_fp8(h)
         else:
             h = self.act_and_mul(h, input_rows(self.down_proj, num_tokens))
-        out = self.down_proj(h)[:num_tokens]
+        out = first_rows(self.down_proj(h), num_tokens)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def accumulate(self, x: torch.Tensor, num_tokens: int, eps: float) -> None:
