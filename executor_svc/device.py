@@ -54,8 +54,8 @@ def resolve_linear_dtype(name: str, model: ModelConfig, device: torch.device, dt
     once, and half the bytes make it nearly twice as fast, while the residual stream, norms,
     attention and KV cache stay float32 (whole-bfloat16 activations changed the default model's
     greedy answers far more often). There layers/linear.py also keeps weights on a 4-bit grid as
-    their codes, and the worker gives the LM head a bfloat16 copy corrected to float32 near each
-    row's greatest logit (NarrowHead)."""
+    their codes, and the worker gives the LM head narrow copies (int8 at few rows, bfloat16 at
+    more) corrected to float32 near each row's greatest logit (NarrowHead)."""
     narrow = (name == "auto" and device.type == "cpu" and dtype == torch.float32
               and cpu_computes_bf16() and model.dtype != "float32" and not quantization)
     return torch.bfloat16 if narrow else dtype

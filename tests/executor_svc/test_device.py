@@ -8,8 +8,8 @@ import torch
 
 from pagedserve.executor_svc import device
 from pagedserve.executor_svc.device import cap_cpu_threads, cpu_computes_bf16, resolve_linear_dtype
-from pagedserve.executor_svc.layers.linear import (INT4_MAX_ROWS, Linear, NarrowHead, int4_grid, narrow_linears,
-                                                   packed_linear)
+from pagedserve.executor_svc.layers.linear import (HEAD_INT8_MAX_ROWS, INT4_MAX_ROWS, Linear, NarrowHead, int4_grid,
+                                                   narrow_linears, packed_linear)
 from pagedserve.executor_svc.model_config import load_model_config
 from tests.tiny_models import make_tiny_model
 
@@ -69,12 +69,16 @@ def test_narrowed_linear_takes_and_gives_float32():
 
 
 @native_bf16
-def test_narrow_head_gives_float32_logits_near_each_rows_greatest():
+@pytest.mark.parametrize("rows", [1, HEAD_INT8_MAX_ROWS, HEAD_INT8_MAX_ROWS + 3])
+def test_narrow_head_gives_float32_logits_near_each_rows_greatest(monkeypatch, rows):
+    int8_mm, calls = torch._weight_int8pack_mm, []
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *args: calls.append(args) or int8_mm(*args))
     torch.manual_seed(0)
     weight = torch.randn(4096, 64)
-    hidden = torch.randn(6, 64) * 4
+    hidden = torch.randn(rows, 64) * 4
     exact = hidden @ weight.T
     logits = NarrowHead(weight)(hidden)
+    assert bool(calls) == (rows <= HEAD_INT8_MAX_ROWS)
     assert logits.dtype == torch.float32
     near = exact >= exact.amax(-1, keepdim=True) - 1
     assert torch.allclose(logits[near], exact[near], rtol=0, atol=1e-4)
