@@ -227,8 +227,8 @@ class NarrowHead:
         self.packed = pack(self.weight.to(torch.bfloat16))
         # Each row's step rounded up in bfloat16 (whose rounding is within 2^-8), so that no code
         # passes 127.
-        largest = torch.linalg.vector_norm(self.weight, float("inf"), dim=1)
-        self.scales = (largest / 127 * (1 + 2.0**-7)).to(torch.bfloat16)
+        peaks = torch.linalg.vector_norm(self.weight, float("inf"), dim=1)
+        self.scales = (peaks / 127 * (1 + 2.0**-7)).to(torch.bfloat16)
         steps = self.scales.float().clamp(min=torch.finfo(torch.float32).tiny)
         self.codes = torch.div(self.weight, steps[:, None]).round_().to(torch.int8)
         # |h.w - h'.w'| <= |h| (|w - w'| + 2^-8 |w'|) (Cauchy-Schwarz), where h' is h in bfloat16
