@@ -13,6 +13,9 @@ from pagedserve.executor_svc.logits import (GrammarMask, LogitBias, LogprobRows,
 from pagedserve.kernels.argmax import argmax
 
 GREEDY_TEMPERATURE = 1e-5
+# A row's Philox seed is drawn below this from the CUDA generator (the request's own, for a
+# request with a seed).
+SEED_BOUND = 2**62
 
 
 @dataclass(slots=True)
@@ -190,11 +193,13 @@ def sample_rows(logits: torch.Tensor, generators: dict[int, torch.Generator]) ->
 def sample_exponential(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """On a GPU: argmax(logits - log E) with E ~ Exponential(1) draws one token from
     softmax(logits) (the Gumbel-max trick, as argmax(probs / E) in log space) without a softmax or
-    torch.multinomial's host sync."""
-    noise = torch.empty_like(logits).exponential_()
+    torch.multinomial's host sync. The kernel draws E from a seed a row: noise written by
+    exponential_ and read back took 301 against 240 us at 512 rows of 128,256 logits, 161 against
+    126 at 256 (an H100), and a seeded row launched an exponential_ over the vocabulary."""
+    seeds = torch.randint(SEED_BOUND, (len(logits),), device=logits.device)
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    return argmax(logits, noise)
+        seeds[row:row + 1] = torch.randint(SEED_BOUND, (1,), device=logits.device, generator=generator)
+    return argmax(logits, seeds)
 
 
 def sample_inverse_cdf(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

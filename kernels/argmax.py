@@ -1,5 +1,6 @@
-"""Row-wise argmax over a vocabulary, optionally of logits perturbed by exponential noise (the
-Gumbel-max trick in log space: argmax(logits - log E) draws a token from softmax(logits)).
+"""Row-wise argmax over a vocabulary, optionally of logits perturbed by exponential noise drawn in
+the kernel (the Gumbel-max trick in log space: argmax(logits - log E) draws a token from
+softmax(logits)).
 
 torch's argmax reduces a long row with few thread blocks, which dominates at small batches
 (~28 us for one 128k row on an H200); here the row is split over many programs and their
@@ -12,21 +13,53 @@ CHUNK = 4096
 
 
 @triton.jit
-def _chunk_argmax_kernel(x, noise, best_values, best_indices, vocab, stride_x, stride_noise,
-                         num_chunks, HAS_NOISE: tl.constexpr, CHUNK: tl.constexpr):
+def _chunk_argmax_kernel(x, seeds, best_values, best_indices, vocab, stride_x, num_chunks,
+                         SAMPLE: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < vocab
-    values = tl.load(x + row * stride_x + offs, mask=mask, other=-float("inf")).to(tl.float32)
-    if HAS_NOISE:
-        e = tl.load(noise + row * stride_noise + offs, mask=mask, other=1.0).to(tl.float32)
-        values = values - tl.log(e)
-    # NaN never wins; a chunk of -inf (masked) tokens offers its first one.
+    QUARTER: tl.constexpr = CHUNK // 4
+    quarter = tl.arange(0, QUARTER)
+    x += row * stride_x
+    start = chunk * CHUNK
+    if SAMPLE:
+        # One Philox call makes four draws, one for each quarter of the chunk: a call an element
+        # did four times the multiplies.
+        r0, r1, r2, r3 = tl.randint4x(tl.load(seeds + row), chunk * QUARTER + quarter)
+    else:
+        r0 = quarter.to(tl.uint32)
+        r1 = r0
+        r2 = r0
+        r3 = r0
+    best, index = _quarter_max(x, start, quarter, vocab, r0, SAMPLE)
+    best, index = _later_max(best, index, x, start + QUARTER, quarter, vocab, r1, SAMPLE)
+    best, index = _later_max(best, index, x, start + 2 * QUARTER, quarter, vocab, r2, SAMPLE)
+    best, index = _later_max(best, index, x, start + 3 * QUARTER, quarter, vocab, r3, SAMPLE)
+    tl.store(best_values + row * num_chunks + chunk, best)
+    tl.store(best_indices + row * num_chunks + chunk, index)
+
+
+@triton.jit
+def _later_max(best, index, x, start, quarter, vocab, draws, SAMPLE: tl.constexpr):
+    # Quarters come in vocabulary order: a later one wins only with a strictly larger value.
+    value, at = _quarter_max(x, start, quarter, vocab, draws, SAMPLE)
+    return tl.maximum(value, best), tl.where(value > best, at, index)
+
+
+@triton.jit
+def _quarter_max(x, start, quarter, vocab, draws, SAMPLE: tl.constexpr):
+    """The largest value of x[start:start + QUARTER] (perturbed by Gumbel noise from `draws` when
+    SAMPLE) and its first index."""
+    offs = start + quarter
+    values = tl.load(x + offs, mask=offs < vocab, other=-float("inf")).to(tl.float32)
+    if SAMPLE:
+        # E = -log(U) ~ Exponential(1), U uniform on 23 bits, strictly inside (0, 1): U = 0 or 1
+        # would give a value of -inf or +inf (a token drawn whatever its probability).
+        u = ((draws.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        values = values - tl.log(-tl.log(u))
+    # NaN never wins; a quarter of -inf (masked) tokens offers its first one.
     values = tl.where(values != values, -float("inf"), values)
     best, index = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(best_values + row * num_chunks + chunk, best)
-    tl.store(best_indices + row * num_chunks + chunk, chunk * CHUNK + index)
+    return best, start + index
 
 
 @triton.jit
@@ -41,9 +74,11 @@ def _reduce_argmax_kernel(best_values, best_indices, out, num_chunks, CHUNKS_PAD
     tl.store(out + row, tl.sum(tl.where(offs == chunk, indices, 0), axis=0))
 
 
-def argmax(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """argmax(x, dim=-1) of x [N, V] (the first index on ties), or with `noise` [N, V] > 0
-    argmax(x - log(noise)); returns int64 [N]. Rows must be contiguous in their last dim."""
+def argmax(x: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax(x, dim=-1) of x [N, V] (the first index on ties), or with `seeds` [N] (int64) a token
+    a row drawn from softmax(x): argmax(x - log E), E ~ Exponential(1) drawn in the kernel from
+    the row's seed (Philox), which fixes the draw. Returns int64 [N]. Rows must be contiguous in
+    their last dim."""
     num_rows, vocab = x.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=x.device)
     if num_rows == 0:
@@ -52,9 +87,8 @@ def argmax(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
     best_values = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=x.device)
     best_indices = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=x.device)
     _chunk_argmax_kernel[(num_rows, num_chunks)](
-        x, x if noise is None else noise, best_values, best_indices, vocab, x.stride(0),
-        0 if noise is None else noise.stride(0), num_chunks, HAS_NOISE=noise is not None,
-        CHUNK=CHUNK)
+        x, x if seeds is None else seeds, best_values, best_indices, vocab, x.stride(0),
+        num_chunks, SAMPLE=seeds is not None, CHUNK=CHUNK)
     _reduce_argmax_kernel[(num_rows,)](best_values, best_indices, out, num_chunks,
                                        CHUNKS_PAD=triton.next_power_of_2(num_chunks))
     return out

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from pagedserve.executor_svc.logits import LogprobRows, Penalties
-from pagedserve.executor_svc.sampler import (Sampler, SamplingBatch, make_sampling_batch, top_k_top_p_by_threshold,
-                                             top_k_top_p_sorted)
+from pagedserve.executor_svc.sampler import (Sampler, SamplingBatch, make_sampling_batch, sample_exponential,
+                                             top_k_top_p_by_threshold, top_k_top_p_sorted)
 from pagedserve.common.sampling_params import SamplingParams
+from tests.kernels.kernel_testing import DEVICE
 
 sampler = Sampler()
 
@@ -80,6 +81,21 @@ def test_seeded_row_ignores_the_rest_of_the_batch(logits):
     alone = first_row_draws(logits[:1], [])
     torch.manual_seed(123)
     assert first_row_draws(logits, [SamplingParams(temperature=1.0)] * 5) == alone
+
+
+def test_a_gpu_draw_of_a_seeded_row_depends_on_its_seed_alone(logits):
+    # The GPU's draw, run here by Triton's interpreter: the kernel draws from a seed a row, taken
+    # from the request's generator where it has one.
+    logits = logits.to(DEVICE)
+
+    def first_row_draws(rows: torch.Tensor) -> list[int]:
+        generator = torch.Generator(DEVICE).manual_seed(3)
+        return [sample_exponential(rows, {0: generator})[0].item() for _ in range(5)]
+
+    alone = first_row_draws(logits[:1])
+    torch.manual_seed(123)
+    assert first_row_draws(logits) == alone
+    assert len(set(alone)) > 1
 
 
 def test_temperature_sampling_follows_softmax():

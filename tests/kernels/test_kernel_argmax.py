@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -15,10 +16,52 @@ def test_argmax_matches_torch(num_rows: int, vocab: int) -> None:
     assert torch.equal(argmax(x), x.argmax(dim=-1))
 
 
-def test_argmax_with_noise_is_argmax_of_logits_minus_log_noise() -> None:
-    logits = torch.randn(4, 3 * CHUNK + 5, device=DEVICE)
-    noise = torch.empty_like(logits).exponential_()
-    assert torch.equal(argmax(logits, noise), (logits - noise.log()).argmax(dim=-1))
+def philox4x32(seed: int, counters: np.ndarray) -> list[np.ndarray]:
+    """Philox4x32-10 (Salmon et al. 2011) as triton's randint4x runs it: the counter (offset,
+    0, 0, 0) under the 64-bit key `seed`."""
+    key = [np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)]
+    c = [counters.astype(np.uint64), *(np.zeros(len(counters), np.uint64) for _ in range(3))]
+    mask = np.uint64(0xFFFFFFFF)
+    for _ in range(10):
+        a, b = c[0] * np.uint64(0xD2511F53), c[2] * np.uint64(0xCD9E8D57)
+        c = [(b >> np.uint64(32)) ^ c[1] ^ key[0], b & mask, (a >> np.uint64(32)) ^ c[3] ^ key[1], a & mask]
+        key = [(key[0] + np.uint64(0x9E3779B9)) & mask, (key[1] + np.uint64(0xBB67AE85)) & mask]
+    return c
+
+
+def gumbel_argmax_ref(logits: torch.Tensor, seeds: torch.Tensor) -> list[int]:
+    """argmax(logits - log E) with E = -log(U) from the row's Philox draws: element i of chunk j
+    takes draw i // QUARTER of the call at counter j * QUARTER + i % QUARTER."""
+    quarter = CHUNK // 4
+    tokens = []
+    for row, seed in zip(logits.double().cpu().numpy(), seeds.tolist()):
+        i = np.arange(len(row))
+        draws = np.stack(philox4x32(seed, i // CHUNK * quarter + i % quarter))
+        bits = draws[i % CHUNK // quarter, i].astype(np.float64)
+        u = (np.floor(bits / 512) + 0.5) / 2**23
+        tokens.append(int(np.argmax(row - np.log(-np.log(u)))))
+    return tokens
+
+
+def test_sampled_argmax_is_argmax_of_logits_minus_log_philox_exponentials() -> None:
+    logits = torch.randn(4, 3 * CHUNK + 5, device=DEVICE) * 4
+    logits[1, CHUNK:] = float("-inf")
+    seeds = torch.tensor([0, 1, 2**40 + 7, 2**62 - 1], device=DEVICE)
+    tokens = argmax(logits, seeds).tolist()
+    assert tokens == gumbel_argmax_ref(logits, seeds)
+    assert tokens[1] < CHUNK
+
+
+def test_the_kernels_draws_follow_softmax() -> None:
+    # Through the reference, which the test above holds the kernel to (the interpreter takes
+    # about 17 ms a row).
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0], dtype=torch.float64)
+    logits = probs.log().expand(2000, -1)
+    counts = torch.bincount(torch.tensor(gumbel_argmax_ref(logits, torch.arange(2000) * 7919)), minlength=5)
+    expected = 2000 * probs
+    # Within five standard deviations of a binomial count; the zero-probability token never.
+    assert ((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt()).all(), counts.tolist()
+    assert counts[4] == 0
 
 
 def test_argmax_ties_pick_the_first_token_across_chunks() -> None:
