@@ -26,6 +26,7 @@ def _chunk_argmax_kernel(x, seeds, best_values, best_indices, vocab, stride_x, n
         # did four times the multiplies.
         r0, r1, r2, r3 = tl.randint4x(tl.load(seeds + row), chunk * QUARTER + quarter)
     else:
+        # Unread: a greedy argmax draws nothing.
         r0 = quarter.to(tl.uint32)
         r1 = r0
         r2 = r0
