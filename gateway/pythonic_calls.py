@@ -4,9 +4,9 @@
 the list; otherwise all of it is content.
 
 Each keyword's value is a Python literal, read once it ends (a comma or the closing parenthesis
-outside brackets and strings) and appended to the call's arguments as JSON, so the arguments of a
-call grow by whole values: `{"city": "Dallas"`, then `, "days": 3`, then `}`, which join into what
-vLLM's json.dumps of the same keywords gives. A value that is no literal (a name, an expression)
+outside brackets and strings, triple-quoted ones included) and appended to the call's arguments as
+JSON, so the arguments of a call grow by whole values: `{"city": "Dallas"`, then `, "days": 3`,
+then `}`, which join into what vLLM's json.dumps of the same keywords gives. A value that is no literal (a name, an expression)
 ends the calls where it stands: those before it whole, the one it is in with the arguments before
 it (as max_tokens leaves a call it cuts), none if it was that call's first; a list that gives no call
 is content."""
@@ -62,9 +62,8 @@ class Pythonic:
 
     def _read(self, text: str) -> None:
         while not self._ended and self._pos < len(text):
-            if self._state == "value":
-                self._read_value(text)
-            elif not self._read_word(text):
+            read = self._read_value(text) if self._state == "value" else self._read_word(text)
+            if not read:
                 return
 
     def _read_word(self, text: str) -> bool:
@@ -100,19 +99,27 @@ class Pythonic:
             self._key, self._value_start, self._state, self._depth = word, found + 1, "value", 0
         return True
 
-    def _read_value(self, text: str) -> None:
+    def _read_value(self, text: str) -> bool:
+        """Reads a keyword's value up to its end, where it adds the argument; False to wait for more
+        text."""
         i = self._pos
         while i < len(text):
             c = text[i]
+            if c in "'\"" and not self._escaped and _may_grow_into(text[i:], c * 3):
+                # One or two quotes at the end of the text so far: a triple quote may be coming.
+                self._pos = i
+                return False
             if self._quote is not None:
                 if self._escaped:
                     self._escaped = False
                 elif c == "\\":
                     self._escaped = True
-                elif c == self._quote:
+                elif text.startswith(self._quote, i):
+                    i += len(self._quote) - 1
                     self._quote = None
             elif c in "'\"":
-                self._quote = c
+                self._quote = c * 3 if text.startswith(c * 3, i) else c
+                i += len(self._quote) - 1
             elif c in _OPEN:
                 self._depth += 1
             elif c in _CLOSE and self._depth:
@@ -120,9 +127,10 @@ class Pythonic:
             elif c in ",)" and not self._depth:
                 self._pos = i
                 self._add_argument(text[self._value_start:i])
-                return
+                return True
             i += 1
         self._pos = i
+        return False
 
     def _add_argument(self, literal: str) -> None:
         try:
@@ -136,3 +144,8 @@ class Pythonic:
     def _close_call(self) -> None:
         self._calls[-1].close_built()
         self._pos, self._state = self._pos + 1, "call"
+
+
+def _may_grow_into(tail: str, quote: str) -> bool:
+    """`tail`, the end of the text so far, is a proper start of `quote`."""
+    return len(tail) < len(quote) and quote.startswith(tail)

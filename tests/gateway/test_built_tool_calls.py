@@ -40,6 +40,8 @@ PYTHONIC = {
     "a name, no literal, after a call": '[now(), get_weather(city=dallas)]',
     "a second value no literal": '[get_weather(city="Dallas", days=2 + 1)]',
     "positional": '[get_weather("Dallas")]',
+    "triple quotes": '[get_weather(city="""5" tall, it\'s\n"x\\"""", where={\'code\': \'\'\'a\'b, \'\'\'}, temp=None)]',
+    "empty strings": '[get_weather(city="", where={"": \'\'})]',
 }
 
 
@@ -59,6 +61,8 @@ def test_pythonic_streams_what_it_parses_at_every_cut(case):
     ("content", []),
     ("a name, no literal, after a call", [("now", {})]),
     ("positional", []),
+    ("triple quotes", [("get_weather", {"city": '5" tall, it\'s\n"x"', "where": {"code": "a'b, "}, "temp": None})]),
+    ("empty strings", [("get_weather", {"city": "", "where": {"": ""}})]),
 ])
 def test_pythonic_message(case, expected):
     assert calls("pythonic", PYTHONIC[case]) == expected
