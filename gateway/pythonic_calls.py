@@ -13,7 +13,7 @@ is content."""
 import ast
 import json
 
-from pagedserve.gateway.call_scan import SPACE, Opening, ParsedCall, Scan
+from pagedserve.gateway.call_scan import SPACE, Opening, ParsedCall, Scan, held_back
 
 TAG, END_TAG = "<|python_start|>", "<|python_end|>"
 _OPEN, _CLOSE = "([{", ")]}"
@@ -105,7 +105,7 @@ class Pythonic:
         i = self._pos
         while i < len(text):
             c = text[i]
-            if c in "'\"" and not self._escaped and _may_grow_into(text[i:], c * 3):
+            if c in "'\"" and not self._escaped and len(text) - i <= held_back(text, c * 3):
                 # One or two quotes at the end of the text so far: a triple quote may be coming.
                 self._pos = i
                 return False
@@ -144,8 +144,3 @@ class Pythonic:
     def _close_call(self) -> None:
         self._calls[-1].close_built()
         self._pos, self._state = self._pos + 1, "call"
-
-
-def _may_grow_into(tail: str, quote: str) -> bool:
-    """`tail`, the end of the text so far, is a proper start of `quote`."""
-    return len(tail) < len(quote) and quote.startswith(tail)
