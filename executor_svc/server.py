@@ -1,5 +1,6 @@
 """gRPC server around the worker: Describe, and a Run stream of step plans."""
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -51,7 +52,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         loop = asyncio.get_running_loop()
         log.info("scheduler_attached")
         launched: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(self._launch_all(request_iterator, launched))
+        failed = threading.Event()
+        reader = asyncio.create_task(self._launch_all(request_iterator, launched, failed))
         try:
             while (job := await launched.get()) is not None:
                 if isinstance(job, Exception):
@@ -62,11 +64,13 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                     step = await loop.run_in_executor(self.pool, self.worker.collect, step)
                 yield result_to_proto(step)
         except Exception as e:
+            failed.set()
             if device_broken(e):
                 await self._fail_device(e)
             raise
         finally:
             reader.cancel()
+            _cancel_queued(launched)
             self.busy = False
             if not self.broken:
                 await loop.run_in_executor(self.pool, self.worker.reset)
@@ -81,7 +85,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         self.device_failed.set()
 
-    async def _launch_all(self, request_iterator, launched: asyncio.Queue) -> None:
+    async def _launch_all(self, request_iterator, launched: asyncio.Queue, failed: threading.Event) -> None:
         """Hands each plan to the forward thread as it arrives, queueing its launch for the result
         writer; then None. The thread takes the next plan as soon as it is done with the step
         before: waiting for each launch before reading the next plan put a trip through the event
@@ -90,19 +94,36 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         try:
             async for message in request_iterator:
                 plan = plan_from_proto(message)
-                launched.put_nowait(loop.run_in_executor(self.pool, self._launch, plan))
+                launched.put_nowait(loop.run_in_executor(self.pool, self._launch, plan, failed))
         except Exception as e:  # noqa: BLE001 - handed to the writer, which fails the RPC with it
             launched.put_nowait(e)
         else:
             launched.put_nowait(None)
 
-    def _launch(self, plan: StepPlan) -> Launched | StepResult:
+    def _launch(self, plan: StepPlan, failed: threading.Event) -> Launched | StepResult | None:
         """The plan's step launched, or, where launching ran it (a CPU), its result: collected by
         a later job, behind a hop to the waiter thread, it often waited for the next plan's whole
         step, which the scheduler had sent meanwhile (SmolLM2 served one stream on the 2-core
-        machine: time to first token 93-107 ms that way, 82-86 ms collected at once)."""
-        step = self.worker.launch(plan)
-        return self.worker.collect(step) if self.worker.synchronous else step
+        machine: time to first token 93-107 ms that way, 82-86 ms collected at once). None, not
+        run, once a launch of the stream has failed: the forward thread takes the next plan
+        before the event loop hears of the failure."""
+        if failed.is_set():
+            return None
+        try:
+            step = self.worker.launch(plan)
+            return self.worker.collect(step) if self.worker.synchronous else step
+        except BaseException:
+            failed.set()
+            raise
+
+
+def _cancel_queued(launched: asyncio.Queue) -> None:
+    # Launches queued behind a step that failed the stream: none leaves a result or an exception
+    # that no one retrieves.
+    while not launched.empty():
+        job = launched.get_nowait()
+        if isinstance(job, asyncio.Future):
+            job.cancel()
 
 
 def forward_thread() -> ThreadPoolExecutor:

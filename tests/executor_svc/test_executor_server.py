@@ -169,3 +169,37 @@ async def test_the_worker_is_built_on_the_thread_that_runs_its_steps(tmp_path, m
     await serving
     assert len(ThreadRecorder.threads) == 3 and len(set(ThreadRecorder.threads)) == 1
     assert ThreadRecorder.threads[0] != threading.get_ident()
+
+
+class FailsFirst(Recording):
+    """Fails its first step after the second plan has arrived, and records resets."""
+
+    def launch(self, plan: StepPlan):
+        if plan.step_id == 1:
+            self.jobs.append(("launch", 1))
+            time.sleep(0.2)
+            raise ValueError("step 1 failed")
+        return super().launch(plan)
+
+    def reset(self) -> None:
+        self.jobs.append(("reset", 0))
+
+
+async def test_plans_queued_behind_a_failed_step_never_run(tmp_path):
+    address = f"unix://{tmp_path}/executor.sock"
+    worker = FailsFirst()
+    server = await service.start("executor", address, partial(
+        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(worker)))
+    async with service.channel(address) as channel:
+        call = executor_pb2_grpc.ExecutorStub(channel).Run()
+        await call.write(plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5, 6], 0, 2, [1],
+                                                                            SamplingParams())])))
+        await call.write(plan_to_proto(StepPlan(2, continuing=[ContinuingRequest(7, 1, [])])))
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call.read()
+        for _ in range(100):
+            if ("reset", 0) in worker.jobs:
+                break
+            await asyncio.sleep(0.01)
+    await server.stop()
+    assert worker.jobs == [("launch", 1), ("reset", 0)]
