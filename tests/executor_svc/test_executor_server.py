@@ -1,6 +1,7 @@
 """The executor's Run stream: plans launched as they arrive, results in plan order, errors fail it,
 and a failed device turns the executor NOT_SERVING for good."""
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -67,11 +68,10 @@ class Recording(NullWorker):
         return step
 
 
-async def test_a_synchronous_step_is_collected_before_the_next_plan_runs(tmp_path):
-    # On a CPU a launch runs the step: its result, collected at once, cannot fall behind the next
-    # plan's step.
+@contextlib.asynccontextmanager
+async def two_plans_sent(tmp_path, worker: NullWorker):
+    """A Run stream to an executor of `worker`, plans 1 and 2 written (2 decodes what 1 samples)."""
     address = f"unix://{tmp_path}/executor.sock"
-    worker = Recording()
     server = await service.start("executor", address, partial(
         executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(worker)))
     async with service.channel(address) as channel:
@@ -79,9 +79,17 @@ async def test_a_synchronous_step_is_collected_before_the_next_plan_runs(tmp_pat
         await call.write(plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5, 6], 0, 2, [1],
                                                                             SamplingParams())])))
         await call.write(plan_to_proto(StepPlan(2, continuing=[ContinuingRequest(7, 1, [])])))
+        yield call
+    await server.stop()
+
+
+async def test_a_synchronous_step_is_collected_before_the_next_plan_runs(tmp_path):
+    # On a CPU a launch runs the step: its result, collected at once, cannot fall behind the next
+    # plan's step.
+    worker = Recording()
+    async with two_plans_sent(tmp_path, worker) as call:
         assert [result_from_proto(await call.read()).step_id for _ in range(2)] == [1, 2]
         await call.done_writing()
-    await server.stop()
     assert worker.jobs == [("launch", 1), ("collect", 1), ("launch", 2), ("collect", 2)]
 
 
@@ -186,20 +194,12 @@ class FailsFirst(Recording):
 
 
 async def test_plans_queued_behind_a_failed_step_never_run(tmp_path):
-    address = f"unix://{tmp_path}/executor.sock"
     worker = FailsFirst()
-    server = await service.start("executor", address, partial(
-        executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(worker)))
-    async with service.channel(address) as channel:
-        call = executor_pb2_grpc.ExecutorStub(channel).Run()
-        await call.write(plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5, 6], 0, 2, [1],
-                                                                            SamplingParams())])))
-        await call.write(plan_to_proto(StepPlan(2, continuing=[ContinuingRequest(7, 1, [])])))
+    async with two_plans_sent(tmp_path, worker) as call:
         with pytest.raises(grpc.aio.AioRpcError):
             await call.read()
         for _ in range(100):
             if ("reset", 0) in worker.jobs:
                 break
             await asyncio.sleep(0.01)
-    await server.stop()
     assert worker.jobs == [("launch", 1), ("reset", 0)]
