@@ -6,10 +6,10 @@ the list; otherwise all of it is content.
 Each keyword's value is a Python literal, read once it ends (a comma or the closing parenthesis
 outside brackets and strings, triple-quoted ones included) and appended to the call's arguments as
 JSON, so the arguments of a call grow by whole values: `{"city": "Dallas"`, then `, "days": 3`,
-then `}`, which join into what vLLM's json.dumps of the same keywords gives. A value that is no literal (a name, an expression)
-ends the calls where it stands: those before it whole, the one it is in with the arguments before
-it (as max_tokens leaves a call it cuts), none if it was that call's first; a list that gives no call
-is content."""
+then `}`, which join into what vLLM's json.dumps of the same keywords gives. A value that is no
+literal (a name, an expression) ends the calls where it stands: those before it whole, the one it
+is in with the arguments before it (as max_tokens leaves a call it cuts), none if it was that
+call's first; a list that gives no call is content."""
 import ast
 import json
 

@@ -24,6 +24,11 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.v1 import executor_pb2_grpc
 
 
+# Request 7's first step, and the step that decodes the token it samples (planned before its result).
+PREFILL = plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5, 6], 0, 2, [1], SamplingParams())]))
+DECODE = plan_to_proto(StepPlan(2, continuing=[ContinuingRequest(7, 1, [])]))
+
+
 @pytest.fixture
 async def executor(tmp_path):
     address = f"unix://{tmp_path}/executor.sock"
@@ -37,10 +42,8 @@ async def executor(tmp_path):
 
 async def test_two_plans_in_flight_come_back_in_order(executor):
     call = executor.Run()
-    await call.write(plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5, 6], 0, 2, [1],
-                                                                        SamplingParams())])))
-    # Planned before the first result: decodes the token the first step samples.
-    await call.write(plan_to_proto(StepPlan(2, continuing=[ContinuingRequest(7, 1, [])])))
+    await call.write(PREFILL)
+    await call.write(DECODE)
     first, second = result_from_proto(await call.read()), result_from_proto(await call.read())
     assert [(r.step_id, r.seq_ids, r.token_ids) for r in (first, second)] == [
         (1, [7], [TOKEN]), (2, [7], [TOKEN])]
@@ -70,15 +73,14 @@ class Recording(NullWorker):
 
 @contextlib.asynccontextmanager
 async def two_plans_sent(tmp_path, worker: NullWorker):
-    """A Run stream to an executor of `worker`, plans 1 and 2 written (2 decodes what 1 samples)."""
+    """A Run stream to an executor of `worker`, PREFILL and DECODE written."""
     address = f"unix://{tmp_path}/executor.sock"
     server = await service.start("executor", address, partial(
         executor_pb2_grpc.add_ExecutorServicer_to_server, ExecutorService(worker)))
     async with service.channel(address) as channel:
         call = executor_pb2_grpc.ExecutorStub(channel).Run()
-        await call.write(plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5, 6], 0, 2, [1],
-                                                                            SamplingParams())])))
-        await call.write(plan_to_proto(StepPlan(2, continuing=[ContinuingRequest(7, 1, [])])))
+        await call.write(PREFILL)
+        await call.write(DECODE)
         yield call
     await server.stop()
 
@@ -120,10 +122,10 @@ async def test_a_failed_device_reports_not_serving_and_refuses_the_next_schedule
     async with service.channel(address) as channel:
         stub, probe = executor_pb2_grpc.ExecutorStub(channel), health_pb2_grpc.HealthStub(channel)
         call = stub.Run()
-        await call.write(plan_to_proto(StepPlan(1, new_requests=[NewRequest(7, [5, 6], 0, 2, [1], SamplingParams())])))
+        await call.write(PREFILL)
         assert result_from_proto(await call.read()).token_ids == [TOKEN]
         assert (await probe.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
-        await call.write(plan_to_proto(StepPlan(2, continuing=[ContinuingRequest(7, 1, [])])))
+        await call.write(DECODE)
         with pytest.raises(grpc.aio.AioRpcError):
             await call.read()
         assert (await probe.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.NOT_SERVING
