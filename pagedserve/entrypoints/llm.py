@@ -59,7 +59,7 @@ class LLM(Pooling):
         info = self.worker.describe()
         self.max_model_len = info.max_model_len
         self.pooling = info.pooling
-        self.scheduler = Scheduler(self.config, info)
+        self.scheduler = Scheduler(self.config, info, offline=True)
         self.steps = StepLoop(self.scheduler, self.config.async_scheduling)
         self.transport = RunnerTransport(self.worker)
         self.tokenizer = _load_tokenizer(tokenizer or model)

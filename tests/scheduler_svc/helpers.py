@@ -14,7 +14,7 @@ def make_scheduler(num_blocks: int = 64, max_model_len: int = 256, block_size: i
                    scheduling_policy: str = "fcfs", mixed_graph_tokens: int = 0,
                    kv_cache_dtype: str = "bfloat16", max_logprobs: int = MAX_LOGPROBS,
                    long_prefill_token_threshold: int = 0, lora_names: tuple[str, ...] = (),
-                   max_loras: int = 0) -> Scheduler:
+                   max_loras: int = 0, offline: bool = False) -> Scheduler:
     config = EngineConfig(enable_prefix_caching=enable_prefix_caching, max_num_queued_reqs=max_num_queued_reqs,
                           scheduling_policy=scheduling_policy, long_prefill_token_threshold=long_prefill_token_threshold)
     info = ExecutorInfo(num_blocks=num_blocks, block_size=block_size, dtype="none", device="none",
@@ -22,7 +22,7 @@ def make_scheduler(num_blocks: int = 64, max_model_len: int = 256, block_size: i
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         mixed_graph_tokens=mixed_graph_tokens, kv_cache_dtype=kv_cache_dtype,
                         max_logprobs=max_logprobs, lora_names=list(lora_names), max_loras=max_loras)
-    return Scheduler(config, info)
+    return Scheduler(config, info, offline=offline)
 
 
 def add(s: Scheduler, seq_id: int, prompt_len: int, first_token: int = 1, priority: int = 0,

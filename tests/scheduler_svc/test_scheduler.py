@@ -128,6 +128,21 @@ def test_a_burst_with_nothing_running_answers_its_first_prompts_after_a_step_of_
     assert scheduled(step(s)[0]) == {1: 60}
 
 
+def test_offline_prompts_fill_every_step_budget_where_online_ones_go_in_chunks_beside_decodes():
+    def token_counts(offline: bool) -> list[int]:
+        s = make_scheduler(num_blocks=400, max_num_batched_tokens=64, mixed_graph_tokens=32,
+                           max_num_seqs=16, offline=offline)
+        for seq_id in range(1, 13):
+            add(s, seq_id, 20, first_token=50 * seq_id, max_tokens=50)
+        return [sum(scheduled(step(s)[0]).values()) for _ in range(7)]
+
+    # 240 prompt tokens: the whole budget of 64 a step until they are in, then 12 decode rows.
+    assert token_counts(offline=True) == [64, 64, 64, 64, 13, 12, 12]
+    # Online, steps beside decode rows stop at the mixed graphs' 32 tokens (scheduler_svc/policy.py).
+    online = token_counts(offline=False)
+    assert online[0] == 64 and max(online[1:]) <= 32 and min(online[1:]) > 12
+
+
 def test_running_requests_are_scheduled_before_waiting_ones():
     s = make_scheduler(max_num_batched_tokens=8)
     add(s, 1, 5)
