@@ -52,9 +52,9 @@ class Scheduler:
         self.mixed_graph_tokens = info.mixed_graph_tokens
         # Offline (the LLM class) no client waits on a first token, so prompts fill every step's
         # budget, where the GEMMs run at their best rate: prompt_budget's chunks and burst steps
-        # buy latency with throughput. Offline `mixed` on an H100 (Llama-3.1-8B shape, FP8 + FP8 KV,
-        # 2026-12-07) spent 35 burst steps of about 2,050 tokens at 16 us a token against 14 in
-        # steps of 16,384.
+        # buy latency with throughput. Offline `mixed` on an H100 (Llama-3.1-8B shape, 2026-12-07,
+        # alternating in one call): 528 steps against 561, FP8 + FP8 KV 14,246 / 14,349 tok/s against
+        # 13,999 / 14,158, bf16 8,842 / 8,848 against 8,742 / 8,786.
         self.whole_budget_prompts = offline
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
