@@ -49,13 +49,14 @@ class Scheduler:
         # A request's prompt tokens a step (--long-prefill-token-threshold); the budget bounds it anyway.
         self.prefill_cap = config.long_prefill_token_threshold or info.max_num_batched_tokens
         self.max_num_batched_tokens = info.max_num_batched_tokens
-        self.mixed_graph_tokens = info.mixed_graph_tokens
-        # Offline (the LLM class) no client waits on a first token, so prompts fill every step's
-        # budget, where the GEMMs run at their best rate: prompt_budget's chunks and burst steps
-        # buy latency with throughput. Offline `mixed` on an H100 (Llama-3.1-8B shape, 2026-12-07,
-        # alternating in one call): 528 steps against 561, FP8 + FP8 KV 14,246 / 14,349 tok/s against
-        # 13,999 / 14,158, bf16 8,842 / 8,848 against 8,742 / 8,786.
-        self.whole_budget_prompts = offline
+        # Mixed steps replayed as CUDA graphs (of up to this many tokens) size the prompt chunks that
+        # join decode rows (policy.prompt_budget); 0 gives prompts every step's whole budget. Offline
+        # (the LLM class) no client waits on a first token, so its prompts take the whole budget,
+        # where the GEMMs run at their best rate: the chunks and burst steps buy latency with
+        # throughput. Offline `mixed` on an H100 (Llama-3.1-8B shape, 2026-12-07, alternating in one
+        # call): 528 steps against 561, FP8 + FP8 KV 14,246 / 14,349 tok/s against 13,999 / 14,158,
+        # bf16 8,842 / 8,848 against 8,742 / 8,786.
+        self.chunking_graph_tokens = 0 if offline else info.mixed_graph_tokens
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.max_logprobs = info.max_logprobs
@@ -170,8 +171,7 @@ class Scheduler:
         running = self.running
         background = self.waiting_background or running and running[-1].background
         end = num_interactive(running) if background else len(running)
-        prompts = (self.max_num_batched_tokens if self.whole_budget_prompts else
-                   prompt_budget(end, self.waiting, self.max_num_batched_tokens, self.mixed_graph_tokens))
+        prompts = prompt_budget(end, self.waiting, self.max_num_batched_tokens, self.chunking_graph_tokens)
         budget, prompts = self._schedule_running(plan, self.max_num_batched_tokens, prompts, 0, end)
         # After a preemption the pool is short: admitting would only cause more preemptions.
         if self.num_preemptions == num_preemptions:
