@@ -247,7 +247,7 @@ def chunked_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hid
                      chunk: int = PROMPT_LOGPROBS_CHUNK) -> SampledLogprobs:
     """gather_logprobs of the logits of hidden[index] [N] against targets [N], with at most
     `chunk` rows of logits at a time."""
-    parts = [gather_logprobs(compute_logits(hidden[i]).log_softmax(dim=-1), t, k)
+    parts = [gather_logprobs(compute_logits(hidden[i]).float().log_softmax(dim=-1), t, k)
              for i, t in zip(index.split(chunk), targets.split(chunk))]
     if len(parts) == 1:
         return parts[0]

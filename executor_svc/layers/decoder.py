@@ -134,13 +134,14 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (the whole vocabulary on
-        every rank: each computes its slice and the ranks all-gather them)."""
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in the head's output dtype (the model
+        dtype, float32 from the narrow head; the whole vocabulary on every rank: each computes its
+        slice and the ranks all-gather them). Whoever edits or normalizes them widens them first."""
         if self.narrow_head is not None:
             logits = self.narrow_head(hidden)
         else:
             logits = nn.functional.linear(hidden, self.head_weight())
-        return (logits if self.tp is None else self.tp.all_gather(logits)).float()
+        return logits if self.tp is None else self.tp.all_gather(logits)
 
     def head_weight(self) -> torch.Tensor:
         head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head

@@ -129,8 +129,8 @@ class Gemma2ForCausalLM(CausalLM):
         self.final_logit_softcapping = hf["final_logit_softcapping"]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """CausalLM's logits, soft-capped: cap * tanh(logits / cap)."""
-        logits = super().compute_logits(hidden)
+        """CausalLM's logits in float32, soft-capped: cap * tanh(logits / cap)."""
+        logits = super().compute_logits(hidden).float()
         cap = self.final_logit_softcapping
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 

@@ -154,5 +154,5 @@ def paged_prefill_logits(path, prompts: list[list[int]], backend=None,
     with torch.inference_mode():
         hidden = model(torch.tensor(sum(prompts, []), device=device),
                        torch.cat(positions).to(device), kv_caches, meta)
-        logits = model.compute_logits(hidden)
+        logits = model.compute_logits(hidden).float()
     return list(logits.split(lens.tolist()))

@@ -238,3 +238,47 @@ def test_the_temperature_pass_runs_only_when_a_sampled_row_needs_it(temperatures
                                 np.zeros(n, np.int64), np.zeros(n, np.float32), {},
                                 lambda a: torch.from_numpy(a))
     assert (batch.temperature is not None) == divides
+
+
+@pytest.mark.parametrize("temperatures, top_k, logprobs, argmax_only", [
+    ([0.0, 0.0], 0, False, True), ([1.0, 0.0], 0, False, True), ([0.7, 1.0], 0, False, False),
+    ([1.0, 1.0], 5, False, False), ([0.0, 0.0], 0, True, False)])
+def test_only_rows_that_take_a_plain_argmax_leave_the_logits_unedited(temperatures, top_k, logprobs,
+                                                                      argmax_only):
+    n = len(temperatures)
+    batch = make_sampling_batch(np.array(temperatures, np.float32), np.ones(n, np.float32),
+                                np.full(n, top_k, np.int64), np.zeros(n, np.float32), {},
+                                lambda a: torch.from_numpy(a))
+    if logprobs:
+        batch.logprobs = LogprobRows(np.array([0]), torch.tensor([0]), np.array([1]))
+    assert batch.takes_argmax_only() == argmax_only
+
+
+def test_bfloat16_logits_are_widened_before_logprobs_and_temperature():
+    logits = (torch.randn(3, 500, generator=seeded(2)) * 4).to(torch.bfloat16).to(DEVICE)
+    batch = make_sampling_batch(np.array([0.0, 0.5, 0.0], np.float32), np.ones(3, np.float32),
+                                np.zeros(3, np.int64), np.zeros(3, np.float32), {},
+                                lambda a: torch.from_numpy(a).to(DEVICE))
+    batch.logprobs = LogprobRows(np.array([0, 2]), torch.tensor([0, 2], device=DEVICE), np.array([3, 3]))
+    out = sampler(logits, batch)
+    assert out.logprobs.values.dtype == torch.float32
+    expected = logits.float().log_softmax(-1)[[0, 2]]
+    torch.testing.assert_close(out.logprobs.values[:, 1:], expected.sort(-1, descending=True).values[:, :3])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the sampler reads narrow logits on a GPU only")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bfloat16_logits_draw_what_their_float32_widening_draws(temperature):
+    # Plain rows read the model dtype where the kernel widens each value: the same seeds must
+    # draw the same tokens as from a float32 copy.
+    logits = (torch.randn(64, 128_256, device="cuda") * 3).to(torch.bfloat16)
+
+    def draw(rows: torch.Tensor) -> torch.Tensor:
+        generators = {row: torch.Generator("cuda").manual_seed(row) for row in range(64)}
+        batch = make_sampling_batch(np.full(64, temperature, np.float32), np.ones(64, np.float32),
+                                    np.zeros(64, np.int64), np.zeros(64, np.float32), generators,
+                                    lambda a: torch.from_numpy(a).cuda())
+        assert batch.takes_argmax_only()
+        return sampler(rows, batch).tokens
+
+    assert torch.equal(draw(logits), draw(logits.float()))
