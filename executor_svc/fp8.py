@@ -3,6 +3,7 @@ weights with a float32 scale per output channel, and quantize each token's activ
 scale of its own as they arrive. A mixture of experts' stacked expert weights go FP8 the same
 way, a scale per expert and output channel (kernels/fused_moe.py). The embedding, lm_head and MoE
 routers keep the model dtype."""
+import functools
 from collections.abc import Callable
 
 import torch
@@ -44,11 +45,27 @@ class Fp8Linear(nn.Module):
         return self._scaled_mm(*self.quantize(x2), x.shape[:-1])
 
     def _scaled_mm(self, q: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        # Fast accumulation: 12% off the row-wise GEMMs at 1024 tokens on an H200.
-        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
-                               bias=self.bias, out_dtype=self.dtype,
-                               use_fast_accum=q.is_cuda)
+        if q.is_cuda or cpu_scaled_mm_takes_rows():
+            # Fast accumulation: 12% off the row-wise GEMMs at 1024 tokens on an H200.
+            out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
+                                   bias=self.bias, out_dtype=self.dtype, use_fast_accum=q.is_cuda)
+        else:
+            out = (q.float() * scale) @ (self.weight.float() * self.weight_scale).t()
+            out = (out if self.bias is None else out + self.bias).to(self.dtype)
         return out.view(*shape, self.out_features)
+
+
+@functools.cache
+def cpu_scaled_mm_takes_rows() -> bool:
+    """Whether this torch's CPU torch._scaled_mm takes a scale a row: torch 2.11's (the Docker
+    image's) takes one a tensor and fails an internal assert otherwise, so Fp8Linear multiplies
+    the dequantized operands there instead."""
+    a, b = torch.zeros(2, 16, dtype=FP8_DTYPE), torch.zeros(16, 16, dtype=FP8_DTYPE)
+    try:
+        torch._scaled_mm(a, b.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def takes_quantized(x: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ from torch import nn
 
 from pagedserve import LLM
 from pagedserve.executor_svc.attention_backend import TorchAttentionBackend
+from pagedserve.executor_svc import fp8
 from pagedserve.executor_svc.fp8 import Fp8Linear, quantize_linears
 from pagedserve.executor_svc.model_config import load_model_config, model_config_from_dict
 from pagedserve.executor_svc.layers.decoder import CausalLM
@@ -49,7 +50,10 @@ class Block(nn.Module):
         self.other = nn.Linear(64, 8)
 
 
-def test_fp8_linear_is_fp8_math_and_close_to_float():
+@pytest.mark.parametrize("rows_scaled", [True, False], ids=["scaled_mm", "dequantized"])
+def test_fp8_linear_is_fp8_math_and_close_to_float(monkeypatch, rows_scaled):
+    # Without a scale a row in the CPU _scaled_mm (torch 2.11), the operands are dequantized.
+    monkeypatch.setattr(fp8, "cpu_scaled_mm_takes_rows", lambda: rows_scaled)
     torch.manual_seed(0)
     block = Block()
     x = torch.randn(2, 5, 64) * 3
