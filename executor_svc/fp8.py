@@ -58,12 +58,12 @@ class Fp8Linear(nn.Module):
 @functools.cache
 def cpu_scaled_mm_takes_rows() -> bool:
     """Whether this torch's CPU torch._scaled_mm takes a scale a row: torch 2.11's (the Docker
-    image's) takes one a tensor and fails an internal assert otherwise, so Fp8Linear multiplies
-    the dequantized operands there instead."""
+    image's) takes one a tensor and fails an internal assert otherwise, and older ones may have no
+    CPU kernel; Fp8Linear multiplies the dequantized operands there instead."""
     a, b = torch.zeros(2, 16, dtype=FP8_DTYPE), torch.zeros(16, 16, dtype=FP8_DTYPE)
     try:
         torch._scaled_mm(a, b.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
-    except RuntimeError:
+    except (RuntimeError, NotImplementedError):
         return False
     return True
 
