@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedserve.kernels.fp8_matmul import SMALL_BATCH, w8a16_matmul
 from pagedserve.kernels.fused_moe import quantize_experts_fp8
-from pagedserve.kernels.reference import FP8_DTYPE, per_token_quant_fp8_ref, quantize_experts_fp8_ref
+from pagedserve.kernels.reference import FP8_DTYPE, dequantize, per_token_quant_fp8_ref, quantize_experts_fp8_ref
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Activations quantized per token: (FP8 [T, K], float32 scale [T, 1]).
@@ -50,7 +50,7 @@ class Fp8Linear(nn.Module):
             out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
                                    bias=self.bias, out_dtype=self.dtype, use_fast_accum=q.is_cuda)
         else:
-            out = (q.float() * scale) @ (self.weight.float() * self.weight_scale).t()
+            out = dequantize(q, scale) @ dequantize(self.weight, self.weight_scale).t()
             out = (out if self.bias is None else out + self.bias).to(self.dtype)
         return out.view(*shape, self.out_features)
 

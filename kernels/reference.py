@@ -30,8 +30,9 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor |
     return x.clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
 
 
-def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Cache entries as float32 values, times the scale if one is given (an fp8 cache's)."""
+def dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x as float32 values, times its scale if one is given (an fp8 cache's, FP8 weights' or
+    activations')."""
     return x.float() if scale is None else x.float() * scale
 
 
@@ -87,8 +88,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         table = block_tables[i, :num_blocks].long()
         k = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        k = dequantize_kv(k.repeat_interleave(group, dim=1).transpose(0, 1), k_scale)
-        v = dequantize_kv(v.repeat_interleave(group, dim=1).transpose(0, 1), v_scale)
+        k = dequantize(k.repeat_interleave(group, dim=1).transpose(0, 1), k_scale)
+        v = dequantize(v.repeat_interleave(group, dim=1).transpose(0, 1), v_scale)
         qs = q[q_lo:q_hi].transpose(0, 1).float()
         scores = soft_cap(torch.matmul(qs, k.transpose(1, 2)) * scale, softcap)
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
@@ -194,12 +195,7 @@ def _moe_operand(a: torch.Tensor, quantize: bool) -> torch.Tensor:
     """a as float32 values, through per-token FP8 quantization if `quantize`."""
     if not quantize:
         return a.float()
-    q, scale = per_token_quant_fp8_ref(a)
-    return q.float() * scale
-
-
-def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    return w.float() if scale is None else w.float() * scale
+    return dequantize(*per_token_quant_fp8_ref(a))
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -217,9 +213,9 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     slots = torch.zeros(x.shape[0], top_k, x.shape[1], dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         tokens, ks = (topk_ids == e).nonzero(as_tuple=True)
-        h = xs[tokens] @ _expert_weight(w13[e], None if w13_scale is None else w13_scale[e]).t()
+        h = xs[tokens] @ dequantize(w13[e], None if w13_scale is None else w13_scale[e]).t()
         inter = _moe_operand(silu_and_mul_ref(h).to(x.dtype), fp8 and down_w8a8)
-        y = inter @ _expert_weight(w2[e], None if w2_scale is None else w2_scale[e]).t()
+        y = inter @ dequantize(w2[e], None if w2_scale is None else w2_scale[e]).t()
         slots[tokens, ks] = (y * topk_weights[tokens, ks, None].float()).to(x.dtype).float()
     return slots.sum(dim=1).to(x.dtype)
 

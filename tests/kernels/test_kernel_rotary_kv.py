@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.kernels.kernel_testing import DEVICE, assert_close
-from pagedserve.kernels.reference import FP8_DTYPE, dequantize_kv, rms_norm_ref, rotary_ref, write_kv_ref
+from pagedserve.kernels.reference import FP8_DTYPE, dequantize, rms_norm_ref, rotary_ref, write_kv_ref
 from pagedserve.kernels.rotary import rotary_write_kv
 
 
@@ -108,7 +108,7 @@ def run_case(dtype: torch.dtype, cache_dtype: torch.dtype, group: int, block_siz
                                 for c in (ref_k_cache, ref_v_cache))
     if cache_dtype == FP8_DTYPE:
         # fp32 rotation may round differently from torch's (fused multiply-adds): one e4m3 step.
-        got, want = (dequantize_kv(c, None) for c in (k_slots[written], ref_k_slots))
+        got, want = (dequantize(c, None) for c in (k_slots[written], ref_k_slots))
         assert ((got - want).abs() <= want.abs() / 8 + 1e-6).all()
         assert torch.equal(v_slots[written].view(torch.uint8), ref_v_slots.view(torch.uint8))
         if exact:
