@@ -15,6 +15,7 @@ from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
 from pagedserve.executor_svc.fp8 import quantize_linears
 from pagedserve.executor_svc.kv_cache import bytes_per_block
 from pagedserve.executor_svc.worker import Worker
+from pagedserve.kernels.fp8_matmul import MID_BATCH
 from pagedserve.kernels.quant import per_token_quant_fp8
 from pagedserve.kernels.reference import per_token_quant_fp8_ref
 from tests.executor_svc.harness import paged_prefill_logits
@@ -61,13 +62,15 @@ def _release() -> None:
     torch.cuda.empty_cache()
 
 
-def test_scaled_mm_layer_with_bias_matches_dequantized_math():
-    """torch._scaled_mm with row-wise scales and a bf16 bias (Qwen2's q/k/v) on the Triton
+# Past MID_BATCH rows torch._scaled_mm, up to it the Triton W8A8 kernel.
+@pytest.mark.parametrize("rows", [MID_BATCH + 37, 37])
+def test_w8a8_layer_with_bias_matches_dequantized_math(rows):
+    """A W8A8 GEMM with row-wise scales and a bf16 bias (Qwen2's q/k/v) on the Triton
     kernel's quantized activations, against the same FP8 values multiplied out in float32."""
     torch.manual_seed(0)
     holder = torch.nn.Module()
     holder.qkv_proj = torch.nn.Linear(4096, 1536, bias=True, device=CUDA, dtype=torch.bfloat16)
-    x = torch.randn(37, 4096, device=CUDA, dtype=torch.bfloat16) * 2
+    x = torch.randn(rows, 4096, device=CUDA, dtype=torch.bfloat16) * 2
     w_q, w_scale = per_token_quant_fp8_ref(holder.qkv_proj.weight)
     quantize_linears(holder, per_token_quant_fp8)
     with torch.inference_mode():
