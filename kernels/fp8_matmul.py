@@ -28,10 +28,10 @@ MID_BLOCK_K = 256
 
 
 @triton.jit
-def _weight_tile(w_rows, k, rk, row_ok, K, EVEN_K: tl.constexpr):
+def _k_tile(rows, k, rk, row_ok, K, EVEN_K: tl.constexpr):
     if EVEN_K:
-        return tl.load(w_rows + k, mask=row_ok, other=0.0)
-    return tl.load(w_rows + k, mask=row_ok & (k + rk[None, :] < K), other=0.0)
+        return tl.load(rows + k, mask=row_ok, other=0.0)
+    return tl.load(rows + k, mask=row_ok & (k + rk[None, :] < K), other=0.0)
 
 
 @triton.jit
@@ -54,11 +54,11 @@ def _gemv_kernel(x, w, w_scale, bias, out, N, K, HAS_BIAS: tl.constexpr, BLOCK_N
     # the kernel before this one still runs: the FP8 batch-1 step took 2.817 ms against 2.960
     # on an H200. Loading 2 or 4 tiles first, in a variant that summed them apart, made it
     # slower (2.976 and 3.032 ms against 2.871 with one tile, in another call).
-    w_first = _weight_tile(w_rows, 0, rk, row_ok, K, EVEN_K)
+    w_first = _k_tile(w_rows, 0, rk, row_ok, K, EVEN_K)
     pdl.wait_for_previous(PDL)
     acc = w_first.to(tl.float32) * _x_tile(x, 0, rk, K, EVEN_K)[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
-        acc += (_weight_tile(w_rows, k, rk, row_ok, K, EVEN_K).to(tl.float32)
+        acc += (_k_tile(w_rows, k, rk, row_ok, K, EVEN_K).to(tl.float32)
                 * _x_tile(x, k, rk, K, EVEN_K)[None, :])
     y = tl.sum(acc, 1) * tl.load(w_scale + rn, mask=rn < N, other=0.0)
     if HAS_BIAS:
@@ -133,8 +133,8 @@ def _mid_batch_kernel(x, x_scale, w, w_scale, bias, out, M, N, K, stride_x, HAS_
     pdl.wait_for_previous(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, K, BLOCK_K):
-        acc = tl.dot(_weight_tile(x_rows, k, rk, rm[:, None] < M, K, EVEN_K),
-                     tl.trans(_weight_tile(w_rows, k, rk, rn[:, None] < N, K, EVEN_K)), acc)
+        acc = tl.dot(_k_tile(x_rows, k, rk, rm[:, None] < M, K, EVEN_K),
+                     tl.trans(_k_tile(w_rows, k, rk, rn[:, None] < N, K, EVEN_K)), acc)
     y = (acc * tl.load(x_scale + rm, mask=rm < M, other=0.0)[:, None]
          * tl.load(w_scale + rn, mask=rn < N, other=0.0)[None, :])
     if HAS_BIAS:
