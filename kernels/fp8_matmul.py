@@ -67,6 +67,15 @@ def _gemv_kernel(x, w, w_scale, bias, out, N, K, HAS_BIAS: tl.constexpr, BLOCK_N
 
 
 @triton.jit
+def _store_scaled(acc, w_scale, bias, out, rm, rn, M, N, HAS_BIAS: tl.constexpr):
+    y = acc * tl.load(w_scale + rn, mask=rn < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out + rm[:, None] * N + rn[None, :], y.to(out.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
 def _small_batch_kernel(x, w, w_scale, bias, out, M, N, K, HAS_BIAS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
@@ -80,11 +89,7 @@ def _small_batch_kernel(x, w, w_scale, bias, out, M, N, K, HAS_BIAS: tl.constexp
                      mask=(rn[None, :] < N) & (k + rk[:, None] < K), other=0.0)
         # Through fp32: the CPU interpreter converts fp8 straight to bf16 wrongly.
         acc += tl.dot(xk, wk.to(tl.float32).to(xk.dtype))
-    y = acc * tl.load(w_scale + rn, mask=rn < N, other=0.0)[None, :]
-    if HAS_BIAS:
-        y += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out + rm[:, None] * N + rn[None, :], y.to(out.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _store_scaled(acc, w_scale, bias, out, rm, rn, M, N, HAS_BIAS)
 
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -135,12 +140,8 @@ def _mid_batch_kernel(x, x_scale, w, w_scale, bias, out, M, N, K, stride_x, HAS_
     for k in range(0, K, BLOCK_K):
         acc = tl.dot(_k_tile(x_rows, k, rk, rm[:, None] < M, K, EVEN_K),
                      tl.trans(_k_tile(w_rows, k, rk, rn[:, None] < N, K, EVEN_K)), acc)
-    y = (acc * tl.load(x_scale + rm, mask=rm < M, other=0.0)[:, None]
-         * tl.load(w_scale + rn, mask=rn < N, other=0.0)[None, :])
-    if HAS_BIAS:
-        y += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out + rm[:, None] * N + rn[None, :], y.to(out.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _store_scaled(acc * tl.load(x_scale + rm, mask=rm < M, other=0.0)[:, None], w_scale, bias, out, rm, rn, M, N,
+                  HAS_BIAS)
 
 
 def _mid_batch_tiling(N: int, device: torch.device) -> tuple[int, int]:
