@@ -25,6 +25,9 @@ class SamplingBatch:
     all_greedy: bool
     greedy: torch.Tensor | None = None
     temperature: torch.Tensor | None = None
+    # A row's temperature, 0 for a greedy row: the scale of its noise where sampling folds the
+    # temperature into the argmax (sample_exponential).
+    noise_scale: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
@@ -43,10 +46,10 @@ class SamplingBatch:
 
     def takes_argmax_only(self) -> bool:
         """Whether each row's token is the argmax of its logits as given, unperturbed (greedy) or
-        with the kernel's noise (sampled at temperature 1, nothing cut): no option edits or
+        with the kernel's noise scaled by its temperature (nothing cut): no option edits or
         normalizes them."""
         options = (self.token_mask, self.grammar, self.allowed, self.logit_bias, self.penalties,
-                   self.logprobs, self.temperature, self.min_p, self.top_p, self.top_k)
+                   self.logprobs, self.min_p, self.top_p, self.top_k)
         return all(option is None for option in options)
 
 
@@ -64,14 +67,14 @@ def make_sampling_batch(temperature: np.ndarray, top_p: np.ndarray, top_k: np.nd
     if greedy.all():
         return SamplingBatch(all_greedy=True)
     sampled = ~greedy
-    table = upload(np.stack((np.where(greedy, 1.0, temperature), top_p, top_k, min_p, greedy))
-                   .astype(np.float32))
-    temperature_t, top_p_t, top_k_t, min_p_t, greedy_t = table.unbind(0)
+    table = upload(np.stack((np.where(greedy, 1.0, temperature), np.where(greedy, 0.0, temperature), top_p,
+                             top_k, min_p, greedy)).astype(np.float32))
+    temperature_t, noise_scale_t, top_p_t, top_k_t, min_p_t, greedy_t = table.unbind(0)
     use_top_p = bool((top_p[sampled] < 1.0).any())
     use_top_k = bool((top_k[sampled] > 0).any())
     return SamplingBatch(
         all_greedy=False, greedy=greedy_t.bool() if greedy.any() else None,
-        temperature=temperature_t if (temperature[sampled] != 1.0).any() else None,
+        temperature=temperature_t if (temperature[sampled] != 1.0).any() else None, noise_scale=noise_scale_t,
         top_p=top_p_t if use_top_p else None,
         top_k=top_k_t.long() if use_top_k or use_top_p else None,
         min_p=min_p_t if (min_p[sampled] > 0).any() else None,
@@ -127,6 +130,8 @@ class Sampler:
         top_p applied; greedy rows at temperature 1)."""
         if batch.all_greedy:
             return row_argmax(logits), logits
+        if logits.is_cuda and batch.takes_argmax_only():
+            return sample_exponential(logits, batch.generators, batch.noise_scale), logits
         greedy = row_argmax(logits) if batch.greedy is not None else None
         if batch.temperature is not None:
             logits = logits / batch.temperature[:, None]
@@ -204,16 +209,19 @@ def sample_rows(logits: torch.Tensor, generators: dict[int, torch.Generator]) ->
     return sample_inverse_cdf(logits, generators)
 
 
-def sample_exponential(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def sample_exponential(logits: torch.Tensor, generators: dict[int, torch.Generator],
+                       noise_scale: torch.Tensor | None = None) -> torch.Tensor:
     """On a GPU: argmax(logits - log E) with E ~ Exponential(1) draws one token from
     softmax(logits) (the Gumbel-max trick, as argmax(probs / E) in log space) without a softmax or
-    torch.multinomial's host sync. The kernel draws E from a seed a row: noise written by
-    exponential_ and read back took 301 against 240 us at 512 rows of 128,256 logits, 161 against
-    126 at 256 (an H100), and a seeded row launched an exponential_ over the vocabulary."""
+    torch.multinomial's host sync; with `noise_scale`, T a row, argmax(logits - T log E) draws from
+    softmax(logits / T) without a pass that divides them (T = 0: the argmax). The kernel draws E
+    from a seed a row: noise written by exponential_ and read back took 301 against 240 us at 512
+    rows of 128,256 logits, 161 against 126 at 256 (an H100), and a seeded row launched an
+    exponential_ over the vocabulary."""
     seeds = torch.randint(SEED_BOUND, (len(logits),), device=logits.device)
     for row, generator in generators.items():
         seeds[row:row + 1] = torch.randint(SEED_BOUND, (1,), device=logits.device, generator=generator)
-    return argmax(logits, seeds)
+    return argmax(logits, seeds, noise_scale)
 
 
 def sample_inverse_cdf(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

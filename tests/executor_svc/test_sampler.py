@@ -240,9 +240,11 @@ def test_the_temperature_pass_runs_only_when_a_sampled_row_needs_it(temperatures
     assert (batch.temperature is not None) == divides
 
 
+# A temperature scales the kernel's noise instead of dividing the logits; a cut or logprobs need them
+# divided.
 @pytest.mark.parametrize("temperatures, top_k, logprobs, argmax_only", [
-    ([0.0, 0.0], 0, False, True), ([1.0, 0.0], 0, False, True), ([0.7, 1.0], 0, False, False),
-    ([1.0, 1.0], 5, False, False), ([0.0, 0.0], 0, True, False)])
+    ([0.0, 0.0], 0, False, True), ([1.0, 0.0], 0, False, True), ([0.7, 1.0], 0, False, True),
+    ([0.7, 0.0], 5, False, False), ([1.0, 1.0], 5, False, False), ([0.0, 0.0], 0, True, False)])
 def test_only_rows_that_take_a_plain_argmax_leave_the_logits_unedited(temperatures, top_k, logprobs,
                                                                       argmax_only):
     n = len(temperatures)
@@ -266,8 +268,21 @@ def test_bfloat16_logits_are_widened_before_logprobs_and_temperature():
     torch.testing.assert_close(out.logprobs.values[:, 1:], expected.sort(-1, descending=True).values[:, :3])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the sampler folds temperatures into its noise on a GPU only")
+def test_gpu_rows_at_a_temperature_draw_from_its_softmax_beside_greedy_rows():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]], device="cuda").expand(20000, -1).contiguous()
+    temperatures = np.where(np.arange(20000) % 2 == 0, 0.0, 0.7).astype(np.float32)
+    batch = make_sampling_batch(temperatures, np.ones(20000, np.float32), np.zeros(20000, np.int64),
+                                np.zeros(20000, np.float32), {}, lambda a: torch.from_numpy(a).cuda())
+    assert batch.takes_argmax_only()
+    tokens = sampler(logits, batch).tokens.cpu()
+    assert (tokens[::2] == 0).all()
+    observed = torch.bincount(tokens[1::2], minlength=5).float() / 10000
+    torch.testing.assert_close(observed, torch.softmax(logits[0].cpu() / 0.7, dim=-1), atol=0.02, rtol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the sampler reads narrow logits on a GPU only")
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 def test_bfloat16_logits_draw_what_their_float32_widening_draws(temperature):
     # Plain rows read the model dtype where the kernel widens each value: the same seeds must
     # draw the same tokens as from a float32 copy.

@@ -29,17 +29,19 @@ def philox4x32(seed: int, counters: np.ndarray) -> list[np.ndarray]:
     return c
 
 
-def gumbel_argmax_ref(logits: torch.Tensor, seeds: torch.Tensor) -> list[int]:
-    """argmax(logits - log E) with E = -log(U) from the row's Philox draws: element i of chunk j
-    takes draw i // QUARTER of the call at counter j * QUARTER + i % QUARTER."""
+def gumbel_argmax_ref(logits: torch.Tensor, seeds: torch.Tensor, scales: list[float] | None = None) -> list[int]:
+    """argmax(logits - T log E) with E = -log(U) from the row's Philox draws (element i of chunk j
+    takes draw i // QUARTER of the call at counter j * QUARTER + i % QUARTER) and T the row's scale, 1
+    unless given."""
     quarter = CHUNK // 4
     tokens = []
-    for row, seed in zip(logits.double().cpu().numpy(), seeds.tolist()):
+    scales = scales or [1.0] * len(logits)
+    for row, seed, scale in zip(logits.double().cpu().numpy(), seeds.tolist(), scales):
         i = np.arange(len(row))
         draws = np.stack(philox4x32(seed, i // CHUNK * quarter + i % quarter))
         bits = draws[i % CHUNK // quarter, i].astype(np.float64)
         u = (np.floor(bits / 512) + 0.5) / 2**23
-        tokens.append(int(np.argmax(row - np.log(-np.log(u)))))
+        tokens.append(int(np.argmax(row - scale * np.log(-np.log(u)))))
     return tokens
 
 
@@ -52,12 +54,25 @@ def test_sampled_argmax_is_argmax_of_logits_minus_log_philox_exponentials() -> N
     assert tokens[1] < CHUNK
 
 
-def test_the_kernels_draws_follow_softmax() -> None:
-    # Through the reference, which the test above holds the kernel to (the interpreter takes
+def test_scaled_noise_draws_at_each_rows_temperature() -> None:
+    logits = torch.randn(6, 2 * CHUNK + 5, device=DEVICE) * 4
+    seeds = torch.tensor([5, 6, 7, 8, 9, 10], device=DEVICE)
+    scales = [0.0, 0.5, 1.0, 2.0, 0.25, 3.0]
+    tokens = argmax(logits, seeds, torch.tensor(scales, device=DEVICE)).tolist()
+    assert tokens == gumbel_argmax_ref(logits, seeds, scales)
+    assert tokens[0] == logits[0].argmax().item()
+    assert tokens[2] == argmax(logits[2:3], seeds[2:3]).item()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_the_kernels_draws_follow_softmax(temperature: float) -> None:
+    # Through the reference, which the tests above hold the kernel to (the interpreter takes
     # about 17 ms a row).
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0], dtype=torch.float64)
     logits = probs.log().expand(2000, -1)
-    counts = torch.bincount(torch.tensor(gumbel_argmax_ref(logits, torch.arange(2000) * 7919)), minlength=5)
+    draws = gumbel_argmax_ref(logits, torch.arange(2000) * 7919, [temperature] * 2000)
+    counts = torch.bincount(torch.tensor(draws), minlength=5)
+    probs = torch.softmax(logits[0] / temperature, dim=-1)
     expected = 2000 * probs
     # Within five standard deviations of a binomial count; the zero-probability token never.
     assert ((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt()).all(), counts.tolist()
