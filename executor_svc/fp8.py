@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedserve.kernels.fp8_matmul import MID_BATCH, SMALL_BATCH, w8a8_matmul, w8a16_matmul
+from pagedserve.kernels.fp8_matmul import SMALL_BATCH, w8a8_matmul, w8a8_takes, w8a16_matmul
 from pagedserve.kernels.fused_moe import quantize_experts_fp8
 from pagedserve.kernels.reference import FP8_DTYPE, dequantize, per_token_quant_fp8_ref, quantize_experts_fp8_ref
 
@@ -45,7 +45,7 @@ class Fp8Linear(nn.Module):
         return self._quantized_matmul(*self.quantize(x2), x.shape[:-1])
 
     def _quantized_matmul(self, q: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        if q.is_cuda and q.shape[0] <= MID_BATCH:
+        if q.is_cuda and w8a8_takes(q.shape[0], self.out_features):
             out = w8a8_matmul(q, scale, self.weight, self.weight_scale, self.bias, self.dtype)
         elif q.is_cuda or cpu_scaled_mm_takes_rows():
             # Fast accumulation: 12% off the row-wise GEMMs at 1024 tokens on an H200.

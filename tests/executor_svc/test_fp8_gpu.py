@@ -15,7 +15,7 @@ from pagedserve.executor_svc.attention_backend import TritonAttentionBackend
 from pagedserve.executor_svc.fp8 import quantize_linears
 from pagedserve.executor_svc.kv_cache import bytes_per_block
 from pagedserve.executor_svc.worker import Worker
-from pagedserve.kernels.fp8_matmul import MID_BATCH
+from pagedserve.kernels.fp8_matmul import MID_BATCH, NARROW_BATCH
 from pagedserve.kernels.quant import per_token_quant_fp8
 from pagedserve.kernels.reference import per_token_quant_fp8_ref
 from tests.executor_svc.harness import paged_prefill_logits
@@ -62,8 +62,9 @@ def _release() -> None:
     torch.cuda.empty_cache()
 
 
-# Past MID_BATCH rows torch._scaled_mm, up to it the Triton W8A8 kernel.
-@pytest.mark.parametrize("rows", [MID_BATCH + 37, 37])
+# A 1,536-wide projection: past NARROW_BATCH rows torch._scaled_mm, up to it the Triton W8A8
+# kernel, in two row tiles past MID_BATCH.
+@pytest.mark.parametrize("rows", [NARROW_BATCH + 37, MID_BATCH + 37, 37])
 def test_w8a8_layer_with_bias_matches_dequantized_math(rows):
     """A W8A8 GEMM with row-wise scales and a bf16 bias (Qwen2's q/k/v) on the Triton
     kernel's quantized activations, against the same FP8 values multiplied out in float32."""

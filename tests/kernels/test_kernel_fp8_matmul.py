@@ -30,7 +30,7 @@ def test_no_tokens_gives_an_empty_output() -> None:
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [SMALL_BATCH + 1, 40, MID_BATCH])
+@pytest.mark.parametrize("num_tokens", [SMALL_BATCH + 1, 40, MID_BATCH, MID_BATCH + 37])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n, k", [(72, 1100), (40, 2048)])
 def test_w8a8_matches_the_dequantized_matmul(out_dtype: torch.dtype, num_tokens: int, bias: bool, n: int,
