@@ -96,11 +96,14 @@ class Sampler:
         self.as_logits = logprobs_mode.endswith("logits")
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        if not (logits.is_cuda and batch.takes_argmax_only()):
-            # Widened only where an option needs it: a float32 copy of every step's logits took
-            # about 60 of the 10,567 ms an offline FP8 + FP8 KV run spent on an H100, and the
-            # argmax kernel widens each value exactly as it loads it.
-            logits = logits.float()
+        if logits.is_cuda and batch.takes_argmax_only():
+            # Not widened: a float32 copy of every step's logits took about 60 of the 10,567 ms an
+            # offline FP8 + FP8 KV run spent on an H100, and the argmax kernel widens each value
+            # exactly as it loads it.
+            if batch.all_greedy:
+                return SamplerOutput(row_argmax(logits))
+            return SamplerOutput(sample_exponential(logits, batch.generators, batch.noise_scale))
+        logits = logits.float()
         raw = None
         if batch.logprobs is not None and not self.processed:
             # Indexing copies the rows: the processors below change `logits` in place.
@@ -130,8 +133,6 @@ class Sampler:
         top_p applied; greedy rows at temperature 1)."""
         if batch.all_greedy:
             return row_argmax(logits), logits
-        if logits.is_cuda and batch.takes_argmax_only():
-            return sample_exponential(logits, batch.generators, batch.noise_scale), logits
         greedy = row_argmax(logits) if batch.greedy is not None else None
         if batch.temperature is not None:
             logits = logits / batch.temperature[:, None]

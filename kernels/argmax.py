@@ -21,11 +21,11 @@ def _chunk_argmax_kernel(x, seeds, noise_scale, best_values, best_indices, vocab
     quarter = tl.arange(0, QUARTER)
     x += row * stride_x
     start = chunk * CHUNK
+    scale = 1.0
     if SAMPLE:
         # One Philox call makes four draws, one for each quarter of the chunk: a call an element
         # did four times the multiplies.
         r0, r1, r2, r3 = tl.randint4x(tl.load(seeds + row), chunk * QUARTER + quarter)
-        scale = 1.0
         if SCALED:
             scale = tl.load(noise_scale + row)
     else:
@@ -34,7 +34,6 @@ def _chunk_argmax_kernel(x, seeds, noise_scale, best_values, best_indices, vocab
         r1 = r0
         r2 = r0
         r3 = r0
-        scale = 1.0
     best, index = _quarter_max(x, start, quarter, vocab, r0, scale, SAMPLE)
     best, index = _later_max(best, index, x, start + QUARTER, quarter, vocab, r1, scale, SAMPLE)
     best, index = _later_max(best, index, x, start + 2 * QUARTER, quarter, vocab, r2, scale, SAMPLE)

@@ -158,7 +158,7 @@ def _mid_batch_kernel(x, x_scale, w, w_scale, bias, out, M, N, K, stride_x, HAS_
 
 def _mid_batch_tiling(N: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK_N, num_stages) of the W8A8 kernel's MID_BATCH x BLOCK_N x MID_BLOCK_K tiles."""
-    block_n = 32 if N <= 4096 else 64
+    block_n = 32 if N <= NARROW_N else 64
     stages = 3 if N >= 16384 else 4
     if device.type == "cuda":
         # 24 or 32 KiB a stage: an L4 or L40S (99 KiB of shared memory) takes three or two.
