@@ -23,6 +23,7 @@ from pagedserve.executor_svc.logits import (PROMPT_LOGPROBS_CHUNK, LogprobRows, 
                                             chunked_logprobs, step_logprobs)
 from pagedserve.executor_svc.model_config import ModelConfig
 from pagedserve.executor_svc.parallel import TensorParallel
+from pagedserve.executor_svc.projection_rows import decode_sizes
 from pagedserve.executor_svc.sampler import Sampler, SamplingBatch, make_sampling_batch
 from pagedserve.executor_svc.sampling_inputs import PendingPrompt, SamplingInputs
 from pagedserve.executor_svc.step_buffers import StepBuffers
@@ -100,6 +101,9 @@ class ModelRunner:
         # Padded steps run through CUDA graphs on a GPU; padded decode steps run eagerly, same
         # shapes, elsewhere.
         decode = [] if config.enforce_eager else capture_sizes(config.max_num_seqs)
+        # Ranks would have to agree on the sizes they leave out; they keep them all.
+        if decode and device.type == "cuda" and tp is None:
+            decode = decode_sizes(model, decode)
         # A mixed graph's padding sequence reads its keys through a block-table row, which holds
         # max_model_len tokens.
         mixed = (mixed_capture_sizes(min(config.max_num_batched_tokens, max_model_len))

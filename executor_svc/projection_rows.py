@@ -10,15 +10,19 @@ for the Qwen2.5-7B shape and 25.48 / 22.67 for Phi-4-mini's (split at 32 rows bo
 and 6.534 / 7.113 against 6.523 / 7.092 (Llama-3.1-8B). So the worker times the model's own
 projections at both row counts and keeps 32 unless 64 is faster by MIN_GAIN. With it, at 16 / 32
 rows, Qwen2.5-7B's step took 5.885 / 6.197 ms against 5.972 / 6.297, Phi-4-mini's 4.014 / 4.591
-against 4.135 / 4.712, and Llama-3.1-8B kept 32 rows (6.497 / 7.063 against 6.503 / 7.062)."""
+against 4.135 / 4.712, and Llama-3.1-8B kept 32 rows (6.497 / 7.063 against 6.503 / 7.062).
+
+The same timing picks the decode graph sizes worth capturing past LEAST_PRUNED rows (see there)."""
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from pagedserve.executor_svc.cuda_graphs import blas_library
+from pagedserve.executor_svc.fp8 import Fp8Linear
 from pagedserve.executor_svc.layers.decoder import CausalLM
+from pagedserve.executor_svc.layers.mlp import GatedMLP
 from pagedserve.executor_svc.layers.linear import PROJECTION_ROWS, Linear, MergedLinear, add_projection
 from pagedserve.executor_svc.parallel import TensorParallel
 from pagedserve.common.log import get_logger
@@ -31,6 +35,16 @@ CANDIDATES = (PROJECTION_ROWS, 64)
 # and, once, 0.985. The margin keeps such a near tie on 32 rows, which costs what it cost before.
 MIN_GAIN = 0.02
 REPEATS = 10
+# Past 128 rows a decode step's GEMMs are compute-bound and cuBLASLt picks each one's tiles by its
+# shape, some of them poorly. On an H100 (2026-12-07, Llama-3.1-8B shape, 8 distinct weights a
+# GEMM in one CUDA graph, us for a layer's four projections) FP8 ones took 211.0 at 400 rows,
+# 207.6 at 416, 195.0 at 448, but 185.2 at 512 (gate_up 118.9 at 400 against 96.7 at 512); bf16
+# ones 265.2 at 288 against 240.0 at 304, 448.6 at 448 against 336.8 at 464 (gate_up 291.2 against
+# 183.0). A decode graph of such a size costs more than a larger one, whose padding rows add only
+# their share of the norms and activations (attention reads one key for each): it is left out and
+# its steps pad to the next size captured. Up to 128 rows the projections read their weights at
+# about the same time for any rows, and PROJECTION_ROWS and FUSED_ROWS choose their rows.
+LEAST_PRUNED = 129
 
 
 def row_projections(model: nn.Module) -> list[Linear]:
@@ -57,28 +71,54 @@ def pick(ms: dict[int, float]) -> int:
     return best if ms[best] < ms[PROJECTION_ROWS] * (1 - MIN_GAIN) else PROJECTION_ROWS
 
 
-def time_rows(projections: list[Linear], adds: bool) -> dict[int, float]:
+def decode_sizes(model: CausalLM, sizes: list[int]) -> list[int]:
+    """The decode graph sizes to capture on this GPU: `sizes` less those from LEAST_PRUNED rows up
+    that a larger size's pass over a layer's projections beats by MIN_GAIN. A mixture of experts'
+    layers keep every size: their padding rows would cost expert GEMMs."""
+    layer = model.model.layers[0]
+    timed = [size for size in sizes if size >= LEAST_PRUNED]
+    if not (timed and isinstance(layer.mlp, GatedMLP)):
+        return sizes
+    projections = [m for m in layer.modules() if isinstance(m, (Linear, Fp8Linear))]
+    ms = time_rows(projections, layer.folded, timed)
+    beaten = outrun(ms)
+    log.info("decode_sizes_chosen", left_out=beaten, pass_us={n: round(t * 1000, 1) for n, t in ms.items()})
+    return [size for size in sizes if size not in beaten]
+
+
+def outrun(ms: dict[int, float]) -> list[int]:
+    """The row counts whose pass a larger row count's beats by MIN_GAIN."""
+    return [rows for rows in ms if any(ms[more] < ms[rows] * (1 - MIN_GAIN) for more in ms if more > rows)]
+
+
+def time_rows(projections: list[nn.Module], adds: bool, candidates: Sequence[int] = CANDIDATES) -> dict[int, float]:
     """Median ms of one pass over `projections` by candidate row count, each GEMM as the layer
-    runs it: added into a stream (`adds`, a folded layer) or into an output of its own."""
-    passes = {rows: _pass(projections, rows, adds) for rows in CANDIDATES}
-    ms: dict[int, list[float]] = {rows: [] for rows in CANDIDATES}
+    runs it: a folded layer's (`adds`) row-parallel ones added into a stream, the others into an
+    output of their own."""
+    first = projections[0]
+    dtype = first.dtype if isinstance(first, Fp8Linear) else first.weight.dtype
+    most = max(candidates)
+    inputs = {p.in_features: torch.randn(most, p.in_features, dtype=dtype, device=first.weight.device)
+              for p in projections}
+    outputs = {p.out_features: torch.zeros(most, p.out_features, dtype=dtype, device=first.weight.device)
+               for p in projections}
+    passes = {rows: _pass(projections, adds, {n: t[:rows] for n, t in inputs.items()},
+                          {n: t[:rows] for n, t in outputs.items()}) for rows in candidates}
+    ms: dict[int, list[float]] = {rows: [] for rows in candidates}
     for _ in range(REPEATS):
         for rows, run in passes.items():
             ms[rows].append(_elapsed_ms(run))
     return {rows: statistics.median(times) for rows, times in ms.items()}
 
 
-def _pass(projections: list[Linear], rows: int, adds: bool) -> Callable[[], None]:
-    weight = projections[0].weight
-    inputs = {p.in_features: torch.randn(rows, p.in_features, dtype=weight.dtype, device=weight.device)
-              for p in projections}
-    outputs = {p.out_features: torch.zeros(rows, p.out_features, dtype=weight.dtype, device=weight.device)
-               for p in projections}
+def _pass(projections: list[nn.Module], adds: bool, inputs: dict[int, torch.Tensor],
+          outputs: dict[int, torch.Tensor]) -> Callable[[], None]:
+    rows = len(next(iter(inputs.values())))
 
     def run() -> None:
         with blas_library(rows):
             for p in projections:
-                if adds:
+                if adds and not isinstance(p, MergedLinear):
                     add_projection(outputs[p.out_features], inputs[p.in_features], p)
                 else:
                     p(inputs[p.in_features])

@@ -1,16 +1,21 @@
-"""The rows o_proj and down_proj run small steps on (executor_svc/projection_rows.py): which
-projections take them, the rule that picks a candidate, and the timing on a GPU."""
+"""The rows o_proj and down_proj run small steps on, and the decode graph sizes worth capturing
+(executor_svc/projection_rows.py): which projections take them, the rules that pick, and the
+timing on a GPU."""
 import pytest
 import torch
 
 from pagedserve.executor_svc import projection_rows
 from pagedserve.executor_svc.attention_backend import get_backend
+from pagedserve.executor_svc.cuda_graphs import capture_sizes
 from pagedserve.executor_svc.device import default_dtype
+from pagedserve.executor_svc.fp8 import quantize_linears
 from pagedserve.executor_svc.layers.decoder import fold_norms
 from pagedserve.executor_svc.layers.linear import PROJECTION_ROWS, Linear, input_rows
 from pagedserve.executor_svc.model_config import load_model_config
 from pagedserve.executor_svc.models import build_model
-from pagedserve.executor_svc.projection_rows import CANDIDATES, choose, pick, row_projections
+from pagedserve.executor_svc.projection_rows import (CANDIDATES, LEAST_PRUNED, choose, decode_sizes, outrun, pick,
+                                                     row_projections)
+from pagedserve.kernels.quant import per_token_quant_fp8
 from tests.tiny_models import make_tiny_model
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="times GEMMs on a GPU")
@@ -59,3 +64,48 @@ def test_choose_times_both_candidates_on_a_gpu(tmp_path, fold: bool):
     assert rows in CANDIDATES
     o_proj = model.model.layers[0].self_attn.o_proj
     assert [input_rows(o_proj, n) for n in (1, 32, 33)] == [rows, rows, 33]
+
+
+def test_outrun_lists_the_row_counts_a_larger_one_beats_by_the_margin():
+    assert outrun({400: 1.0, 416: 0.96, 448: 1.2, 512: 0.95}) == [400, 448]
+    assert outrun({400: 1.0, 512: 0.99}) == []
+    assert outrun({400: 0.9, 512: 1.0}) == []
+
+
+def test_decode_sizes_leave_out_only_timed_sizes_a_larger_one_beats(tmp_path, monkeypatch):
+    model = tiny("LlamaForCausalLM", tmp_path)
+    sizes = capture_sizes(512)
+    timed = []
+
+    def fake(projections, adds, candidates):
+        timed.extend(candidates)
+        assert len(projections) == 4 and not adds
+        return {rows: 0.5 if rows == 512 else 1.0 for rows in candidates}
+    monkeypatch.setattr(projection_rows, "time_rows", fake)
+    kept = decode_sizes(model, sizes)
+    assert timed == [s for s in sizes if s >= LEAST_PRUNED]
+    assert kept == [s for s in sizes if s < LEAST_PRUNED] + [512]
+
+
+def test_decode_sizes_keep_every_size_of_a_mixture_of_experts(tmp_path, monkeypatch):
+    model = tiny("Qwen3MoeForCausalLM", tmp_path)
+    monkeypatch.setattr(projection_rows, "time_rows", lambda *args: pytest.fail("timed"))
+    assert decode_sizes(model, capture_sizes(512)) == capture_sizes(512)
+
+
+@GPU
+@pytest.mark.parametrize("dtype", ["bf16", "folded", "fp8"])
+def test_decode_sizes_time_a_layers_projections_on_a_gpu(tmp_path, dtype: str):
+    model = tiny("LlamaForCausalLM", tmp_path, "cuda")
+    if dtype == "folded":
+        assert fold_norms(model)
+    if dtype == "fp8":
+        quantize_linears(model, per_token_quant_fp8)
+    layer = model.model.layers[0]
+    projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    ms = projection_rows.time_rows(projections, layer.folded, [136, 512])
+    assert set(ms) == {136, 512} and all(t > 0 for t in ms.values())
+    sizes = capture_sizes(512)
+    kept = decode_sizes(model, sizes)
+    assert [s for s in kept if s < LEAST_PRUNED] == [s for s in sizes if s < LEAST_PRUNED]
+    assert kept[-1] == 512 and set(kept) <= set(sizes)
