@@ -129,10 +129,10 @@ def _pass(projections: list[nn.Module], adds: bool, inputs: dict[int, torch.Tens
     return run
 
 
+# Replayed from a CUDA graph, as steps replay their projections: run eagerly, an FP8 pass's host
+# work (quantizing, picking each GEMM's kernel) outlasted its 120-210 us of GEMMs on an H100, and
+# its timings measured the host.
 def _captured(run: Callable[[], None], pool: tuple) -> Callable[[], None]:
-    """`run` replayed from a CUDA graph, as steps replay their projections: run eagerly, an FP8
-    pass's host work (quantizing, picking each GEMM's kernel) outlasted its 120-210 us of GEMMs
-    on an H100 and the timings measured the host."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         run()
