@@ -75,12 +75,13 @@ def pick(ms: dict[int, float]) -> int:
 
 def decode_sizes(model: CausalLM, sizes: list[int]) -> list[int]:
     """The decode graph sizes to capture on this GPU: `sizes` less those from LEAST_PRUNED rows up
-    that a larger size's pass over a layer's projections beats by MIN_GAIN. A mixture of experts'
-    layers keep every size: their padding rows would cost expert GEMMs."""
-    layer = model.model.layers[0]
+    that a larger size's pass over a layer's projections beats by MIN_GAIN. A model with any
+    mixture-of-experts layer keeps every size: its padding rows would cost expert GEMMs."""
+    layers = model.model.layers
     timed = [size for size in sizes if size >= LEAST_PRUNED]
-    if not (timed and isinstance(layer.mlp, GatedMLP)):
+    if not (timed and all(isinstance(layer.mlp, GatedMLP) for layer in layers)):
         return sizes
+    layer = layers[0]
     projections = [m for m in layer.modules() if isinstance(m, (Linear, Fp8Linear))]
     ms = time_rows(projections, layer.folded, timed)
     beaten = outrun(ms)

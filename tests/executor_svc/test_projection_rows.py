@@ -87,8 +87,13 @@ def test_decode_sizes_leave_out_only_timed_sizes_a_larger_one_beats(tmp_path, mo
     assert kept == [s for s in sizes if s < LEAST_PRUNED] + [512]
 
 
-def test_decode_sizes_keep_every_size_of_a_mixture_of_experts(tmp_path, monkeypatch):
-    model = tiny("Qwen3MoeForCausalLM", tmp_path)
+@pytest.mark.parametrize("dense_first", [False, True], ids=["all-sparse", "dense-layer-0"])
+def test_decode_sizes_keep_every_size_of_a_mixture_of_experts(tmp_path, monkeypatch, dense_first: bool):
+    dense = [0] if dense_first else []
+    config = load_model_config(make_tiny_model("Qwen3MoeForCausalLM", tmp_path, mlp_only_layers=dense))
+    with default_dtype(torch.float32):
+        model = build_model(config, get_backend(torch.device("cpu")), 64)
+    assert (type(model.model.layers[0].mlp).__name__ == "GatedMLP") == dense_first
     monkeypatch.setattr(projection_rows, "time_rows", lambda *args: pytest.fail("timed"))
     assert decode_sizes(model, capture_sizes(512)) == capture_sizes(512)
 
