@@ -21,8 +21,8 @@ from tests.tiny_models import make_tiny_model
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="times GEMMs on a GPU")
 
 
-def tiny(arch: str, tmp_path, device: str = "cpu") -> torch.nn.Module:
-    config = load_model_config(make_tiny_model(arch, tmp_path))
+def tiny(arch: str, tmp_path, device: str = "cpu", **config_overrides) -> torch.nn.Module:
+    config = load_model_config(make_tiny_model(arch, tmp_path, **config_overrides))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device), default_dtype(dtype):
         return build_model(config, get_backend(torch.device(device)), 64)
@@ -89,10 +89,7 @@ def test_decode_sizes_leave_out_only_timed_sizes_a_larger_one_beats(tmp_path, mo
 
 @pytest.mark.parametrize("dense_first", [False, True], ids=["all-sparse", "dense-layer-0"])
 def test_decode_sizes_keep_every_size_of_a_mixture_of_experts(tmp_path, monkeypatch, dense_first: bool):
-    dense = [0] if dense_first else []
-    config = load_model_config(make_tiny_model("Qwen3MoeForCausalLM", tmp_path, mlp_only_layers=dense))
-    with default_dtype(torch.float32):
-        model = build_model(config, get_backend(torch.device("cpu")), 64)
+    model = tiny("Qwen3MoeForCausalLM", tmp_path, mlp_only_layers=[0] if dense_first else [])
     assert (type(model.model.layers[0].mlp).__name__ == "GatedMLP") == dense_first
     monkeypatch.setattr(projection_rows, "time_rows", lambda *args: pytest.fail("timed"))
     assert decode_sizes(model, capture_sizes(512)) == capture_sizes(512)
