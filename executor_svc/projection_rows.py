@@ -100,14 +100,11 @@ def time_rows(projections: list[nn.Module], adds: bool, candidates: Sequence[int
     output of their own."""
     first = projections[0]
     dtype = first.dtype if isinstance(first, Fp8Linear) else first.weight.dtype
-    most = max(candidates)
-    inputs = {p.in_features: torch.randn(most, p.in_features, dtype=dtype, device=first.weight.device)
-              for p in projections}
-    outputs = {p.out_features: torch.zeros(most, p.out_features, dtype=dtype, device=first.weight.device)
-               for p in projections}
+    most, device = max(candidates), first.weight.device
+    inputs = {p.in_features: torch.randn(most, p.in_features, dtype=dtype, device=device) for p in projections}
+    outputs = {p.out_features: torch.zeros(most, p.out_features, dtype=dtype, device=device) for p in projections}
     pool = torch.cuda.graph_pool_handle()
-    passes = {rows: _captured(_pass(projections, adds, {n: t[:rows] for n, t in inputs.items()},
-                                    {n: t[:rows] for n, t in outputs.items()}), pool) for rows in candidates}
+    passes = {rows: _captured(_pass(projections, adds, rows, inputs, outputs), pool) for rows in candidates}
     ms: dict[int, list[float]] = {rows: [] for rows in candidates}
     for _ in range(REPEATS):
         for rows, run in passes.items():
@@ -115,17 +112,15 @@ def time_rows(projections: list[nn.Module], adds: bool, candidates: Sequence[int
     return {rows: statistics.median(times) for rows, times in ms.items()}
 
 
-def _pass(projections: list[nn.Module], adds: bool, inputs: dict[int, torch.Tensor],
+def _pass(projections: list[nn.Module], adds: bool, rows: int, inputs: dict[int, torch.Tensor],
           outputs: dict[int, torch.Tensor]) -> Callable[[], None]:
-    rows = len(next(iter(inputs.values())))
-
     def run() -> None:
         with blas_library(rows):
             for p in projections:
                 if adds and not isinstance(p, MergedLinear):
-                    add_projection(outputs[p.out_features], inputs[p.in_features], p)
+                    add_projection(outputs[p.out_features][:rows], inputs[p.in_features][:rows], p)
                 else:
-                    p(inputs[p.in_features])
+                    p(inputs[p.in_features][:rows])
     run()
     return run
 
