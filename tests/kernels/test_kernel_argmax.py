@@ -68,14 +68,14 @@ def test_scaled_noise_draws_at_each_rows_temperature() -> None:
 def test_the_kernels_draws_follow_softmax(temperature: float) -> None:
     # Through the reference, which the tests above hold the kernel to (the interpreter takes
     # about 17 ms a row).
-    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0], dtype=torch.float64)
-    logits = probs.log().expand(2000, -1)
+    base = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0], dtype=torch.float64)
+    logits = base.log().expand(2000, -1)
     draws = gumbel_argmax_ref(logits, torch.arange(2000) * 7919, [temperature] * 2000)
     counts = torch.bincount(torch.tensor(draws), minlength=5)
-    probs = torch.softmax(logits[0] / temperature, dim=-1)
-    expected = 2000 * probs
+    tempered = torch.softmax(logits[0] / temperature, dim=-1)
+    expected = 2000 * tempered
     # Within five standard deviations of a binomial count; the zero-probability token never.
-    assert ((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt()).all(), counts.tolist()
+    assert ((counts - expected).abs() <= 5 * (expected * (1 - tempered)).sqrt()).all(), counts.tolist()
     assert counts[4] == 0
 
 
